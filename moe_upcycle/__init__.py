@@ -1,0 +1,17 @@
+"""moe-upcycle: turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("moe-upcycle")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+local"
+
+from .build import BuildResult, upcycle  # noqa: E402
+from .config import UpcycleConfig, load_config  # noqa: E402
+from .errors import ConfigError, OutputError, PlanError, SourceError, UpcycleError  # noqa: E402
+
+__all__ = [
+    "BuildResult", "ConfigError", "OutputError", "PlanError", "SourceError", "UpcycleConfig", "UpcycleError",
+    "__version__", "load_config", "upcycle",
+]

@@ -1,0 +1,166 @@
+"""The build pipeline, top to bottom: load config → open sources → plan → gates → write.
+
+`upcycle()` is the library form of ``moe-upcycle build``; each CLI option is one of its keyword
+arguments. The output folder is staged beside the target and renamed into place only when every
+file is complete (see `output_dir`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import yaml
+
+from . import __version__
+from .card import write_model_card
+from .config import UpcycleConfig, load_config
+from .errors import ConfigError, SourceError
+from .execute import iter_tensors
+from .gates import compute_gates
+from .model_files import copy_tokenizer_files, moe_config, write_config
+from .output_dir import check_target, staged_output
+from .plan import Plan, Step, make_plan
+from .report import sharing_report
+from .source import Checkpoint, open_checkpoint
+from .writer import ShardedWriter, TensorSpec
+
+RECIPE_NAME = "moe_upcycle.json"
+
+
+@dataclass
+class BuildResult:
+    """What a build (or dry run) produced."""
+
+    config: UpcycleConfig
+    plan: Plan
+    output: Optional[Path]
+    sharing: list[str]
+    shards: list[str] = field(default_factory=list)
+    sha256: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
+    """Open every model the config names (each once), reporting all missing ones together.
+
+    Raises:
+        SourceError: every model that could not be opened.
+    """
+    refs = {config.base_model: "base_model"}
+    for i, expert in enumerate(config.experts):
+        refs.setdefault(expert.source_model, f"experts[{i}].source_model")
+    for i, expert in enumerate(config.shared_experts):
+        refs.setdefault(expert.source_model, f"shared_experts[{i}].source_model")
+    sources, problems = {}, []
+    for ref, field_name in refs.items():
+        try:
+            sources[ref] = open_checkpoint(ref, field_name)
+        except SourceError as exc:
+            problems += exc.problems
+    if problems:
+        raise SourceError(*problems)
+    return sources
+
+
+def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Path:
+    """The output folder: the argument, else the config's `output:`."""
+    chosen = output if output is not None else config.output
+    if not chosen:
+        raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
+    return Path(chosen).expanduser().resolve()
+
+
+def prepare(config: Union[UpcycleConfig, str, Path, dict], **overrides) -> tuple[UpcycleConfig, dict, Plan]:
+    """Validate the config, open the sources and plan; nothing is written."""
+    if not isinstance(config, UpcycleConfig):
+        config = load_config(config, overrides=overrides)
+    elif any(v is not None for v in overrides.values()):
+        config = load_config(config.model_dump(), overrides=overrides)
+    sources = open_sources(config)
+    return config, sources, make_plan(config, sources)
+
+
+def upcycle(
+    config: Union[UpcycleConfig, str, Path, dict],
+    output: Union[str, Path, None] = None,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    tensor_policy: Optional[str] = None,
+    max_shard_size: Union[int, str, None] = None,
+    on_step: Callable[[Step, Plan], None] = lambda step, plan: None,
+) -> BuildResult:
+    """Build an MoE checkpoint from dense checkpoint(s) — the library form of ``moe-upcycle build``.
+
+    Args:
+        config: a validated config, a YAML path, or a mapping.
+        output: output folder (overrides the config's ``output:``).
+        force: replace an existing non-empty output folder (atomically, at the end).
+        dry_run: plan and check only; write nothing.
+        tensor_policy: "share" or "clone" (overrides the config).
+        max_shard_size: bytes per shard, e.g. "5GB" (overrides the config).
+        on_step: called with (step, plan) after each output tensor is written (progress).
+
+    Returns:
+        The plan, the sharing report and, unless `dry_run`, the written files with their sha256.
+
+    Raises:
+        UpcycleError: any problem with the config, the sources or the output folder.
+
+    Example:
+        >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    config, sources, plan = prepare(config, tensor_policy=tensor_policy, max_shard_size=max_shard_size)
+    sharing = sharing_report(plan, sources, config.tensor_policy)
+    if dry_run:
+        return BuildResult(config, plan, None, sharing)
+    target = resolve_output(config, output)
+    check_target(target, force, [s.path for s in sources.values() if s.path])
+    base = sources[config.base_model]
+    gates = compute_gates(config, plan, base)
+    specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
+    with staged_output(target, force) as stage:
+        writer = ShardedWriter(stage, specs, config.max_shard_size)
+        try:
+            for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed):
+                writer.write(step.name, tensor)
+                on_step(step, plan)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        write_config(stage, moe_config(plan, config.router_aux_loss_coef))
+        copy_tokenizer_files(base.path, stage)
+        hashes = dict(writer.sha256)
+        write_model_card(stage, config, plan)
+        write_recipe(stage, config, hashes)
+    for ckpt in sources.values():
+        ckpt.close()
+    return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start)
+
+
+def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str]) -> None:
+    """Record tool version, resolved config and the sha256 of every output file."""
+    hashes = dict(shard_hashes)
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name not in hashes:
+            hashes[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    recipe = {
+        "tool": "moe-upcycle",
+        "version": __version__,
+        "config": config.model_dump(mode="json"),
+        "seed": config.seed,
+        "sha256": dict(sorted(hashes.items())),
+    }
+    (folder / RECIPE_NAME).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
+
+
+def config_yaml(config: UpcycleConfig) -> str:
+    """The config as YAML, without defaults the user did not set."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,83 @@
+"""The non-tensor files of the output: config.json, tokenizer, generation config.
+
+`moe_config` derives the MoE config from the base's config.json (written so that transformers
+4.x and 5.x both read it: legacy `rope_theta`/`torch_dtype` next to `rope_parameters`/`dtype`).
+`copy_tokenizer_files` copies the base's tokenizer, chat template and generation config
+**unmodified**, byte for byte. It does not write tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .names import output_layout
+from .plan import Plan
+
+DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# config.json fields the MoE inherits unchanged from the dense base
+INHERITED = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+    "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+    "rope_theta", "rope_scaling", "rope_parameters", "sliding_window", "attention_dropout",
+)
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None) -> dict:
+    """The output config.json as a dict.
+
+    Example:
+        >>> cfg = moe_config(plan)  # doctest: +SKIP
+        >>> cfg["num_local_experts"], cfg["architectures"]
+        (4, ['MixtralForCausalLM'])
+    """
+    base = plan.base_config
+    layout = output_layout(plan.architecture)
+    cfg = {k: base[k] for k in INHERITED if k in base}
+    cfg.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
+    cfg.setdefault("num_key_value_heads", base["num_attention_heads"])
+    cfg["tie_word_embeddings"] = plan.tied_embeddings
+    # transformers 5 keeps rope settings in rope_parameters; 4.x reads rope_theta / rope_scaling
+    rope = base.get("rope_parameters")
+    if isinstance(rope, dict):
+        cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", rope)
+    cfg.setdefault("sliding_window", None)
+    dtype = DTYPE_STR[plan.dtype]
+    cfg.update(
+        architectures=[layout.class_name],
+        model_type=layout.model_type,
+        num_local_experts=len(plan.expert_names),
+        num_experts_per_tok=plan.experts_per_token,
+        router_aux_loss_coef=0.001 if router_aux_loss_coef is None else router_aux_loss_coef,
+        output_router_logits=False,
+        router_jitter_noise=0.0,
+        dtype=dtype,
+        torch_dtype=dtype,
+    )
+    return dict(sorted(cfg.items()))
+
+
+def write_config(folder: Path, config: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def copy_tokenizer_files(base: Path, folder: Path) -> list[str]:
+    """Copy the base's tokenizer/generation files byte for byte. Returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (base / name).is_file():
+            shutil.copyfile(base / name, folder / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,58 @@
+"""Human-readable summaries of a plan: the duplicate-tensor (sharing) report.
+
+Replaces mergekit's cryptic "tensors share memory" warning with one summary that says which
+slots share which source tensors, what sharing saves, and how the files are written.
+"""
+
+from __future__ import annotations
+
+from .plan import Plan
+from .source import Checkpoint
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def sharing_report(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> list[str]:
+    """Lines describing shared tensors in the plan and in the inputs.
+
+    Returns:
+        Lines for the console (empty when nothing is shared).
+    """
+    lines: list[str] = []
+    slots = [s for s in plan.steps if s.kind == "expert"]
+    modified = [s for s in slots if s.transforms]
+    plain = [s for s in slots if not s.transforms]
+    groups: dict[tuple[str, str], list] = {}
+    for s in plain:
+        groups.setdefault(s.source, []).append(s)
+    shared = {src: g for src, g in groups.items() if len(g) > 1}
+    if shared:
+        n_slots = sum(len(g) for g in shared.values())
+        saved = sum((len(g) - 1) * g[0].nbytes for g in shared.values())
+        example_src, example = next(iter(shared.items()))
+        verb = "share one storage each" if policy == "share" else "are cloned (tensor_policy: clone)"
+        lines.append(
+            f"Duplicate tensors: {n_slots} expert slots are fed by {len(shared)} source tensors and {verb}; "
+            f"e.g. {example_src[1]} of {example_src[0]} -> {', '.join(s.name for s in example[:2])}"
+            + (f" and {len(example) - 2} more" if len(example) > 2 else "") + "."
+        )
+        if policy == "share":
+            lines.append(f"  Sharing saves {human_bytes(saved)} of copies in memory. On disk every slot is still "
+                         f"written as its own tensor (safetensors has no aliasing). Use --clone-tensors "
+                         f"(tensor_policy: clone) to give every slot its own copy.")
+        else:
+            lines.append(f"  Cloning costs {human_bytes(saved)} of extra copies in memory (transiently, one "
+                         f"tensor at a time). Use --share-tensors (tensor_policy: share) to share them.")
+    if modified:
+        lines.append(f"  {len(modified)} expert slots are modified (noise/residual scale) and always get their own copy.")
+    for ref, ckpt in sources.items():
+        for group in ckpt.shared_groups:
+            lines.append(f"Input {ref}: tensors {', '.join(group)} share one storage (tied or repeated weights); "
+                         f"each output tensor is written from it explicitly.")
+    return lines
