@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny dense models built on disk once per session, and the real stories260K."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from moe_upcycle.tiny import make_dense_model  # noqa: E402
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+PROMPT_TEXT = "Once upon a time, there was a little girl named Lily."
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models) -> Path:
+    """Tiny random Llama, untied, single safetensors file."""
+    return make_dense_model(models / "llama", family="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(models) -> Path:
+    """Tiny random Mistral, sharded safetensors with an index."""
+    return make_dense_model(models / "mistral", family="mistral", seed=1, max_shard_size="40KB")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bin_tied(models) -> Path:
+    """Tiny Llama as pytorch_model.bin with tied embeddings sharing one storage."""
+    return make_dense_model(models / "llama_bin_tied", family="llama", seed=2, tie_word_embeddings=True, fmt="bin")
+
+
+@pytest.fixture(scope="session")
+def stories() -> Path:
+    """The real pretrained stories260K (Llama, tied embeddings) from ../shared."""
+    assert (STORIES / "model.safetensors").is_file(), f"missing {STORIES}"
+    return STORIES
+
+
+@pytest.fixture
+def write_yaml(tmp_path):
+    """Write a config mapping to a YAML file and return its path."""
+
+    def write(data: dict, name: str = "experts.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+        return path
+
+    return write
+
+
+def model_logits(folder: Path, text: str = PROMPT_TEXT) -> torch.Tensor:
+    """Load a saved model with transformers (fp32) and return its logits on `text`; fails on missing keys."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.inference_mode():
+        return model.eval()(**tok(text, return_tensors="pt")).logits

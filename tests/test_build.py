@@ -1,0 +1,81 @@
+"""End-to-end builds: dense → Mixtral, loaded with transformers, logits equal to the dense model's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import model_logits
+from moe_upcycle import upcycle
+
+
+def _upcycle_copy(base: Path, out: Path, **extra):
+    cfg = {"base_model": str(base), "num_experts": 4, "experts_per_token": 2, "gate_mode": "random", **extra}
+    return upcycle(cfg, out)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_mistral", "tiny_llama_bin_tied", "stories"])
+def test_copy_upcycle_reproduces_dense_logits(fixture, request, tmp_path):
+    base = request.getfixturevalue(fixture)
+    result = _upcycle_copy(base, tmp_path / "moe")
+    cfg = json.loads((result.output / "config.json").read_text())
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == 4
+    assert cfg["num_experts_per_tok"] == 2
+    torch.testing.assert_close(model_logits(result.output), model_logits(base), atol=1e-5, rtol=0)
+
+
+def test_stories_output_keys_and_tied_embeddings(stories, tmp_path):
+    result = _upcycle_copy(stories, tmp_path / "moe")
+    index = json.loads((result.output / "model.safetensors.index.json").read_text())
+    keys = set(index["weight_map"])
+    assert "lm_head.weight" not in keys  # tied: written once, as the embedding
+    assert json.loads((result.output / "config.json").read_text())["tie_word_embeddings"] is True
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(5):
+        expected |= {f"model.layers.{i}.{n}.weight" for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "block_sparse_moe.gate")}
+        expected |= {f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")}
+    assert keys == expected
+    # tokenizer and generation config copied byte for byte
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (result.output / name).read_bytes() == (stories / name).read_bytes()
+
+
+def test_expert_weights_equal_source_bytes(tiny_llama, tmp_path):
+    result = _upcycle_copy(tiny_llama, tmp_path / "moe", tensor_policy="clone")
+    with safe_open(str(tiny_llama / "model.safetensors"), "pt") as src:
+        dense = src.get_tensor("model.layers.1.mlp.down_proj.weight")
+    shard = result.output / result.shards[0]
+    with safe_open(str(shard), "pt") as f:
+        for e in range(4):
+            assert torch.equal(f.get_tensor(f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"), dense)
+
+
+def test_sharding_index_lists_every_tensor_once(tiny_llama, tmp_path):
+    result = _upcycle_copy(tiny_llama, tmp_path / "moe", max_shard_size=50_000)
+    assert len(result.shards) > 2
+    index = json.loads((result.output / "model.safetensors.index.json").read_text())
+    total, seen = 0, []
+    for shard in result.shards:
+        with safe_open(str(result.output / shard), "pt") as f:
+            for key in f.keys():
+                seen.append(key)
+                assert index["weight_map"][key] == shard
+                t = f.get_tensor(key)
+                total += t.numel() * t.element_size()
+    assert sorted(seen) == sorted(index["weight_map"]) and len(seen) == len(set(seen))
+    assert index["metadata"]["total_size"] == total == result.plan.total_bytes
+    torch.testing.assert_close(model_logits(result.output), model_logits(tiny_llama), atol=1e-5, rtol=0)
+
+
+def test_bf16_output_dtype(tiny_llama, tmp_path):
+    result = _upcycle_copy(tiny_llama, tmp_path / "moe", dtype="bfloat16")
+    cfg = json.loads((result.output / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" == cfg["torch_dtype"]
+    with safe_open(str(result.output / result.shards[0]), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
