@@ -127,14 +127,14 @@ class UpcycleConfig(_Strict):
             problems.append("no experts: give num_experts: N (N copies of base_model) or an experts: list")
         n = self.expert_count
         if n and self.experts_per_token > n:
-            problems.append(f"experts_per_token is {self.experts_per_token} but there are only {n} experts; "
+            problems.append(f"experts_per_token: {self.experts_per_token} but there are only {n} experts; "
                             f"use a value from 1 to {n}")
         names = [e.name for e in self.experts if e.name]
         dupes = sorted({x for x in names if names.count(x) > 1})
         if dupes:
             problems.append(f"experts: duplicate expert names {dupes}; give each expert its own name")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))
         return self
 
     @property
@@ -211,7 +211,7 @@ def _format_errors(exc: ValidationError) -> list[str]:
             lines.append(f"{path}: required key is missing")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{path or '(top level)'}: {msg}")
+            lines += [f"{path}: {m}" if path else m for m in msg.split("\n")]
     return lines
 
 

@@ -6,6 +6,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["COLUMNS"] = "200"  # rich tables in CLI output: wide enough that names are not wrapped
 
 from pathlib import Path  # noqa: E402
 
