@@ -167,3 +167,12 @@ def test_verify_without_recipe_or_base_checks_loading_only(tiny_moe, tmp_path, p
 def test_verify_errors_name_the_folder(tmp_path):
     res = _verify_cli(tmp_path / "nowhere")
     assert res.exit_code == 1 and "is not a model folder (no config.json)" in res.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_verify_on_cuda_matches_cpu(tiny_moe, prompts_file):
+    gpu = verify(tiny_moe, prompts=prompts_file, max_new_tokens=2, device="cuda")
+    cpu = verify(tiny_moe, prompts=prompts_file, max_new_tokens=2)
+    assert gpu.ok and gpu.comparison.top1_agreement == 1.0
+    assert gpu.perplexity_moe == pytest.approx(cpu.perplexity_moe, rel=1e-3)
