@@ -20,25 +20,22 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
 from importlib.resources import files
 from pathlib import Path
 from typing import Optional, Union
 
-import torch
-
-from . import __version__
 from .build import RECIPE_NAME, open_sources
-from .compare import LogitComparison, ModelRun, compare_logits, load_causal_lm, run_model
+from .compare import compare_logits, load_causal_lm, run_model
 from .config import UpcycleConfig, load_config
 from .errors import SourceError, UpcycleError
 from .model_files import TOKENIZER_FILES
 from .names import output_layout
 from .plan import Plan, make_plan
 from .source import TensorInfo, read_safetensors_header, resolve_model
+from .verify_report import VerifyResult
 from .writer import INDEX_NAME
 
-IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 rounding of a tiny model stays far below this
+IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
 IDENTITY_MIN_AGREEMENT = 0.95
 EDITABLE_FILES = ("README.md",)  # a publisher may edit the card (e.g. the license); not a failure
 
@@ -72,75 +69,6 @@ def _read_text(path, option: str) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SourceError(f"{option}: cannot read {path} ({exc}); give a UTF-8 text file") from None
-
-
-@dataclass
-class VerifyResult:
-    """What `verify` found. ``ok`` is True when there is no problem."""
-
-    folder: str
-    base: Optional[str] = None
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    loaded_class: Optional[str] = None
-    num_tensors: int = 0
-    planned_tensors: Optional[int] = None
-    num_experts: Optional[int] = None
-    experts_per_token: Optional[int] = None
-    comparison: Optional[LogitComparison] = None
-    perplexity_dense: Optional[float] = None
-    perplexity_moe: Optional[float] = None
-    text_tokens: int = 0
-    continuations: list[dict] = field(default_factory=list)  # {"prompt", "dense", "moe"}
-    max_kl: Optional[float] = None
-    min_agreement: Optional[float] = None
-    version: str = __version__
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def rows(self) -> list[tuple[str, str]]:
-        """(check, result) pairs, for the console table and the model card."""
-        rows = [("loads with transformers", f"yes ({self.loaded_class})" if self.loaded_class else "NO")]
-        plan_note = (f"all {self.planned_tensors} planned tensors, nothing else" if self.planned_tensors is not None
-                     else "not compared with a plan")
-        rows.append(("tensors", f"{self.num_tensors} on disk; {plan_note}"))
-        rows.append(("experts / top-k", f"{self.num_experts} / {self.experts_per_token}"))
-        rows.append(("dense base", self.base or "not compared"))
-        c = self.comparison
-        if c is not None:
-            rows.append(("max abs Δlogit", f"{c.max_abs_diff:.3g}"))
-            agree = f"{c.top1_agreement:.1%} of {c.positions} positions"
-            rows.append(("top-1 agreement", agree + (f" (min {self.min_agreement:.0%})" if self.min_agreement else "")))
-            kl = f"{c.mean_kl:.3g} (max over positions {c.max_kl:.3g})"
-            rows.append(("mean KL(dense‖moe)", kl + (f", threshold {self.max_kl:g}" if self.max_kl is not None else "")))
-        if self.perplexity_moe is not None:
-            dense = f"dense {self.perplexity_dense:.3f}, " if self.perplexity_dense is not None else ""
-            rows.append(("perplexity", f"{dense}MoE {self.perplexity_moe:.3f} on {self.text_tokens} tokens"))
-        rows.append(("result", "PASSED" if self.ok else f"FAILED ({len(self.problems)} problem(s))"))
-        return rows
-
-    def lines(self) -> list[str]:
-        """Markdown for the model card."""
-        out = [f"Checked with `moe-upcycle verify` (moe-upcycle {self.version}): "
-               f"**{'passed' if self.ok else 'FAILED'}**.", "", "| check | result |", "|---|---|"]
-        out += [f"| {_cell(k)} | {_cell(v)} |" for k, v in self.rows()]
-        if self.continuations:
-            out += ["", "Greedy continuations:", "", "| prompt | dense | MoE |", "|---|---|---|"]
-            out += [f"| {_cell(c['prompt'])} | {_cell(c['dense'] or '')} | {_cell(c['moe'])} |" for c in self.continuations]
-        if self.problems:
-            out += ["", "Problems:", ""] + [f"- {p}" for p in self.problems]
-        return out
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["ok"] = self.ok
-        return data
-
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", "\\n")
 
 
 def _listed(keys: list[str], limit: int = 5) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 import torch

@@ -141,6 +141,21 @@ def test_verify_fails_when_an_expert_is_corrupted(tiny_moe, tmp_path, prompts_fi
     assert res.exit_code == 1 and f"{SHARD}: sha256 differs" in res.stderr
 
 
+def test_verify_fails_on_shape_mismatch_and_wrong_router_fields(tiny_moe, tmp_path, prompts_file):
+    def reshape(tensors):
+        tensors["model.norm.weight"] = torch.ones(65)
+
+    damaged = _damaged_copy(tiny_moe, tmp_path, reshape)
+    cfg = json.loads((damaged / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 3
+    (damaged / "config.json").write_text(json.dumps(cfg))
+    result = verify(damaged, prompts=prompts_file, max_new_tokens=2, hashes=False)
+    assert not result.ok
+    assert "tensor model.norm.weight: on disk [65] torch.float32, planned [64] torch.float32" in result.problems
+    assert "config.json: num_experts_per_tok is 3 but the recipe has 2" in result.problems
+    assert result.experts_per_token == 3
+
+
 def test_thresholds_apply_to_a_model_that_is_meant_to_differ(tiny_llama, tmp_path, prompts_file):
     out = tmp_path / "noisy"
     upcycle({"base_model": str(tiny_llama), "gate_mode": "random",
