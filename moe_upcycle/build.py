@@ -25,6 +25,7 @@ from .gates import compute_gates
 from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
 from .plan import Plan, Step, make_plan
+from .plan_report import PlanSummary, check_free_disk, summarize
 from .report import sharing_report
 from .source import Checkpoint, open_checkpoint
 from .writer import ShardedWriter, TensorSpec
@@ -43,6 +44,8 @@ class BuildResult:
     shards: list[str] = field(default_factory=list)
     sha256: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    summary: Optional[PlanSummary] = None
+    verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
 
 
 def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
@@ -75,13 +78,22 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     return Path(chosen).expanduser().resolve()
 
 
-def prepare(config: Union[UpcycleConfig, str, Path, dict], **overrides) -> tuple[UpcycleConfig, dict, Plan]:
-    """Validate the config, open the sources and plan; nothing is written."""
+def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = False,
+            **overrides) -> tuple[UpcycleConfig, dict, Plan]:
+    """Validate the config, open the sources and plan; nothing is written.
+
+    With `from_config`, sources are described from their config.json alone (`meta_model`).
+    """
     if not isinstance(config, UpcycleConfig):
         config = load_config(config, overrides=overrides)
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
-    sources = open_sources(config)
+    if from_config:
+        from .meta_model import meta_sources
+
+        sources = meta_sources(config)
+    else:
+        sources = open_sources(config)
     return config, sources, make_plan(config, sources)
 
 
@@ -94,6 +106,8 @@ def upcycle(
     tensor_policy: Optional[str] = None,
     max_shard_size: Union[int, str, None] = None,
     on_step: Callable[[Step, Plan], None] = lambda step, plan: None,
+    verify: bool = False,
+    from_config: bool = False,
 ) -> BuildResult:
     """Build an MoE checkpoint from dense checkpoint(s) — the library form of ``moe-upcycle build``.
 
@@ -105,9 +119,14 @@ def upcycle(
         tensor_policy: "share" or "clone" (overrides the config).
         max_shard_size: bytes per shard, e.g. "5GB" (overrides the config).
         on_step: called with (step, plan) after each output tensor is written (progress).
+        verify: run `verify.verify` on the finished files before they are moved into place and
+            put its results in the model card and ``moe_upcycle.json``. A failed verification
+            does not stop the build: check ``result.verify.ok`` (the CLI exits 1).
+        from_config: plan from the sources' config.json alone, no weights needed (`dry_run` only).
 
     Returns:
-        The plan, the sharing report and, unless `dry_run`, the written files with their sha256.
+        The plan, its summary, the sharing report and, unless `dry_run`, the written files with
+        their sha256 (and the verification result with `verify`).
 
     Raises:
         UpcycleError: any problem with the config, the sources or the output folder.
@@ -116,12 +135,16 @@ def upcycle(
         >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
     """
     start = time.perf_counter()
-    config, sources, plan = prepare(config, tensor_policy=tensor_policy, max_shard_size=max_shard_size)
+    if from_config and not dry_run:
+        raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
+    config, sources, plan = prepare(config, from_config, tensor_policy=tensor_policy, max_shard_size=max_shard_size)
     sharing = sharing_report(plan, sources, config.tensor_policy)
+    target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
+    summary = summarize(config, plan, sources, sharing, target)
     if dry_run:
-        return BuildResult(config, plan, None, sharing)
-    target = resolve_output(config, output)
+        return BuildResult(config, plan, None, sharing, summary=summary)
     check_target(target, force, [s.path for s in sources.values() if s.path])
+    check_free_disk(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
@@ -138,15 +161,27 @@ def upcycle(
         write_config(stage, moe_config(plan, config.router_aux_loss_coef))
         copy_tokenizer_files(base.path, stage)
         hashes = dict(writer.sha256)
-        write_model_card(stage, config, plan)
-        write_recipe(stage, config, hashes)
+        checked = None
+        if verify:
+            from .verify import verify as verify_folder
+
+            checked = verify_folder(stage, config.base_model, hashes=False, config=config, plan=plan)
+        write_model_card(stage, config, plan, checked.lines() if checked else None,
+                         [s.path for s in sources.values() if s.path])
+        # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
+        write_recipe(stage, config, hashes, {k: v for k, v in checked.to_dict().items() if k != "folder"}
+                     if checked else None)
+    if checked:
+        checked.folder = str(target)
     for ckpt in sources.values():
         ckpt.close()
-    return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start)
+    return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
+                       summary, checked)
 
 
-def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str]) -> None:
-    """Record tool version, resolved config and the sha256 of every output file."""
+def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],
+                 verification: Optional[dict] = None) -> None:
+    """Record tool version, resolved config, seed, verification and the sha256 of every output file."""
     hashes = dict(shard_hashes)
     for path in sorted(folder.iterdir()):
         if path.is_file() and path.name not in hashes:
@@ -158,6 +193,8 @@ def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, st
         "seed": config.seed,
         "sha256": dict(sorted(hashes.items())),
     }
+    if verification is not None:
+        recipe["verify"] = verification
     (folder / RECIPE_NAME).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
 
 

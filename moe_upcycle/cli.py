@@ -53,42 +53,10 @@ def cli_errors(fn: Callable) -> Callable:
 
 
 def print_plan(result) -> None:
-    """Show a plan: summary, per-component table, sharing report."""
-    from .plan import Plan
-    from .report import human_bytes
-    from .writer import TensorSpec, assign_shards
+    """Show a plan: summary, per-component table, sharing report, disk check (see `plan_report`)."""
+    from .plan_report import print_summary
 
-    plan: Plan = result.plan
-    config = result.config
-    specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
-    shards = assign_shards(specs, config.max_shard_size)
-    summary = Table(title="moe-upcycle plan", show_header=False)
-    summary.add_row("architecture", plan.architecture)
-    summary.add_row("experts", f"{len(plan.expert_names)} ({', '.join(plan.expert_names)}), top-{plan.experts_per_token}")
-    summary.add_row("gate mode", config.gate_mode)
-    summary.add_row("dtype", str(plan.dtype).removeprefix("torch."))
-    summary.add_row("tensors", str(len(plan.steps)))
-    summary.add_row("output size", f"{human_bytes(plan.total_bytes)} in {len(shards)} shard(s)")
-    summary.add_row("tensor policy", config.tensor_policy)
-    out.print(summary)
-    groups: dict[str, list] = {}
-    from .names import split_layer
-
-    for step in plan.steps:
-        template = split_layer(step.name)[0]
-        if step.expert is not None:
-            template = template.replace(f".{step.expert}.", ".{expert}.")
-        groups.setdefault(template, []).append(step)
-    table = Table(title="output tensors")
-    for col in ("name template", "count", "shape", "kind", "source", "bytes"):
-        table.add_column(col)
-    for template, steps in groups.items():
-        s = steps[0]
-        table.add_row(template, str(len(steps)), "x".join(map(str, s.shape)), s.kind,
-                      s.source[1] if s.source else "gates", human_bytes(sum(x.nbytes for x in steps)))
-    out.print(table)
-    for line in result.sharing + list(plan.notes):
-        out.print(line, highlight=False)
+    print_summary(result.summary, out)
 
 
 @app.command()
@@ -102,6 +70,8 @@ def build(
     clone_tensors: Optional[bool] = typer.Option(None, "--clone-tensors/--share-tensors",
                                                  help="Give every expert slot its own copy, or share one storage per source tensor."),
     max_shard_size: Optional[str] = typer.Option(None, help="Bytes per output shard, e.g. 5GB."),
+    verify: bool = typer.Option(False, "--verify", help="Verify the output right after building; results go in "
+                                                         "the model card. Exit 1 if verification fails."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from .build import upcycle
@@ -111,6 +81,9 @@ def build(
     if dry_run:
         print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size))
         return
+    if verify:
+        console.print("verify: the output will be loaded with transformers and compared with the base after writing",
+                      highlight=False)
     with _progress() as progress:
         task = progress.add_task("writing", total=None)
 
@@ -118,20 +91,67 @@ def build(
             progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
 
         result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
-                         on_step=on_step)
+                         on_step=on_step, verify=verify)
     for line in result.sharing:
         console.print(line, highlight=False)
     out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
+    if result.verify is not None:
+        from .verify_report import print_verify
+
+        print_verify(result.verify, out, console)
+        if not result.verify.ok:
+            raise typer.Exit(1)
 
 
 @app.command()
 @cli_errors
-def plan(config: Path = typer.Argument(..., help="The YAML recipe.")) -> None:
+def plan(
+    config: Path = typer.Argument(..., help="The YAML recipe."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder, for the free-disk check "
+                                                                       "(else output: in the YAML)."),
+    from_config: bool = typer.Option(False, "--from-config", help="Describe the models from their config.json "
+                                                                  "alone: plan before downloading any weights."),
+) -> None:
     """Print the build plan of CONFIG and write nothing (same as build --dry-run)."""
     from .build import upcycle
 
-    print_plan(upcycle(config, dry_run=True))
+    print_plan(upcycle(config, output, dry_run=True, from_config=from_config))
+
+
+@app.command("verify")
+@cli_errors
+def verify_cmd(
+    folder: Path = typer.Argument(..., metavar="OUT", help="The built MoE folder."),
+    base: Optional[str] = typer.Option(None, "--base", help="Dense model to compare with (default: the recipe's "
+                                                             "base_model)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text file for perplexity (default: a short text "
+                                                              "shipped with moe-upcycle)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file, one per line (default: shipped "
+                                                                    "prompts plus each expert's first prompt)."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", min=0, help="Fail when mean KL(dense||moe) is above this."),
+    min_agreement: Optional[float] = typer.Option(None, "--min-agreement", min=0, max=1,
+                                                  help="Fail when top-1 agreement (0..1) is below this."),
+    hashes: bool = typer.Option(True, "--hashes/--skip-hashes", help="Check every file's sha256 against "
+                                                                      "moe_upcycle.json."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Length of the greedy continuations."),
+    device: str = typer.Option("cpu", "--device", help="Where to run both models, e.g. cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Check that OUT loads with transformers and how far it is from the dense base. Exit 1 on failure."""
+    import json
+
+    from .verify import verify
+    from .verify_report import print_verify
+
+    result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
+                    hashes=hashes, max_new_tokens=max_new_tokens, device=device)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print_verify(result, out, console)
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -9,23 +9,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from .build import upcycle
+from .compare import compare_logits, load_causal_lm, run_model
 from .tiny import make_dense_model
 
 DEMO_TEXT = "Once upon a time there was a little dragon who loved to add numbers."
-
-
-def logits_of(folder: Path, text: str = DEMO_TEXT) -> torch.Tensor:
-    """Logits of a saved model on `text`, fp32, (1, T, V)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(**tok(text, return_tensors="pt")).logits
 
 
 def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4) -> dict:
@@ -41,10 +31,12 @@ def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4)
                   f"({len(result.plan.steps)} tensors, {result.seconds:.2f}s)")
     for line in result.sharing:
         console.print("   " + line, highlight=False)
-    a, b = logits_of(dense), logits_of(result.output)
-    diff = (a - b).abs().max().item()
-    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    dense_run = run_model(load_causal_lm(dense), [DEMO_TEXT], continuation_prompts=0)
+    moe_run = run_model(load_causal_lm(result.output), [DEMO_TEXT], continuation_prompts=0)
+    c = compare_logits(dense_run.logits, moe_run.logits)
+    diff, agree = c.max_abs_diff, c.top1_agreement
     ok = diff <= 1e-5
     console.print(f"3. loaded both with transformers: max |logit difference| = {diff:.2e}, "
                   f"top-1 agreement = {agree:.0%} -> {'[green]MoE reproduces the dense model' if ok else '[red]MISMATCH'}")
-    return {"ok": ok, "max_abs_diff": diff, "top1_agreement": agree, "output": str(result.output)}
+    return {"ok": ok, "max_abs_diff": diff, "top1_agreement": agree, "mean_kl": c.mean_kl,
+            "output": str(result.output)}

@@ -1,0 +1,140 @@
+"""Hub-ready output: reproducible bytes, recorded recipe, model card, untouched tokenizer files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from moe_upcycle import __version__, load_config, upcycle
+from moe_upcycle.card import choose_license, read_license
+from moe_upcycle.cli import app
+from moe_upcycle.verify import verify
+
+runner = CliRunner()
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}assistant:"
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card[4:card.index("\n---\n", 4)])
+
+
+@pytest.fixture
+def licensed_base(tiny_llama, tmp_path) -> Path:
+    """tiny_llama with a model card stating a license, a chat template and extra tokenizer files."""
+    base = tmp_path / "licensed_base"
+    shutil.copytree(tiny_llama, base)
+    (base / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: en\n---\n# a dense model\n")
+    (base / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (base / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"}, indent=1))
+    tok_cfg = json.loads((base / "tokenizer_config.json").read_text())
+    tok_cfg.update(padding_side="left", pad_token="</s>")
+    (base / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=3))
+    (base / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_p": 0.9}, indent=2))
+    return base
+
+
+def test_same_config_and_seed_give_identical_files(tiny_llama, tmp_path):
+    cfg = {"base_model": str(tiny_llama), "gate_mode": "random", "seed": 7, "max_shard_size": 60_000,
+           "experts": [{"source_model": str(tiny_llama), "noise_scale": 0.01} for _ in range(3)]}
+    first, second = upcycle(cfg, tmp_path / "a"), upcycle(cfg, tmp_path / "b")
+    assert len(first.shards) > 2 and first.shards == second.shards
+    files = sorted(p.name for p in first.output.iterdir())
+    assert files == sorted(p.name for p in second.output.iterdir())
+    for name in files:  # every shard and every other file, the recipe included
+        assert _sha(first.output / name) == _sha(second.output / name), name
+    recipe = json.loads((first.output / "moe_upcycle.json").read_text())
+    assert recipe["tool"] == "moe-upcycle" and recipe["version"] == __version__ and recipe["seed"] == 7
+    assert recipe["config"] == load_config(cfg).model_dump(mode="json")
+    assert recipe["sha256"] == {n: _sha(first.output / n) for n in files if n != "moe_upcycle.json"}
+    assert set(first.sha256) == set(first.shards) and all(recipe["sha256"][k] == v for k, v in first.sha256.items())
+    # the seed matters: shards holding routers or noisy experts change, copied tensors do not
+    other = upcycle({**cfg, "seed": 8}, tmp_path / "c")
+    index = json.loads((first.output / "model.safetensors.index.json").read_text())["weight_map"]
+    seeded = {index[k] for k in index if ".block_sparse_moe." in k}
+    assert seeded and all(_sha(other.output / s) != _sha(first.output / s) for s in seeded)
+
+
+def test_model_card_front_matter_and_body(licensed_base, tmp_path):
+    result = upcycle({"base_model": str(licensed_base), "num_experts": 4, "gate_mode": "random"}, tmp_path / "moe")
+    card = (result.output / "README.md").read_text()
+    assert _front_matter(card) == {
+        "base_model": [str(licensed_base)], "base_model_relation": "merge", "library_name": "transformers",
+        "pipeline_tag": "text-generation", "license": "apache-2.0",
+        "tags": ["moe", "mixtral", "upcycling", "moe-upcycle"],
+    }
+    assert "| total | 260,416 (0.26M) |" in card and "| active per token | 162,112 (0.16M) |" in card
+    assert "4 experts,\n2 active per token, gate mode `random`, dtype `float32`" in card
+    assert f"| 3 | expert_3 | {licensed_base} | 0 | none |" in card
+    assert f"```yaml\nbase_model: {licensed_base}\nnum_experts: 4\ngate_mode: random\n```" in card
+    assert "Not run. Run `moe-upcycle verify <this folder>`" in card
+    assert 'AutoModelForCausalLM.from_pretrained("path/to/this/folder")' in card
+    assert "License:" not in card
+
+
+def test_license_sources(tmp_path):
+    a, b, c = (tmp_path / n for n in "abc")
+    for folder in (a, b, c):
+        folder.mkdir()
+    (a / "README.md").write_text("---\nlicense: other\nlicense_name: llama2\nlicense_link: LICENSE\n---\ntext")
+    (b / "config.json").write_text(json.dumps({"model_type": "llama", "license": "mit"}))
+    assert read_license(a) == {"license": "other", "license_name": "llama2", "license_link": "LICENSE"}
+    assert read_license(b) == {"license": "mit"} and read_license(c) is None
+    assert choose_license([a, c]) == (read_license(a), "")  # an expert without a license does not block it
+    keys, note = choose_license([c])
+    assert keys is None and "No license was found in the base model's README.md or config.json" in note
+    keys, note = choose_license([a, b])
+    assert keys is None and f"{a}: other, {b}: mit" in note
+
+
+def test_card_without_license_leaves_it_to_the_user(tiny_llama, tmp_path):
+    result = upcycle({"base_model": str(tiny_llama), "num_experts": 2, "experts_per_token": 1,
+                      "gate_mode": "uniform"}, tmp_path / "moe")
+    card = (result.output / "README.md").read_text()
+    assert "license" not in _front_matter(card)
+    assert "# license: (set the base model's license here" in card
+    assert "> **License:** No license was found" in card
+
+
+def test_tokenizer_and_generation_files_are_copied_byte_for_byte(licensed_base, tmp_path):
+    from transformers import AutoTokenizer
+
+    result = upcycle({"base_model": str(licensed_base), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe")
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "generation_config.json")
+    for name in names:
+        assert (result.output / name).read_bytes() == (licensed_base / name).read_bytes(), name
+    dense_tok, moe_tok = (AutoTokenizer.from_pretrained(str(p)) for p in (licensed_base, result.output))
+    assert moe_tok.padding_side == "left" and moe_tok.pad_token == "</s>"  # nothing rewritten
+    messages = [{"role": "user", "content": "What is 12 times 7?"}]
+    rendered = moe_tok.apply_chat_template(messages, tokenize=False)
+    assert rendered == dense_tok.apply_chat_template(messages, tokenize=False)
+    assert rendered == "<s>user: What is 12 times 7?</s>\nassistant:"
+
+
+def test_build_verify_puts_results_in_card_and_recipe(licensed_base, tmp_path, write_yaml):
+    cfg = write_yaml({"base_model": str(licensed_base), "num_experts": 4, "gate_mode": "random"})
+    out = tmp_path / "moe"
+    res = runner.invoke(app, ["build", str(cfg), str(out), "--verify"])
+    assert res.exit_code == 0, res.output
+    card = (out / "README.md").read_text()
+    assert "Checked with `moe-upcycle verify`" in card and "**passed**" in card
+    assert "| top-1 agreement | 100.0% of" in card and "| mean KL(dense‖moe) |" in card
+    assert f"| dense base | {licensed_base} |" in card
+    recipe = json.loads((out / "moe_upcycle.json").read_text())
+    assert recipe["verify"]["ok"] is True and recipe["verify"]["comparison"]["max_abs_diff"] < 1e-5
+    assert "folder" not in recipe["verify"] and recipe["sha256"]["README.md"] == _sha(out / "README.md")
+    again = verify(out, max_new_tokens=2)  # the published folder checks out, hashes included
+    assert again.ok and again.notes == []
