@@ -19,6 +19,7 @@ import yaml
 from . import __version__
 from .card import write_model_card
 from .config import UpcycleConfig, load_config
+from .drift import InitDrift, build_drift
 from .errors import ConfigError, SourceError
 from .execute import iter_tensors
 from .gates import compute_gates
@@ -43,6 +44,7 @@ class BuildResult:
     shards: list[str] = field(default_factory=list)
     sha256: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
 
 
 def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
@@ -135,14 +137,16 @@ def upcycle(
         except BaseException:
             writer.abort()
             raise
-        write_config(stage, moe_config(plan, config.router_aux_loss_coef))
+        write_config(stage, moe_config(plan, config.router_aux_loss_coef, config.router_jitter_noise,
+                                       config.output_router_logits))
         copy_tokenizer_files(base.path, stage)
         hashes = dict(writer.sha256)
-        write_model_card(stage, config, plan)
+        drift = build_drift(config, plan, base.path, stage)
+        write_model_card(stage, config, plan, [drift.summary()] if drift else None)
         write_recipe(stage, config, hashes)
     for ckpt in sources.values():
         ckpt.close()
-    return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start)
+    return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start, drift)
 
 
 def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str]) -> None:
