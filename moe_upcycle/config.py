@@ -144,7 +144,7 @@ class UpcycleConfig(_Strict):
     expert_init: ExpertInit = Field(default_factory=ExpertInit)
     router_jitter_noise: float = Field(default=0.0, ge=0, lt=1)
     output_router_logits: bool = False
-    report_init_drift: Optional[bool] = None  # None: measure when the output is at most 2 GB
+    report_init_drift: Optional[bool] = None  # None: measure for non-copy inits of outputs up to 2 GB (drift.py)
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -3,8 +3,9 @@
 `compare_logits` is the measure (pure tensor maths); `measure_drift` runs two in-memory models
 on the same tokens; `measure_drift_folders` loads two saved models with transformers and is the
 one `build` calls after writing. Loading means **whole-model memory** (both models, fp32), so a
-build measures by default only outputs up to `AUTO_MAX_BYTES` (``report_init_drift: true``
-forces it, ``false`` skips it).
+build measures by default (``report_init_drift`` unset) only when an expert init changes weights
+(not plain ``copy``, which is function-preserving by construction) and the output is at most
+`AUTO_MAX_BYTES`; ``report_init_drift: true`` forces it, ``false`` skips it.
 
 It is a small stand-in for the `verify` module's logit comparison: when that lands,
 `measure_drift_folders` can call it and keep this interface.
@@ -18,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from . import inits
 from .config import UpcycleConfig
 from .errors import ConfigError
 from .plan import Plan
@@ -101,11 +103,13 @@ def has_tokenizer(folder: Path) -> bool:
 def build_drift(config: UpcycleConfig, plan: Plan, dense: Optional[Path], moe: Path) -> Optional[InitDrift]:
     """The drift of a freshly written build, or None when `report_init_drift` (auto or false) skips it.
 
-    Auto (``None``) measures when the output is at most `AUTO_MAX_BYTES` and the base has a tokenizer.
+    Auto (``None``) measures when some expert init is not ``copy``, the output is at most
+    `AUTO_MAX_BYTES` and the base has a tokenizer.
     """
     wanted = config.report_init_drift
     if wanted is False or dense is None:
         return None
-    if wanted is None and (plan.total_bytes > AUTO_MAX_BYTES or not has_tokenizer(dense)):
+    changed = any(init.method != "copy" for init in inits.expert_inits(config))
+    if wanted is None and (not changed or plan.total_bytes > AUTO_MAX_BYTES or not has_tokenizer(dense)):
         return None
     return measure_drift_folders(dense, moe)
