@@ -211,7 +211,7 @@ def test_split_where_exactness_does_not_hold(tiny_llama, tmp_path, e, k, reason)
     assert result.drift.mean_kl > 1e-6
 
 
-def test_split_mixed_sources_in_a_group_is_flagged(tiny_llama, tiny_mistral, models, tmp_path):
+def test_split_mixed_sources_in_a_group_is_flagged(tiny_llama, models):
     from moe_upcycle.tiny import make_dense_model
 
     other = make_dense_model(models / "llama_other_seed", family="llama", seed=5)
