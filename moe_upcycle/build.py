@@ -19,6 +19,7 @@ import yaml
 from . import __version__
 from .card import write_model_card
 from .config import UpcycleConfig, load_config
+from .drift import InitDrift, build_drift
 from .errors import ConfigError, SourceError
 from .execute import iter_tensors
 from .gates import compute_gates
@@ -46,6 +47,7 @@ class BuildResult:
     seconds: float = 0.0
     summary: Optional[PlanSummary] = None
     verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
+    drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
 
 
 def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
@@ -158,7 +160,8 @@ def upcycle(
         except BaseException:
             writer.abort()
             raise
-        write_config(stage, moe_config(plan, config.router_aux_loss_coef))
+        write_config(stage, moe_config(plan, config.router_aux_loss_coef, config.router_jitter_noise,
+                                       config.output_router_logits))
         copy_tokenizer_files(base.path, stage)
         hashes = dict(writer.sha256)
         checked = None
@@ -166,8 +169,9 @@ def upcycle(
             from .verify import verify as verify_folder
 
             checked = verify_folder(stage, config.base_model, hashes=False, config=config, plan=plan)
-        write_model_card(stage, config, plan, checked.lines() if checked else None,
-                         [s.path for s in sources.values() if s.path])
+        drift = build_drift(config, plan, base.path, stage)
+        card_lines = (checked.lines() if checked else []) + ([drift.summary()] if drift else [])
+        write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path])
         # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
         write_recipe(stage, config, hashes, {k: v for k, v in checked.to_dict().items() if k != "folder"}
                      if checked else None)
@@ -176,7 +180,7 @@ def upcycle(
     for ckpt in sources.values():
         ckpt.close()
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked)
+                       summary, checked, drift)
 
 
 def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],

@@ -96,6 +96,8 @@ def build(
         console.print(line, highlight=False)
     out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
+    if result.drift is not None:
+        out.print(result.drift.summary(), highlight=False)
     if result.verify is not None:
         from .verify_report import print_verify
 

@@ -26,6 +26,7 @@ GateMode = Literal[
 ]
 DType = Literal["float32", "float16", "bfloat16"]
 TensorPolicy = Literal["share", "clone"]
+InitMethod = Literal["copy", "noise", "drop", "split"]
 # mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `plan` says what it supports.
 Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek"]
 
@@ -65,6 +66,39 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ExpertInit(_Strict):
+    """How an expert's FFN is initialised from its source (`expert_init:`; the math is in `inits`).
+
+    ``expert_init: copy`` is shorthand for ``{method: copy}``. Fields that a method does not use
+    are rejected, so ``{method: drop, scale: 0.1}`` fails instead of being silently ignored.
+    """
+
+    method: InitMethod = "copy"
+    scale: Optional[float] = Field(default=None, gt=0)  # noise: std relative to the matrix's std
+    absolute: bool = False  # noise: `scale` is the absolute std (mergekit's noise_scale)
+    ratio: Optional[float] = Field(default=None, gt=0, le=1)  # drop: fraction of neurons re-initialised
+    granularity: Optional[int] = Field(default=None, ge=2, le=64)  # split: slices per FFN
+    shuffle: bool = False  # split: seeded permutation of the intermediate dimension first
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"method": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _fields_fit_method(self) -> "ExpertInit":
+        used = {"noise": {"scale", "absolute"}, "drop": {"ratio"}, "split": {"granularity", "shuffle"}}
+        given = {k for k in self.model_fields_set if k != "method"}
+        problems = [f"{k} is not used by method {self.method}; remove it" for k in sorted(given - used.get(self.method, set()))]
+        if self.method == "noise" and self.scale is None:
+            problems.append("method noise needs scale (e.g. scale: 0.01, relative to each matrix's std)")
+        if self.method == "split" and self.granularity is None:
+            problems.append("method split needs granularity (e.g. granularity: 2)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class ExpertConfig(_Strict):
     """One expert slot: whose FFN it gets and the prompts that route to it."""
 
@@ -74,6 +108,7 @@ class ExpertConfig(_Strict):
     negative_prompts: list[str] = Field(default_factory=list)
     noise_scale: Optional[float] = Field(default=None, ge=0)
     residual_scale: Optional[float] = None
+    expert_init: Optional[ExpertInit] = None  # overrides the config's expert_init for this expert
 
     @field_validator("positive_prompts", "negative_prompts")
     @classmethod
@@ -106,6 +141,10 @@ class UpcycleConfig(_Strict):
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
     router_init_std: float = Field(default=0.02, gt=0)
     gate_scale: Optional[float] = Field(default=None, gt=0)
+    expert_init: ExpertInit = Field(default_factory=ExpertInit)
+    router_jitter_noise: float = Field(default=0.0, ge=0, lt=1)
+    output_router_logits: bool = False
+    report_init_drift: Optional[bool] = None  # None: measure for non-copy inits of outputs up to 2 GB (drift.py)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -133,6 +172,17 @@ class UpcycleConfig(_Strict):
         dupes = sorted({x for x in names if names.count(x) > 1})
         if dupes:
             problems.append(f"experts: duplicate expert names {dupes}; give each expert its own name")
+        for i, e in enumerate(self.experts):
+            if e.expert_init is not None and e.expert_init.method == "split":
+                problems.append(f"experts[{i}].expert_init: split changes every expert's shape, so it is set once "
+                                f"for the whole model; move it to the top-level expert_init")
+            elif (e.expert_init is not None or e.noise_scale) and self.expert_init.method == "split":
+                key = "expert_init" if e.expert_init is not None else "noise_scale"
+                problems.append(f"experts[{i}].{key}: cannot be combined with the top-level "
+                                f"expert_init: split; remove one of them")
+            if e.expert_init is not None and e.noise_scale:
+                problems.append(f"experts[{i}]: noise_scale and expert_init are both given; noise_scale: s is "
+                                f"expert_init: {{method: noise, scale: s, absolute: true}}, keep one")
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -7,7 +7,8 @@ The executor is the only place that touches tensor bytes. Storage policy:
   last use; the plan orders its slots next to each other).
 - ``clone``: every slot gets its own copy.
 
-A slot with transforms (noise, residual scale) is always an independent copy, whatever the policy.
+A slot with transforms (noise, residual scale, the `inits` methods) is always an independent copy,
+whatever the policy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Iterator, Literal
 
 import torch
 
+from . import inits
 from .plan import Plan, Step
 from .source import Checkpoint
 
@@ -35,6 +37,8 @@ def apply_transforms(tensor: torch.Tensor, step: Step, seed: int) -> torch.Tenso
             out += torch.randn(out.shape, generator=slot_generator(seed, step)) * value
         elif name == "scale":
             out *= value
+        elif name in inits.TRANSFORMS:
+            out = inits.apply_transform(out, name, value, step.layer, step.expert, seed, slot_generator(seed, step))
         else:
             raise ValueError(f"unknown transform {name!r}")
     return out

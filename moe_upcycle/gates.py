@@ -9,6 +9,9 @@ Modes handled here need at most one tensor of the base (the embedding matrix):
 - ``cheap_embed``: masked mean of each prompt's token embeddings, averaged over the expert's
   positive prompts, minus the mean of its negative prompts; normalised and scaled.
 
+With ``expert_init: split`` the rows are tied within each virtual group of G experts
+(`inits.tie_router_rows`), which is what keeps a split model function-preserving at init.
+
 Hidden-state modes (``hidden``, ``hidden_avg``, ``hidden_last``, ``kmeans``) run the base model
 and live in `hidden_gates`.
 """
@@ -20,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import names
+from . import inits, names
 from .config import ExpertConfig, UpcycleConfig
 from .errors import ConfigError
 from .plan import Plan
@@ -51,9 +54,10 @@ def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[i
     mode = config.gate_mode
     check_prompts(config)
     gen = torch.Generator().manual_seed(config.seed)
+    group_size = inits.granularity(config)  # > 1 for expert_init: split
     gates: dict[int, torch.Tensor] = {}
     if mode == "cheap_embed":
-        rows = cheap_embed_rows(experts, base)
+        rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
         shared = normalise_rows(rows, config.gate_scale or default_gate_scale(hidden))
         return {layer: shared.clone() for layer in range(plan.num_layers)}
     if mode in ("hidden", "hidden_avg", "hidden_last", "kmeans"):
@@ -67,7 +71,7 @@ def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[i
             g = torch.rand(num_experts, hidden, generator=gen) * (2 * bound) - bound
         else:  # uniform
             g = torch.zeros(num_experts, hidden)
-        gates[layer] = g
+        gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
     return gates
 
 

@@ -33,8 +33,15 @@ TOKENIZER_FILES = (
 )
 
 
-def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None) -> dict:
+def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0,
+               output_router_logits: bool = False) -> dict:
     """The output config.json as a dict.
+
+    Args:
+        plan: the build plan (its `expert_intermediate_size` replaces `intermediate_size` for split experts).
+        router_aux_loss_coef: load-balancing loss weight (None: 0.001, Mixtral's default).
+        router_jitter_noise: multiplicative jitter on router inputs during training (0: off).
+        output_router_logits: return router logits (and add the aux loss) in training forward passes.
 
     Example:
         >>> cfg = moe_config(plan)  # doctest: +SKIP
@@ -61,11 +68,13 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None) -> dict
         num_local_experts=len(plan.expert_names),
         num_experts_per_tok=plan.experts_per_token,
         router_aux_loss_coef=0.001 if router_aux_loss_coef is None else router_aux_loss_coef,
-        output_router_logits=False,
-        router_jitter_noise=0.0,
+        output_router_logits=output_router_logits,
+        router_jitter_noise=router_jitter_noise,
         dtype=dtype,
         torch_dtype=dtype,
     )
+    if plan.expert_intermediate_size is not None:
+        cfg["intermediate_size"] = plan.expert_intermediate_size
     return dict(sorted(cfg.items()))
 
 

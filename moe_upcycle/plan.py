@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from . import names
+from . import inits, names
 from .config import UpcycleConfig
 from .errors import PlanError
 from .source import Checkpoint, TensorInfo
@@ -35,7 +35,8 @@ class Step:
         kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot) or "router".
         source: (model ref, key) read for it; None for routers (computed by `gates`).
         layer, expert: indices where meaningful.
-        transforms: per-slot modifications, e.g. (("noise", 0.01),); a slot with any is cloned.
+        transforms: per-slot modifications, e.g. (("noise", 0.01),) or `inits` ones such as
+            ("slice", inits.Slice(...)); a slot with any is cloned.
     """
 
     name: str
@@ -45,7 +46,7 @@ class Step:
     source: Optional[tuple[str, str]] = None
     layer: Optional[int] = None
     expert: Optional[int] = None
-    transforms: tuple[tuple[str, float], ...] = ()
+    transforms: tuple[tuple[str, Any], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +65,7 @@ class Plan:
     base_config: dict
     tied_embeddings: bool
     notes: tuple[str, ...] = field(default=())
+    expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
 
     @property
     def total_bytes(self) -> int:
@@ -124,6 +126,12 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                 problems.append(f"{label}: {key} is {src.config.get(key)} but base_model "
                                 f"{config.base_model} has {bcfg.get(key)}; experts must have the base's shape")
 
+    g = inits.granularity(config)
+    init_of = inits.expert_inits(config)
+    dense_i = int(bcfg["intermediate_size"])
+    if dense_i % g:
+        problems.append(f"expert_init.granularity: {g} does not divide intermediate_size {dense_i} of "
+                        f"{config.base_model}; use a divisor of {dense_i}")
     dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base)
     tied = bool(bcfg.get("tie_word_embeddings", False))
     n_layers = int(bcfg["num_hidden_layers"])
@@ -183,12 +191,11 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                 info = need(src, key, f"experts[{e}] ({expert.source_model})")
                 if info is None:
                     continue
-                transforms: list[tuple[str, float]] = []
-                if expert.noise_scale:
-                    transforms.append(("noise", float(expert.noise_scale)))
+                transforms = inits.slot_transforms(init_of[e], proj, e)
                 if expert.residual_scale is not None and proj == "down_proj" and expert.residual_scale != 1.0:
                     transforms.append(("scale", float(expert.residual_scale)))
-                steps.append(Step(names.fill(layout.expert[proj], layer=layer, expert=e), info.shape, dtype,
+                shape = inits.sliced_shape(info.shape, proj, g)
+                steps.append(Step(names.fill(layout.expert[proj], layer=layer, expert=e), shape, dtype,
                                   "expert", (expert.source_model, key), layer, e, tuple(transforms)))
     copy("model.norm.weight")
     if not tied:
@@ -196,10 +203,15 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     elif names.LM_HEAD in base.tensors:
         notes.append("lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written once")
 
+    if g > 1:
+        groups = [{x.source_model for x in experts[i:i + g]} for i in range(0, len(experts), g)]
+        notes += inits.split_notes(len(experts), config.experts_per_token, g, groups, dense_i, config.gate_mode,
+                                   dtype.itemsize)
+    notes += inits.describe(init_of, dense_i)
     if problems:
         raise PlanError(*_dedupe(problems))
     return Plan(arch, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
-                dict(bcfg), tied, tuple(notes))
+                dict(bcfg), tied, tuple(notes), dense_i // g if g > 1 else None)
 
 
 def _base_dtype(base: Checkpoint) -> torch.dtype:

@@ -50,7 +50,7 @@ def sharing_report(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> l
             lines.append(f"  Cloning costs {human_bytes(saved)} of extra copies in memory (transiently, one "
                          f"tensor at a time). Use --share-tensors (tensor_policy: share) to share them.")
     if modified:
-        lines.append(f"  {len(modified)} expert slots are modified (noise/residual scale) and always get their own copy.")
+        lines.append(f"  {len(modified)} expert slots are modified (expert_init, noise_scale, residual_scale) and always get their own copy.")
     for ref, ckpt in sources.items():
         for group in ckpt.shared_groups:
             lines.append(f"Input {ref}: tensors {', '.join(group)} share one storage (tied or repeated weights); "

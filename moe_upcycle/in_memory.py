@@ -1,0 +1,183 @@
+"""Upcycle a loaded dense `transformers` model into an in-memory MoE model, for training scripts.
+
+`upcycle_model(dense_model, num_experts=8, ...)` runs the same machinery as a build — config
+validation, `plan.make_plan`, `gates.compute_gates`, `execute.iter_tensors` with the `inits`
+transforms — but reads tensors from the model's state dict and places them into a freshly built
+``MixtralForCausalLM`` instead of writing files. Every output parameter gets its own storage:
+nothing aliases the dense model or another expert, so training one expert never moves another.
+
+It does not load or save checkpoints (use `build.upcycle` for files), and it holds the whole MoE
+in memory (that is its purpose). Prompt-based gate modes need a tokenizer and files, so only
+``random``, ``uniform_random`` and ``uniform`` are offered here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from .config import ExpertInit, load_config
+from .errors import ConfigError
+from .execute import iter_tensors
+from .gates import compute_gates
+from .model_files import moe_config
+from .plan import Plan, make_plan
+from .source import Checkpoint, TensorInfo
+
+IN_MEMORY_REF = "<in-memory dense model>"
+GATE_MODES = ("random", "uniform_random", "uniform")
+_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123])\.weight$")
+
+
+@dataclass
+class StateDictSource(Checkpoint):
+    """A `Checkpoint` whose tensors come from an in-memory state dict instead of files."""
+
+    state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.state[key].detach()
+
+
+def state_dict_source(model: torch.nn.Module) -> StateDictSource:
+    """Wrap a dense transformers model (Llama, Mistral) as a plan source, without copying tensors."""
+    state = model.state_dict()
+    config = model.config.to_dict()
+    # the weights' real dtype wins over whatever config.json said when the model was saved
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    infos = {k: TensorInfo(k, tuple(t.shape), t.dtype, "") for k, t in state.items()}
+    return StateDictSource(ref=IN_MEMORY_REF, path=None, config=config, tensors=infos, state=state)
+
+
+def upcycle_model(
+    dense_model: torch.nn.Module,
+    num_experts: int = 8,
+    experts_per_token: int = 2,
+    expert_init: Union[str, dict, ExpertInit] = "copy",
+    gate: str = "random",
+    *,
+    seed: int = 0,
+    router_init_std: float = 0.02,
+    router_jitter_noise: float = 0.0,
+    router_aux_loss_coef: Optional[float] = None,
+    output_router_logits: bool = False,
+    dtype: Optional[str] = None,
+) -> torch.nn.Module:
+    """Turn a dense model into a Mixtral MoE model in memory, ready for continued training.
+
+    Args:
+        dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` (left untouched).
+        num_experts: routed experts per layer.
+        experts_per_token: top-k.
+        expert_init: "copy", or a mapping such as ``{"method": "drop", "ratio": 0.5}`` (the YAML
+            ``expert_init:`` key).
+        gate: router init: "random" (std `router_init_std`), "uniform_random" or "uniform".
+        seed: seeds routers and every random init.
+        router_init_std: std of the random router rows.
+        router_jitter_noise, router_aux_loss_coef, output_router_logits: MoE training knobs
+            written into the model's config.
+        dtype: "float32", "bfloat16" or "float16"; default: the dense model's parameter dtype.
+
+    Returns:
+        A ``MixtralForCausalLM`` in training mode whose every parameter has its own storage.
+
+    Raises:
+        ConfigError: an invalid option (reported with the option's name).
+        PlanError: the dense model cannot be upcycled (e.g. an unsupported architecture).
+
+    Example:
+        >>> moe = upcycle_model(dense, num_experts=8, experts_per_token=2,
+        ...                     expert_init={"method": "drop", "ratio": 0.5})  # doctest: +SKIP
+    """
+    if gate not in GATE_MODES:
+        raise ConfigError(f"gate: {gate!r} is not available in memory; use one of {', '.join(GATE_MODES)} "
+                          f"(prompt-based modes need model files: use moe_upcycle.upcycle)")
+    if isinstance(expert_init, ExpertInit):
+        expert_init = expert_init.model_dump(exclude_unset=True)
+    config = load_config({
+        "base_model": IN_MEMORY_REF, "num_experts": num_experts, "experts_per_token": experts_per_token,
+        "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,
+        "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef,
+        "output_router_logits": output_router_logits, "dtype": dtype,
+    })
+    source = state_dict_source(dense_model)
+    sources = {IN_MEMORY_REF: source}
+    plan = make_plan(config, sources)
+    gates = compute_gates(config, plan, source)
+    cfg = moe_config(plan, config.router_aux_loss_coef, config.router_jitter_noise, config.output_router_logits)
+    model = empty_moe_model(cfg, plan)
+    fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed))
+    return model.train()
+
+
+def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
+    """A MoE model from its config.json dict, with parameters on the meta device (buffers real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
+    hf_config = AutoConfig.for_model(cfg["model_type"], **kwargs)
+    intermediate = int(cfg["intermediate_size"])
+    extra = {}
+    if (intermediate * plan.dtype.itemsize) % 16:
+        # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size
+        extra["experts_implementation"] = "eager"
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=plan.dtype, **extra)
+    return model
+
+
+def fill_model(model: torch.nn.Module, plan: Plan, tensors) -> None:
+    """Place every planned tensor into `model`, each parameter in storage of its own.
+
+    Checkpoint names (``block_sparse_moe.experts.3.w1.weight``) are placed directly when the
+    model has them (transformers 4.x), else into the fused 3-D expert parameters of
+    transformers ≥ 5 (``mlp.experts.gate_up_proj[e] = cat(w1, w3)``, ``mlp.experts.down_proj[e] = w2``).
+
+    Raises:
+        RuntimeError: a planned tensor has no place in the model, or a parameter was left unset
+            (a bug: the plan and the model class disagree).
+    """
+    params = dict(model.named_parameters())
+    places = {step.name: _place(step.name, params) for step in plan.steps}
+    # allocated before iterating: `iter_tensors` runs under inference_mode, and tensors made
+    # there could never become trainable parameters
+    fresh = {target: torch.empty(params[target].shape, dtype=plan.dtype) for target, _ in places.values()}
+    filled = dict.fromkeys(fresh, 0)
+    for step, tensor in tensors:
+        target, index = places[step.name]
+        view = fresh[target][index] if index is not None else fresh[target]
+        view.copy_(tensor)
+        filled[target] += tensor.numel()
+    for name, data in fresh.items():
+        module_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(data))
+    if plan.tied_embeddings:
+        model.tie_weights()
+    unset = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    partial = [n for n, count in filled.items() if count != fresh[n].numel()]
+    if unset or partial:
+        raise RuntimeError(f"in-memory upcycle left parameters unset {unset} or partly set {partial}; "
+                           f"this is a bug: the plan and {type(model).__name__} disagree")
+
+
+def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
+    """(parameter name, index into it) for one output tensor name."""
+    if name in params:
+        return name, None
+    renamed = name.replace(".block_sparse_moe.", ".mlp.")
+    if renamed in params:
+        return renamed, None
+    m = _FUSED_EXPERT.match(renamed)
+    if m:
+        e, w, prefix = int(m["expert"]), m["w"], m["prefix"]
+        if w == "w2":
+            return f"{prefix}.down_proj", (e,)
+        gate_up = f"{prefix}.gate_up_proj"
+        half = params[gate_up].shape[1] // 2
+        return gate_up, (e, slice(0, half) if w == "w1" else slice(half, 2 * half))
+    raise RuntimeError(f"output tensor {name} has no parameter in the in-memory model; this is a bug")

@@ -1,0 +1,114 @@
+"""`upcycle_model`: an in-memory Mixtral for training scripts, built by the same plan/inits machinery."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPT_TEXT
+from moe_upcycle import upcycle, upcycle_model
+from moe_upcycle.errors import ConfigError, PlanError
+from test_inits import expert as file_expert
+from test_inits import read
+
+
+def load(folder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(str(folder))(PROMPT_TEXT, return_tensors="pt")["input_ids"]
+    return model, ids
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module")
+def dense_stories(stories):
+    return load(stories)
+
+
+def test_copy_is_a_mixtral_equal_to_dense(dense_stories):
+    dense, ids = dense_stories
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2)
+    assert type(moe).__name__ == "MixtralForCausalLM" and moe.training
+    assert moe.config.num_local_experts == 4 and moe.config.num_experts_per_tok == 2
+    assert moe.lm_head.weight is moe.model.embed_tokens.weight  # stories ties embeddings
+    assert all(p.requires_grad and p.device.type == "cpu" for p in moe.parameters())
+    torch.testing.assert_close(logits(moe.eval(), ids), logits(dense, ids), atol=1e-5, rtol=0)
+
+
+def test_split_in_memory_is_exact(dense_stories):
+    dense, ids = dense_stories
+    moe = upcycle_model(dense, num_experts=8, experts_per_token=2, expert_init={"method": "split", "granularity": 2})
+    assert moe.config.intermediate_size == 86
+    torch.testing.assert_close(logits(moe.eval(), ids), logits(dense, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_same_bytes_as_the_file_build(tiny_llama, tmp_path):
+    """One implementation: the in-memory experts are the file build's experts, byte for byte."""
+    init = {"method": "drop", "ratio": 0.5}
+    out = upcycle({"base_model": str(tiny_llama), "num_experts": 4, "gate_mode": "random", "seed": 3,
+                   "expert_init": init, "report_init_drift": False}, tmp_path / "moe").output
+    dense, _ = load(tiny_llama)
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init=init, seed=3)
+    experts = moe.model.layers[1].mlp.experts
+    for e in range(4):
+        w1, w3 = experts.gate_up_proj[e].detach().chunk(2, dim=0)
+        assert torch.equal(w1, file_expert(out, 1, e, "gate_proj"))
+        assert torch.equal(w3, file_expert(out, 1, e, "up_proj"))
+        assert torch.equal(experts.down_proj[e].detach(), file_expert(out, 1, e, "down_proj"))
+    assert torch.equal(moe.model.layers[0].mlp.gate.weight.detach(), read(out, "model.layers.0.block_sparse_moe.gate.weight"))
+
+
+def test_optimizer_step_on_expert_0_leaves_other_experts_unchanged(dense_stories):
+    dense, ids = dense_stories
+    dense_before = {k: v.clone() for k, v in dense.state_dict().items()}
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2)  # copy: experts start identical
+    experts = [layer.mlp.experts for layer in moe.model.layers]
+    before = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for m in experts]
+    mask = torch.zeros(4, 1, 1)
+    mask[0] = 1.0  # train expert 0 only
+    params = [p for m in experts for p in (m.gate_up_proj, m.down_proj)]
+    for p in params:
+        p.register_hook(lambda grad: grad * mask)
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    loss = moe.train()(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    moved = 0
+    for (gu0, d0), m in zip(before, experts):
+        moved += int(not torch.equal(m.gate_up_proj[0], gu0[0]))
+        assert torch.equal(m.gate_up_proj[1:], gu0[1:]) and torch.equal(m.down_proj[1:], d0[1:])
+    assert moved == len(experts)  # expert 0 trained in every layer ...
+    for k, v in dense.state_dict().items():  # ... and the dense model was never touched
+        assert torch.equal(v, dense_before[k]), k
+    # no MoE parameter shares storage with the dense model
+    dense_ptrs = {t.untyped_storage().data_ptr() for t in dense.state_dict().values()}
+    assert not dense_ptrs & {p.untyped_storage().data_ptr() for p in moe.parameters()}
+
+
+def test_full_training_step_changes_no_dense_weight(tiny_llama):
+    dense, ids = load(tiny_llama)
+    snapshot = {k: v.clone() for k, v in dense.state_dict().items()}
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=1, expert_init={"method": "noise", "scale": 0.01},
+                        router_jitter_noise=0.01, output_router_logits=True, router_aux_loss_coef=0.02)
+    assert (moe.config.router_jitter_noise, moe.config.output_router_logits) == (0.01, True)
+    out = moe.train()(input_ids=ids, labels=ids)
+    assert out.aux_loss is not None and torch.isfinite(out.loss)
+    out.loss.backward()
+    torch.optim.SGD(moe.parameters(), lr=0.1).step()
+    for k, v in dense.state_dict().items():
+        assert torch.equal(v, snapshot[k]), k
+
+
+def test_errors_name_the_argument(dense_stories):
+    dense, _ = dense_stories
+    with pytest.raises(ConfigError, match="gate: 'cheap_embed' is not available in memory"):
+        upcycle_model(dense, gate="cheap_embed")
+    with pytest.raises(ConfigError, match="experts_per_token is 5 but there are only 4 experts"):
+        upcycle_model(dense, num_experts=4, experts_per_token=5)
+    with pytest.raises(PlanError, match="granularity: 3 does not divide intermediate_size 172"):
+        upcycle_model(dense, num_experts=6, experts_per_token=3, expert_init={"method": "split", "granularity": 3})
