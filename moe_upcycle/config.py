@@ -88,7 +88,9 @@ class ExpertInit(_Strict):
     @model_validator(mode="after")
     def _fields_fit_method(self) -> "ExpertInit":
         used = {"noise": {"scale", "absolute"}, "drop": {"ratio"}, "split": {"granularity", "shuffle"}}
-        given = {k for k in self.model_fields_set if k != "method"}
+        # a key at its default value (as in a recorded recipe) is harmless; a set value is not
+        given = {k for k in self.model_fields_set
+                 if k != "method" and getattr(self, k) != type(self).model_fields[k].default}
         problems = [f"{k} is not used by method {self.method}; remove it" for k in sorted(given - used.get(self.method, set()))]
         if self.method == "noise" and self.scale is None:
             problems.append("method noise needs scale (e.g. scale: 0.01, relative to each matrix's std)")

@@ -79,3 +79,13 @@ def test_bf16_output_dtype(tiny_llama, tmp_path):
     assert cfg["dtype"] == "bfloat16" == cfg["torch_dtype"]
     with safe_open(str(result.output / result.shards[0]), "pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+
+
+def test_recorded_recipe_config_reloads(tiny_llama, tmp_path):
+    """moe_upcycle.json's resolved config (every default written out) is itself a valid config."""
+    from moe_upcycle import load_config
+
+    result = _upcycle_copy(tiny_llama, tmp_path / "moe", expert_init={"method": "drop", "ratio": 0.25})
+    recipe = json.loads((result.output / "moe_upcycle.json").read_text())
+    again = load_config(recipe["config"])
+    assert again == result.config and again.expert_init.ratio == 0.25
