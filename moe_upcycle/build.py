@@ -26,6 +26,7 @@ from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
 from .plan import Plan, Step, make_plan
 from .report import sharing_report
+from .shared_experts import shared_gate_rows
 from .source import Checkpoint, open_checkpoint
 from .writer import ShardedWriter, TensorSpec
 
@@ -124,11 +125,12 @@ def upcycle(
     check_target(target, force, [s.path for s in sources.values() if s.path])
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)
+    shared_gates = shared_gate_rows(config, plan, base)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
         writer = ShardedWriter(stage, specs, config.max_shard_size)
         try:
-            for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed):
+            for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed, shared_gates):
                 writer.write(step.name, tensor)
                 on_step(step, plan)
             writer.close()

@@ -28,6 +28,9 @@ DType = Literal["float32", "float16", "bfloat16"]
 TensorPolicy = Literal["share", "clone"]
 # mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `plan` says what it supports.
 Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek"]
+Layout = Literal["per_expert", "fused"]
+AttentionFrom = Literal["base", "average"]
+SharedExpertGate = Literal["constant", "prompts"]
 
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -74,6 +77,16 @@ class ExpertConfig(_Strict):
     negative_prompts: list[str] = Field(default_factory=list)
     noise_scale: Optional[float] = Field(default=None, ge=0)
     residual_scale: Optional[float] = None
+    # [start, end): this expert's FFN for output layer l is the source's layer start + l
+    layers: Optional[tuple[int, int]] = None
+
+    @field_validator("layers")
+    @classmethod
+    def _layer_range(cls, layers: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise ValueError(f"{list(layers)} is not a layer range; write [start, end) with 0 <= start < end, "
+                             f"e.g. [0, 24]")
+        return layers
 
     @field_validator("positive_prompts", "negative_prompts")
     @classmethod
@@ -106,6 +119,9 @@ class UpcycleConfig(_Strict):
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
     router_init_std: float = Field(default=0.02, gt=0)
     gate_scale: Optional[float] = Field(default=None, gt=0)
+    layout: Layout = "per_expert"
+    attention_from: AttentionFrom = "base"
+    shared_expert_gate: Optional[SharedExpertGate] = None
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -133,6 +149,10 @@ class UpcycleConfig(_Strict):
         dupes = sorted({x for x in names if names.count(x) > 1})
         if dupes:
             problems.append(f"experts: duplicate expert names {dupes}; give each expert its own name")
+        if self.shared_expert_gate == "prompts":
+            problems += [f"shared_experts[{i}].positive_prompts: shared_expert_gate: prompts needs at least one "
+                         f"prompt; add prompts or use shared_expert_gate: constant"
+                         for i, e in enumerate(self.shared_experts) if not e.positive_prompts]
         if problems:
             raise ValueError("; ".join(problems))
         return self

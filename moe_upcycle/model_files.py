@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .arch import config_fields
 from .names import output_layout
 from .plan import Plan
 
@@ -58,14 +59,13 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None) -> dict
     cfg.update(
         architectures=[layout.class_name],
         model_type=layout.model_type,
-        num_local_experts=len(plan.expert_names),
         num_experts_per_tok=plan.experts_per_token,
         router_aux_loss_coef=0.001 if router_aux_loss_coef is None else router_aux_loss_coef,
         output_router_logits=False,
-        router_jitter_noise=0.0,
         dtype=dtype,
         torch_dtype=dtype,
     )
+    cfg.update(config_fields(plan))  # per architecture: expert count/size keys, shared expert, biases
     return dict(sorted(cfg.items()))
 
 

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from . import names
-from .config import UpcycleConfig
+from . import arch, compat, fused, names, shared_experts
+from .config import ExpertConfig, UpcycleConfig
 from .errors import PlanError
 from .source import Checkpoint, TensorInfo
 
@@ -32,10 +32,16 @@ class Step:
     Attributes:
         name: output key.
         shape, dtype: as written.
-        kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot) or "router".
-        source: (model ref, key) read for it; None for routers (computed by `gates`).
+        kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot), "router",
+            "shared" (shared-expert matrix), "shared_gate" (computed by `shared_experts`),
+            "zeros" (written as zeros) or "average" (mean of its parts).
+        source: (model ref, key) read for it; None for routers, zeros and steps made of parts.
         layer, expert: indices where meaningful.
         transforms: per-slot modifications, e.g. (("noise", 0.01),); a slot with any is cloned.
+        parts: the steps this tensor is made of: averaged ("average"), or concatenated along
+            `part_dim` and reshaped to `shape` (fused experts, several shared experts).
+        part_dim: the concatenation dimension of `parts`; 0 means each part's bytes simply follow
+            the previous part's, so the writer can stream them one at a time.
     """
 
     name: str
@@ -46,10 +52,16 @@ class Step:
     layer: Optional[int] = None
     expert: Optional[int] = None
     transforms: tuple[tuple[str, float], ...] = ()
+    parts: tuple["Step", ...] = ()
+    part_dim: int = 0
 
     @property
     def nbytes(self) -> int:
         return TensorInfo(self.name, self.shape, self.dtype, "").nbytes
+
+    def leaves(self) -> tuple["Step", ...]:
+        """The steps that read sources: itself, or its parts."""
+        return tuple(leaf for part in self.parts for leaf in part.leaves()) if self.parts else (self,)
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,8 @@ class Plan:
     base_config: dict
     tied_embeddings: bool
     notes: tuple[str, ...] = field(default=())
+    layout: str = "per_expert"
+    shared_expert_names: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -73,9 +87,13 @@ class Plan:
     def num_layers(self) -> int:
         return int(self.base_config["num_hidden_layers"])
 
+    def leaf_steps(self) -> list[Step]:
+        """Every step that reads a source or is computed, with fused/averaged steps expanded into their parts."""
+        return [leaf for s in self.steps for leaf in s.leaves()]
+
     def source_uses(self) -> Counter:
-        """How many output tensors each (model, key) feeds."""
-        return Counter(s.source for s in self.steps if s.source is not None)
+        """How many output tensors (or parts of them) each (model, key) feeds."""
+        return Counter(s.source for s in self.leaf_steps() if s.source is not None)
 
 
 def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
@@ -95,34 +113,10 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     problems: list[str] = []
     base = sources[config.base_model]
     experts = config.expert_list()
-    try:
-        names.input_family(base.model_type, f"base_model ({config.base_model})")
-    except PlanError as exc:
-        raise PlanError(*exc.problems) from None
-    arch = config.architecture or "mixtral"
-    if arch == "qwen":
-        arch = "qwen2_moe"
-    try:
-        layout = names.output_layout(arch)
-    except PlanError as exc:
-        raise PlanError(*exc.problems) from None
-    if config.shared_experts:
-        problems.append(f"shared_experts: the {arch} architecture has no shared experts; remove them "
-                        f"(shared experts need architecture: qwen2_moe)")
-
+    layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
+    arch_name = layout.model_type
+    problems += compat.source_problems(config, sources)
     bcfg = base.config
-    for i, expert in enumerate(experts):
-        src = sources[expert.source_model]
-        if src is base:
-            continue
-        label = f"experts[{i}] ({expert.source_model})"
-        if src.model_type != base.model_type:
-            problems.append(f"{label}: model_type {src.model_type!r} differs from base_model's {base.model_type!r}; "
-                            f"experts must be fine-tunes of the same family as base_model")
-        for key in SHAPE_FIELDS:
-            if src.config.get(key) != bcfg.get(key):
-                problems.append(f"{label}: {key} is {src.config.get(key)} but base_model "
-                                f"{config.base_model} has {bcfg.get(key)}; experts must have the base's shape")
 
     dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base)
     tied = bool(bcfg.get("tie_word_embeddings", False))
@@ -138,7 +132,12 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
 
     def copy(key: str) -> None:
         info = need(base, key, f"base_model ({config.base_model})")
-        if info:
+        if info and config.attention_from == "average":  # Branch-Train-MiX: mean over the expert sources
+            refs = compat.average_sources(config)
+            parts = tuple(Step(key, info.shape, dtype, "copy", (ref, key), names.split_layer(key)[1]) for ref in refs
+                          if key in sources[ref].tensors)  # a missing one is reported by compat
+            steps.append(Step(key, info.shape, dtype, "average", None, names.split_layer(key)[1], parts=parts))
+        elif info:
             steps.append(Step(key, info.shape, dtype, "copy", (config.base_model, key), names.split_layer(key)[1]))
 
     # Sort base tensors into top-level, per-layer allowed, MLP, and ones the output cannot hold.
@@ -156,15 +155,16 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         suffix = template.removeprefix("model.layers.{layer}.")
         if suffix.startswith("mlp."):
             if not any(suffix == f"mlp.{p}.weight" for p in names.PROJS):
-                problems.append(f"base_model: tensor {key!r} ({suffix}) cannot be placed in {arch} experts, "
+                problems.append(f"base_model: tensor {key!r} ({suffix}) cannot be placed in {arch_name} experts, "
                                 f"which have no MLP biases; it would be silently dropped, so the build stops")
             continue
-        if suffix not in layout.layer_tensors:
-            problems.append(f"base_model: tensor {key!r} has no place in the {arch} architecture "
+        if not layout.holds(suffix):
+            problems.append(f"base_model: tensor {key!r} has no place in the {arch_name} architecture "
                             f"(it holds only {', '.join(layout.layer_tensors)}); it would be dropped, so the build stops")
             continue
         per_layer[layer].append(key)
 
+    has_bias = any(f"model.layers.{layer}.{b}" in base.tensors for layer in per_layer for b in layout.bias_tensors)
     copy(names.EMBED)
     for layer in range(n_layers):
         for suffix in layout.layer_tensors:
@@ -173,33 +173,52 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                 need(base, key, f"base_model ({config.base_model})")
         for key in per_layer[layer]:
             copy(key)
+        for bias in layout.bias_tensors:  # zero biases where the output has them and the base does not
+            key, weight = f"model.layers.{layer}.{bias}", f"model.layers.{layer}.{bias[:-len('bias')]}weight"
+            if (layout.biases_always or has_bias) and key not in base.tensors and weight in base.tensors:
+                steps.append(Step(key, base.tensors[weight].shape[:1], dtype, "zeros", layer=layer))
         hidden = int(bcfg["hidden_size"])
         steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), hidden), dtype, "router",
                           layer=layer))
         for proj in names.PROJS:
             for e, expert in enumerate(experts):
                 src = sources[expert.source_model]
-                key = names.fill(names.DENSE_MLP, layer=layer, proj=proj)
+                key = names.fill(names.DENSE_MLP, layer=source_layer(expert, layer), proj=proj)
                 info = need(src, key, f"experts[{e}] ({expert.source_model})")
                 if info is None:
                     continue
-                transforms: list[tuple[str, float]] = []
-                if expert.noise_scale:
-                    transforms.append(("noise", float(expert.noise_scale)))
-                if expert.residual_scale is not None and proj == "down_proj" and expert.residual_scale != 1.0:
-                    transforms.append(("scale", float(expert.residual_scale)))
                 steps.append(Step(names.fill(layout.expert[proj], layer=layer, expert=e), info.shape, dtype,
-                                  "expert", (expert.source_model, key), layer, e, tuple(transforms)))
+                                  "expert", (expert.source_model, key), layer, e, slot_transforms(expert, proj)))
+        steps += shared_experts.plan_steps(config, sources, layout, layer, dtype, problems)
     copy("model.norm.weight")
     if not tied:
         copy(names.LM_HEAD)
     elif names.LM_HEAD in base.tensors:
         notes.append("lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written once")
 
+    if config.layout == "fused" and not problems:
+        steps = fused.fuse_experts(steps, layout, len(experts))
+    notes += shared_experts.exactness_notes(config, layout)
     if problems:
         raise PlanError(*_dedupe(problems))
-    return Plan(arch, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
-                dict(bcfg), tied, tuple(notes))
+    return Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
+                dict(bcfg), tied, tuple(notes), config.layout,
+                tuple(e.name or f"shared_{i}" for i, e in enumerate(config.shared_experts)))
+
+
+def source_layer(expert: ExpertConfig, layer: int) -> int:
+    """The source layer feeding output `layer` (shifted by the expert's `layers: [start, end)`)."""
+    return layer + (expert.layers[0] if expert.layers else 0)
+
+
+def slot_transforms(expert: ExpertConfig, proj: str) -> tuple[tuple[str, float], ...]:
+    """Per-slot modifications of one FFN matrix: mergekit's noise_scale and residual_scale (down_proj only)."""
+    transforms: list[tuple[str, float]] = []
+    if expert.noise_scale:
+        transforms.append(("noise", float(expert.noise_scale)))
+    if expert.residual_scale is not None and proj == "down_proj" and expert.residual_scale != 1.0:
+        transforms.append(("scale", float(expert.residual_scale)))
+    return tuple(transforms)
 
 
 def _base_dtype(base: Checkpoint) -> torch.dtype:
