@@ -122,7 +122,8 @@ def config_fields(plan: "Plan") -> dict:
     fields[layout.experts_key] = len(plan.expert_names)
     fields[layout.expert_size_key] = gate0.shape[0] if gate0 else base["intermediate_size"]
     if layout.shared_expert:
-        shared = leaves.get(names.fill(layout.shared_expert["gate_proj"], layer=0))
+        top = {s.name: s for s in plan.steps}  # several shared experts are one step made of parts
+        shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=0))
         fields["shared_expert_intermediate_size"] = shared.shape[0] if shared else 0
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)

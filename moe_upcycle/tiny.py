@@ -96,7 +96,7 @@ def make_finetune(base: Path, folder: Path, seed: int, scale: float = 0.02, laye
 
     Args:
         seed: noise seed (different seeds → different "fine-tunes").
-        scale: noise std relative to each tensor's own std.
+        scale: noise std relative to each tensor's own std (absolute for constant tensors such as norms).
         layers: if given, the copy is made that deep by repeating the base's layers in order
             (a stand-in for a deeper model of the same family, for ``layers:`` slices).
     """
@@ -124,7 +124,8 @@ def make_finetune(base: Path, folder: Path, seed: int, scale: float = 0.02, laye
     gen = torch.Generator().manual_seed(seed)
     for key in sorted(state):
         t = state[key]
-        noise = torch.randn(t.shape, generator=gen) * float(t.float().std().nan_to_num(1.0)) * scale
+        std = float(t.float().std().nan_to_num(0.0)) if t.numel() > 1 else 0.0
+        noise = torch.randn(t.shape, generator=gen) * (std or 1.0) * scale  # constant tensors (norms) move too
         state[key] = (t.float() + noise).to(t.dtype).contiguous()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
