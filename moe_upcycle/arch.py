@@ -46,6 +46,8 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
     """
     out: list[tuple[str, str]] = []
     suffixes = [s for s in layer_suffixes(base) if not s.endswith(("rotary_emb.inv_freq",))]
+    order = list(names.TENSOR_GROUPS)  # name a group by its first member (q_proj before k_proj), not file order
+    suffixes.sort(key=lambda s: order.index(s) if s in order else len(order))
     seen_groups: set[str] = set()
     for suffix in suffixes:
         if suffix.startswith("mlp."):

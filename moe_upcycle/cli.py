@@ -85,10 +85,21 @@ def print_plan(result) -> None:
     for template, steps in groups.items():
         s = steps[0]
         table.add_row(template, str(len(steps)), "x".join(map(str, s.shape)), s.kind,
-                      s.source[1] if s.source else "gates", human_bytes(sum(x.nbytes for x in steps)))
+                      _source_label(s), human_bytes(sum(x.nbytes for x in steps)))
     out.print(table)
     for line in result.sharing + list(plan.notes):
         out.print(line, highlight=False)
+
+
+def _source_label(step) -> str:
+    """What a plan row is made from: a source key, its parts (fused, averaged), zeros or gates."""
+    if step.source:
+        return step.source[1]
+    if step.kind == "average":
+        return f"mean of {len(step.parts)} models"
+    if step.parts:
+        return f"{len(step.parts)} slots"
+    return "zeros" if step.kind == "zeros" else "gates"
 
 
 @app.command()

@@ -116,6 +116,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
     arch_name = layout.model_type
     problems += compat.source_problems(config, sources)
+    if problems:  # per-tensor checks of sources that do not fit would only repeat these
+        raise PlanError(*problems)
     bcfg = base.config
 
     dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base)
