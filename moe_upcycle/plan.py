@@ -22,7 +22,6 @@ from .source import Checkpoint, TensorInfo
 STR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # buffers some old .bin checkpoints carry; transformers recomputes them
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)

@@ -240,3 +240,15 @@ def test_cli_dry_run_shows_fused_tensors(tiny_qwen2, write_yaml):
     rows = [line for line in result.output.splitlines() if "2x256x64" in line]  # (E, 2I, H)
     assert "qwen2_moe" in result.output and len(rows) == 1 and "4 slots" in rows[0] and "expert" in rows[0]
     assert any("2x64x128" in line and "2 slots" in line for line in result.output.splitlines())  # (E, H, I)
+
+
+def test_mergekit_qwen_alias_means_qwen2_moe():
+    config = load_config({"base_model": "llama", "num_experts": 2, "gate_mode": "random", "architecture": "qwen",
+                          "shared_experts": [{"source_model": "llama"}]})
+    plan = make_plan(config, {"llama": meta("llama")})
+    assert plan.architecture == "qwen2_moe"
+    assert {s.name for s in plan.steps if s.layer == 0 and s.kind in ("shared", "zeros")} == {
+        "model.layers.0.mlp.shared_expert.gate_proj.weight", "model.layers.0.mlp.shared_expert.up_proj.weight",
+        "model.layers.0.mlp.shared_expert.down_proj.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+        "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
+        "model.layers.0.self_attn.v_proj.bias"}
