@@ -28,6 +28,7 @@ from .output_dir import check_target, staged_output
 from .plan import Plan, Step, make_plan
 from .plan_report import PlanSummary, check_free_disk, summarize
 from .report import sharing_report
+from .shared_experts import shared_gate_rows
 from .source import Checkpoint, open_checkpoint
 from .writer import ShardedWriter, TensorSpec
 
@@ -149,11 +150,12 @@ def upcycle(
     check_free_disk(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)
+    shared_gates = shared_gate_rows(config, plan, base)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
         writer = ShardedWriter(stage, specs, config.max_shard_size)
         try:
-            for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed):
+            for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed, shared_gates):
                 writer.write(step.name, tensor)
                 on_step(step, plan)
             writer.close()

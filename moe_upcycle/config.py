@@ -29,6 +29,9 @@ TensorPolicy = Literal["share", "clone"]
 InitMethod = Literal["copy", "noise", "drop", "split"]
 # mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `plan` says what it supports.
 Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek"]
+Layout = Literal["per_expert", "fused"]
+AttentionFrom = Literal["base", "average"]
+SharedExpertGate = Literal["constant", "prompts"]
 
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -111,6 +114,16 @@ class ExpertConfig(_Strict):
     noise_scale: Optional[float] = Field(default=None, ge=0)
     residual_scale: Optional[float] = None
     expert_init: Optional[ExpertInit] = None  # overrides the config's expert_init for this expert
+    # [start, end): this expert's FFN for output layer l is the source's layer start + l
+    layers: Optional[tuple[int, int]] = None
+
+    @field_validator("layers")
+    @classmethod
+    def _layer_range(cls, layers: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise ValueError(f"{list(layers)} is not a layer range; write [start, end) with 0 <= start < end, "
+                             f"e.g. [0, 24]")
+        return layers
 
     @field_validator("positive_prompts", "negative_prompts")
     @classmethod
@@ -147,6 +160,9 @@ class UpcycleConfig(_Strict):
     router_jitter_noise: float = Field(default=0.0, ge=0, lt=1)
     output_router_logits: bool = False
     report_init_drift: Optional[bool] = None  # None: measure for non-copy inits of outputs up to 2 GB (drift.py)
+    layout: Layout = "per_expert"
+    attention_from: AttentionFrom = "base"
+    shared_expert_gate: Optional[SharedExpertGate] = None
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -185,6 +201,10 @@ class UpcycleConfig(_Strict):
             if e.expert_init is not None and e.noise_scale:
                 problems.append(f"experts[{i}]: noise_scale and expert_init are both given; noise_scale: s is "
                                 f"expert_init: {{method: noise, scale: s, absolute: true}}, keep one")
+        if self.shared_expert_gate == "prompts":
+            problems += [f"shared_experts[{i}].positive_prompts: shared_expert_gate: prompts needs at least one "
+                         f"prompt; add prompts or use shared_expert_gate: constant"
+                         for i, e in enumerate(self.shared_experts) if not e.positive_prompts]
         if problems:
             raise ValueError("\n".join(problems))
         return self

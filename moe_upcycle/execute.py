@@ -9,18 +9,25 @@ The executor is the only place that touches tensor bytes. Storage policy:
 
 A slot with transforms (noise, residual scale, the `inits` methods) is always an independent copy,
 whatever the policy.
+
+Steps made of parts: "average" is the fp32 mean of its parts; parts concatenated along dim 0
+(fused experts) are handed to the writer as a lazy `TensorParts`, read and written one part at a
+time, so a stacked (E, 2I, H) tensor is never held; other concatenations (several shared
+experts' down_proj columns) are built with ``torch.cat``. "zeros" steps are zeros.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Optional, Union
 
 import torch
 
 from . import inits
 from .plan import Plan, Step
+from .shared_experts import shared_gate
 from .source import Checkpoint
+from .writer import TensorParts
 
 
 def slot_generator(seed: int, step: Step) -> torch.Generator:
@@ -50,8 +57,12 @@ def iter_tensors(
     gates: dict[int, torch.Tensor],
     policy: Literal["share", "clone"] = "share",
     seed: int = 0,
-) -> Iterator[tuple[Step, torch.Tensor]]:
+    shared_gates: Optional[dict[int, torch.Tensor]] = None,
+) -> Iterator[tuple[Step, Union[torch.Tensor, TensorParts]]]:
     """Yield (step, tensor) for every planned output tensor, in plan order.
+
+    A fused step yields a `TensorParts`, which reads its parts as it is consumed: consume it
+    (``writer.write`` or ``.materialize()``) before advancing the iterator.
 
     Args:
         plan: from `make_plan`.
@@ -59,26 +70,47 @@ def iter_tensors(
         gates: layer -> router weights (num_experts, hidden).
         policy: "share" or "clone" (see module doc).
         seed: seeds per-slot transforms.
+        shared_gates: layer -> shared-expert gate (1, hidden), for "shared_gate" steps.
     """
     remaining = plan.source_uses()
     cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    def slot(step: Step) -> torch.Tensor:
+        src = step.source
+        base = cache.get(src)
+        if base is None:
+            base = sources[src[0]].read(src[1]).to(step.dtype)
+            cache[src] = base
+        remaining[src] -= 1
+        if remaining[src] == 0:
+            del cache[src]
+        if step.transforms:
+            return apply_transforms(base, step, seed).to(step.dtype)
+        if policy == "clone" and step.kind in ("expert", "shared"):
+            return base.clone()
+        return base
+
+    def streamed(parts: tuple[Step, ...]) -> Iterator[torch.Tensor]:
+        for part in parts:
+            yield slot(part)
+
     with torch.inference_mode():
         for step in plan.steps:
             if step.kind == "router":
                 tensor = gates[step.layer].to(step.dtype)
+            elif step.kind == "shared_gate":
+                tensor = shared_gate(shared_gates, step).to(step.dtype)
+            elif step.kind == "zeros":
+                tensor = torch.zeros(step.shape, dtype=step.dtype)
+            elif step.kind == "average":  # fp32 mean, one part in memory at a time
+                total = torch.zeros(step.shape, dtype=torch.float32)
+                for part in step.parts:
+                    total += slot(part).float()
+                tensor = (total / len(step.parts)).to(step.dtype)
+            elif step.parts and step.part_dim == 0:
+                tensor = TensorParts(step.shape, step.dtype, streamed(step.parts))
+            elif step.parts:
+                tensor = torch.cat([slot(part) for part in step.parts], dim=step.part_dim)
             else:
-                src = step.source
-                base = cache.get(src)
-                if base is None:
-                    base = sources[src[0]].read(src[1]).to(step.dtype)
-                    cache[src] = base
-                remaining[src] -= 1
-                if remaining[src] == 0:
-                    del cache[src]
-                if step.transforms:
-                    tensor = apply_transforms(base, step, seed).to(step.dtype)
-                elif policy == "clone" and step.kind == "expert":
-                    tensor = base.clone()
-                else:
-                    tensor = base
+                tensor = slot(step)
             yield step, tensor

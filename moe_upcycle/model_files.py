@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .arch import config_fields
 from .names import output_layout
 from .plan import Plan
 
@@ -38,7 +39,7 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
     """The output config.json as a dict.
 
     Args:
-        plan: the build plan (its `expert_intermediate_size` replaces `intermediate_size` for split experts).
+        plan: the build plan (expert sizes are read from its planned tensors, so split experts are described as written).
         router_aux_loss_coef: load-balancing loss weight (None: 0.001, Mixtral's default).
         router_jitter_noise: multiplicative jitter on router inputs during training (0: off).
         output_router_logits: return router logits (and add the aux loss) in training forward passes.
@@ -65,16 +66,15 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
     cfg.update(
         architectures=[layout.class_name],
         model_type=layout.model_type,
-        num_local_experts=len(plan.expert_names),
         num_experts_per_tok=plan.experts_per_token,
         router_aux_loss_coef=0.001 if router_aux_loss_coef is None else router_aux_loss_coef,
         output_router_logits=output_router_logits,
-        router_jitter_noise=router_jitter_noise,
         dtype=dtype,
         torch_dtype=dtype,
     )
-    if plan.expert_intermediate_size is not None:
-        cfg["intermediate_size"] = plan.expert_intermediate_size
+    cfg.update(config_fields(plan))  # per architecture: expert count/size keys, shared expert, biases
+    if "router_jitter_noise" in cfg:
+        cfg["router_jitter_noise"] = router_jitter_noise
     return dict(sorted(cfg.items()))
 
 

@@ -14,15 +14,14 @@ from typing import Any, Optional
 
 import torch
 
-from . import inits, names
-from .config import UpcycleConfig
+from . import arch, compat, fused, inits, names, shared_experts
+from .config import ExpertConfig, UpcycleConfig
 from .errors import PlanError
 from .source import Checkpoint, TensorInfo
 
 STR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # buffers some old .bin checkpoints carry; transformers recomputes them
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -32,11 +31,17 @@ class Step:
     Attributes:
         name: output key.
         shape, dtype: as written.
-        kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot) or "router".
-        source: (model ref, key) read for it; None for routers (computed by `gates`).
+        kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot), "router",
+            "shared" (shared-expert matrix), "shared_gate" (computed by `shared_experts`),
+            "zeros" (written as zeros) or "average" (mean of its parts).
+        source: (model ref, key) read for it; None for routers, zeros and steps made of parts.
         layer, expert: indices where meaningful.
         transforms: per-slot modifications, e.g. (("noise", 0.01),) or `inits` ones such as
             ("slice", inits.Slice(...)); a slot with any is cloned.
+        parts: the steps this tensor is made of: averaged ("average"), or concatenated along
+            `part_dim` and reshaped to `shape` (fused experts, several shared experts).
+        part_dim: the concatenation dimension of `parts`; 0 means each part's bytes simply follow
+            the previous part's, so the writer can stream them one at a time.
     """
 
     name: str
@@ -47,10 +52,16 @@ class Step:
     layer: Optional[int] = None
     expert: Optional[int] = None
     transforms: tuple[tuple[str, Any], ...] = ()
+    parts: tuple["Step", ...] = ()
+    part_dim: int = 0
 
     @property
     def nbytes(self) -> int:
         return TensorInfo(self.name, self.shape, self.dtype, "").nbytes
+
+    def leaves(self) -> tuple["Step", ...]:
+        """The steps that read sources: itself, or its parts."""
+        return tuple(leaf for part in self.parts for leaf in part.leaves()) if self.parts else (self,)
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,8 @@ class Plan:
     tied_embeddings: bool
     notes: tuple[str, ...] = field(default=())
     expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
+    layout: str = "per_expert"
+    shared_expert_names: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -75,9 +88,13 @@ class Plan:
     def num_layers(self) -> int:
         return int(self.base_config["num_hidden_layers"])
 
+    def leaf_steps(self) -> list[Step]:
+        """Every step that reads a source or is computed, with fused/averaged steps expanded into their parts."""
+        return [leaf for s in self.steps for leaf in s.leaves()]
+
     def source_uses(self) -> Counter:
-        """How many output tensors each (model, key) feeds."""
-        return Counter(s.source for s in self.steps if s.source is not None)
+        """How many output tensors (or parts of them) each (model, key) feeds."""
+        return Counter(s.source for s in self.leaf_steps() if s.source is not None)
 
 
 def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
@@ -97,34 +114,12 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     problems: list[str] = []
     base = sources[config.base_model]
     experts = config.expert_list()
-    try:
-        names.input_family(base.model_type, f"base_model ({config.base_model})")
-    except PlanError as exc:
-        raise PlanError(*exc.problems) from None
-    arch = config.architecture or "mixtral"
-    if arch == "qwen":
-        arch = "qwen2_moe"
-    try:
-        layout = names.output_layout(arch)
-    except PlanError as exc:
-        raise PlanError(*exc.problems) from None
-    if config.shared_experts:
-        problems.append(f"shared_experts: the {arch} architecture has no shared experts; remove them "
-                        f"(shared experts need architecture: qwen2_moe)")
-
+    layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
+    arch_name = layout.model_type
+    problems += compat.source_problems(config, sources)
+    if problems:  # per-tensor checks of sources that do not fit would only repeat these
+        raise PlanError(*problems)
     bcfg = base.config
-    for i, expert in enumerate(experts):
-        src = sources[expert.source_model]
-        if src is base:
-            continue
-        label = f"experts[{i}] ({expert.source_model})"
-        if src.model_type != base.model_type:
-            problems.append(f"{label}: model_type {src.model_type!r} differs from base_model's {base.model_type!r}; "
-                            f"experts must be fine-tunes of the same family as base_model")
-        for key in SHAPE_FIELDS:
-            if src.config.get(key) != bcfg.get(key):
-                problems.append(f"{label}: {key} is {src.config.get(key)} but base_model "
-                                f"{config.base_model} has {bcfg.get(key)}; experts must have the base's shape")
 
     g = inits.granularity(config)
     init_of = inits.expert_inits(config)
@@ -146,7 +141,12 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
 
     def copy(key: str) -> None:
         info = need(base, key, f"base_model ({config.base_model})")
-        if info:
+        if info and config.attention_from == "average":  # Branch-Train-MiX: mean over the expert sources
+            refs = compat.average_sources(config)
+            parts = tuple(Step(key, info.shape, dtype, "copy", (ref, key), names.split_layer(key)[1]) for ref in refs
+                          if key in sources[ref].tensors)  # a missing one is reported by compat
+            steps.append(Step(key, info.shape, dtype, "average", None, names.split_layer(key)[1], parts=parts))
+        elif info:
             steps.append(Step(key, info.shape, dtype, "copy", (config.base_model, key), names.split_layer(key)[1]))
 
     # Sort base tensors into top-level, per-layer allowed, MLP, and ones the output cannot hold.
@@ -164,15 +164,16 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         suffix = template.removeprefix("model.layers.{layer}.")
         if suffix.startswith("mlp."):
             if not any(suffix == f"mlp.{p}.weight" for p in names.PROJS):
-                problems.append(f"base_model: tensor {key!r} ({suffix}) cannot be placed in {arch} experts, "
+                problems.append(f"base_model: tensor {key!r} ({suffix}) cannot be placed in {arch_name} experts, "
                                 f"which have no MLP biases; it would be silently dropped, so the build stops")
             continue
-        if suffix not in layout.layer_tensors:
-            problems.append(f"base_model: tensor {key!r} has no place in the {arch} architecture "
+        if not layout.holds(suffix):
+            problems.append(f"base_model: tensor {key!r} has no place in the {arch_name} architecture "
                             f"(it holds only {', '.join(layout.layer_tensors)}); it would be dropped, so the build stops")
             continue
         per_layer[layer].append(key)
 
+    has_bias = any(f"model.layers.{layer}.{b}" in base.tensors for layer in per_layer for b in layout.bias_tensors)
     copy(names.EMBED)
     for layer in range(n_layers):
         for suffix in layout.layer_tensors:
@@ -181,13 +182,17 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                 need(base, key, f"base_model ({config.base_model})")
         for key in per_layer[layer]:
             copy(key)
+        for bias in layout.bias_tensors:  # zero biases where the output has them and the base does not
+            key, weight = f"model.layers.{layer}.{bias}", f"model.layers.{layer}.{bias[:-len('bias')]}weight"
+            if (layout.biases_always or has_bias) and key not in base.tensors and weight in base.tensors:
+                steps.append(Step(key, base.tensors[weight].shape[:1], dtype, "zeros", layer=layer))
         hidden = int(bcfg["hidden_size"])
         steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), hidden), dtype, "router",
                           layer=layer))
         for proj in names.PROJS:
             for e, expert in enumerate(experts):
                 src = sources[expert.source_model]
-                key = names.fill(names.DENSE_MLP, layer=layer, proj=proj)
+                key = names.fill(names.DENSE_MLP, layer=source_layer(expert, layer), proj=proj)
                 info = need(src, key, f"experts[{e}] ({expert.source_model})")
                 if info is None:
                     continue
@@ -197,6 +202,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                 shape = inits.sliced_shape(info.shape, proj, g)
                 steps.append(Step(names.fill(layout.expert[proj], layer=layer, expert=e), shape, dtype,
                                   "expert", (expert.source_model, key), layer, e, tuple(transforms)))
+        steps += shared_experts.plan_steps(config, sources, layout, layer, dtype, problems)
     copy("model.norm.weight")
     if not tied:
         copy(names.LM_HEAD)
@@ -208,10 +214,30 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         notes += inits.split_notes(len(experts), config.experts_per_token, g, groups, dense_i, config.gate_mode,
                                    dtype.itemsize)
     notes += inits.describe(init_of, dense_i)
+    if config.layout == "fused" and not problems:
+        steps = fused.fuse_experts(steps, layout, len(experts))
+    notes += shared_experts.exactness_notes(config, layout)
     if problems:
         raise PlanError(*_dedupe(problems))
-    return Plan(arch, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
-                dict(bcfg), tied, tuple(notes), dense_i // g if g > 1 else None)
+    return Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
+                dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
+                layout=config.layout,
+                shared_expert_names=tuple(e.name or f"shared_{i}" for i, e in enumerate(config.shared_experts)))
+
+
+def source_layer(expert: ExpertConfig, layer: int) -> int:
+    """The source layer feeding output `layer` (shifted by the expert's `layers: [start, end)`)."""
+    return layer + (expert.layers[0] if expert.layers else 0)
+
+
+def mergekit_transforms(expert: ExpertConfig, proj: str) -> tuple[tuple[str, float], ...]:
+    """A shared expert's modifications: mergekit's noise_scale and residual_scale (down_proj only)."""
+    transforms: list[tuple[str, float]] = []
+    if expert.noise_scale:
+        transforms.append(("noise", float(expert.noise_scale)))
+    if expert.residual_scale is not None and proj == "down_proj" and expert.residual_scale != 1.0:
+        transforms.append(("scale", float(expert.residual_scale)))
+    return tuple(transforms)
 
 
 def _base_dtype(base: Checkpoint) -> torch.dtype:

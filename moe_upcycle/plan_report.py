@@ -23,7 +23,7 @@ from .card import parameter_counts
 from .config import UpcycleConfig
 from .errors import OutputError
 from .model_files import TOKENIZER_FILES
-from .plan import Plan
+from .plan import Plan, Step
 from .report import human_bytes
 from .source import Checkpoint
 from .writer import TensorSpec, assign_shards
@@ -94,10 +94,20 @@ def components(plan: Plan) -> list[Component]:
     rows = []
     for template, steps in groups.items():
         s = steps[0]
-        source = names.split_layer(s.source[1])[0] if s.source else "gates"
-        rows.append(Component(template, len(steps), s.shape, s.kind, source,
+        rows.append(Component(template, len(steps), s.shape, s.kind, source_label(s),
                               sum(_numel(x.shape) for x in steps), sum(x.nbytes for x in steps)))
     return rows
+
+
+def source_label(step: Step) -> str:
+    """What a plan row is made from: a source key template, its parts (fused, averaged), zeros or gates."""
+    if step.source:
+        return names.split_layer(step.source[1])[0]
+    if step.kind == "average":
+        return f"mean of {len(step.parts)} models"
+    if step.parts:
+        return f"{len(step.parts)} slots"
+    return "zeros" if step.kind == "zeros" else "gates"
 
 
 def gate_bytes(plan: Plan) -> int:
@@ -130,7 +140,7 @@ def estimate_build_peak(plan: Plan, config: UpcycleConfig, sources: dict[str, Ch
     copy plus the result, or for ``tensor_policy: clone`` one more copy.
     """
     worst = 0
-    for step in plan.steps:
+    for step in plan.leaf_steps():
         if step.source is None:
             continue
         info = sources[step.source[0]].tensors[step.source[1]]

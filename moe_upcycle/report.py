@@ -25,7 +25,7 @@ def sharing_report(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> l
         Lines for the console (empty when nothing is shared).
     """
     lines: list[str] = []
-    slots = [s for s in plan.steps if s.kind == "expert"]
+    slots = [s for s in plan.leaf_steps() if s.kind == "expert"]
     modified = [s for s in slots if s.transforms]
     plain = [s for s in slots if not s.transforms]
     groups: dict[tuple[str, str], list] = {}

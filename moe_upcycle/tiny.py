@@ -1,8 +1,10 @@
 """Tiny dense models on disk, for the demo, tests and benchmarks.
 
-`make_dense_model` writes a randomly initialised (seeded) Llama or Mistral in Hugging Face format
-with a small trained BPE tokenizer, as safetensors (single or sharded) or as a ``.bin`` whose tied
-weights share storage. It is not a model zoo: shapes are whatever the caller asks for.
+`make_dense_model` writes a randomly initialised (seeded) Llama, Mistral, Qwen2, Qwen3 (any
+AutoConfig model_type) in Hugging Face format with a small trained BPE tokenizer, as safetensors
+(single or sharded) or as a ``.bin`` whose tied weights share storage. `make_finetune` writes a
+perturbed copy of one, a stand-in for a fine-tune in frankenMoE tests. It is not a model zoo:
+shapes are whatever the caller asks for.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def make_dense_model(
     fmt: str = "safetensors",
     max_shard_size: Optional[str] = None,
     tokenizer: bool = True,
+    random_norms_and_biases: bool = False,
     **overrides,
 ) -> Path:
     """Write a tiny random dense model to `folder` and return it.
@@ -58,7 +61,9 @@ def make_dense_model(
         seed: init seed (same seed → same weights).
         fmt: "safetensors" or "bin" (``pytorch_model.bin``; tied weights share storage in it).
         max_shard_size: e.g. "20KB" to get a sharded checkpoint with an index.
-        overrides: config fields replacing TINY_DIMS (e.g. num_hidden_layers=3).
+        random_norms_and_biases: replace the init's constant norm weights (ones) and biases
+            (zeros) by seeded random values, so a test can tell a copied norm or bias from a fresh one.
+        overrides: config fields replacing TINY_DIMS (e.g. num_hidden_layers=3, attention_bias=True).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,9 +71,15 @@ def make_dense_model(
     folder.mkdir(parents=True, exist_ok=True)
     dims = {**TINY_DIMS, "vocab_size": TINY_VOCAB, "initializer_range": 0.1, "bos_token_id": 1,
             "eos_token_id": 2, **overrides}
+    dims.setdefault("head_dim", dims["hidden_size"] // dims["num_attention_heads"])  # Qwen3's default is 128
     config = AutoConfig.for_model(family, tie_word_embeddings=tie_word_embeddings, **dims)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    if random_norms_and_biases:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.1)
     if fmt == "bin":
         config.save_pretrained(str(folder))
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
@@ -77,4 +88,50 @@ def make_dense_model(
         model.save_pretrained(str(folder), **kwargs)
     if tokenizer:
         make_tokenizer(folder, dims["vocab_size"])
+    return folder
+
+
+def make_finetune(base: Path, folder: Path, seed: int, scale: float = 0.02, layers: Optional[int] = None) -> Path:
+    """Write a copy of the dense model `base` with every tensor perturbed: a stand-in fine-tune.
+
+    Args:
+        seed: noise seed (different seeds → different "fine-tunes").
+        scale: noise std relative to each tensor's own std (absolute for constant tensors such as norms).
+        layers: if given, the copy is made that deep by repeating the base's layers in order
+            (a stand-in for a deeper model of the same family, for ``layers:`` slices).
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, folder = Path(base), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((base / "config.json").read_text())
+    state = load_file(str(base / "model.safetensors"))
+    n = config["num_hidden_layers"]
+    if layers is not None:
+        prefix = "model.layers."
+        out = {k: v for k, v in state.items() if not k.startswith(prefix)}
+        for k, v in state.items():
+            if k.startswith(prefix):
+                i, rest = k[len(prefix):].split(".", 1)
+                for j in range(int(i), layers, n):
+                    out[f"{prefix}{j}.{rest}"] = v.clone()
+        state, config["num_hidden_layers"] = out, layers
+        if "layer_types" in config:
+            config["layer_types"] = [config["layer_types"][j % n] for j in range(layers)]
+    gen = torch.Generator().manual_seed(seed)
+    for key in sorted(state):
+        t = state[key]
+        std = float(t.float().std().nan_to_num(0.0)) if t.numel() > 1 else 0.0
+        noise = torch.randn(t.shape, generator=gen) * (std or 1.0) * scale  # constant tensors (norms) move too
+        state[key] = (t.float() + noise).to(t.dtype).contiguous()
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (base / name).is_file():
+            shutil.copyfile(base / name, folder / name)
     return folder

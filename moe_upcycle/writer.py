@@ -15,7 +15,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Optional, Sequence
+from typing import BinaryIO, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -39,6 +39,28 @@ class TensorSpec:
         for d in self.shape:
             n *= d
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class TensorParts:
+    """A tensor given as parts whose bytes, one after the other, are its row-major bytes.
+
+    The writer streams the parts as they come, so a stacked tensor such as fused experts
+    (E, 2I, H) is written while only one part is in memory.
+
+    Example:
+        >>> t = TensorParts((2, 3), torch.float32, iter([torch.zeros(3), torch.ones(3)]))
+        >>> t.materialize()[1].tolist()
+        [1.0, 1.0, 1.0]
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: Iterable[torch.Tensor]
+
+    def materialize(self) -> torch.Tensor:
+        """The whole tensor (holds all of it: for tests and small tensors)."""
+        return torch.cat([p.reshape(-1) for p in self.parts]).view(self.shape)
 
 
 def assign_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -102,8 +124,8 @@ class ShardedWriter:
     def files(self) -> list[str]:
         return [shard_name(k + 1, len(self.shards)) for k in range(len(self.shards))]
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append one tensor (any layout: made contiguous here) to its shard."""
+    def write(self, name: str, tensor: Union[torch.Tensor, TensorParts]) -> None:
+        """Append one tensor (any layout: made contiguous here), or stream its parts, to its shard."""
         if self._pos >= len(self._order):
             raise RuntimeError(f"unexpected tensor {name!r}: every planned tensor was already written")
         k, spec = self._order[self._pos]
@@ -112,8 +134,17 @@ class ShardedWriter:
                                f"got {name} {list(tensor.shape)} {tensor.dtype}")
         if k != self._shard:
             self._open(k)
-        data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
-        self._write(data)
+        written = 0
+        for part in tensor.parts if isinstance(tensor, TensorParts) else (tensor,):
+            if part.dtype != spec.dtype:
+                raise RuntimeError(f"writer got a {part.dtype} part for {spec.name} ({spec.dtype})")
+            data = part.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+            if written + data.size > spec.nbytes:
+                raise RuntimeError(f"parts of {spec.name} exceed its {spec.nbytes} bytes")
+            self._write(data)
+            written += data.size
+        if written != spec.nbytes:
+            raise RuntimeError(f"parts of {spec.name} gave {written} of its {spec.nbytes} bytes")
         self.bytes_written += spec.nbytes
         self._pos += 1
 

@@ -71,3 +71,30 @@ def model_logits(folder: Path, text: str = PROMPT_TEXT) -> torch.Tensor:
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.inference_mode():
         return model.eval()(**tok(text, return_tensors="pt")).logits
+
+
+# Architecture fixtures (issue 5): Qwen families with non-trivial norms/biases so copies are checkable.
+@pytest.fixture(scope="session")
+def tiny_qwen2(models) -> Path:
+    """Tiny random Qwen2 with q/k/v biases (random), untied."""
+    return make_dense_model(models / "qwen2", family="qwen2", seed=3, random_norms_and_biases=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tied(models) -> Path:
+    """Tiny random Qwen2 with q/k/v biases, tied embeddings."""
+    return make_dense_model(models / "qwen2_tied", family="qwen2", seed=4, tie_word_embeddings=True,
+                            random_norms_and_biases=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(models) -> Path:
+    """Tiny random Qwen3 with (random) q/k norms, untied, no attention bias."""
+    return make_dense_model(models / "qwen3", family="qwen3", seed=5, random_norms_and_biases=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_tied_bias(models) -> Path:
+    """Tiny random Qwen3 with q/k norms, attention biases (q, k, v, o) and tied embeddings."""
+    return make_dense_model(models / "qwen3_tied_bias", family="qwen3", seed=6, tie_word_embeddings=True,
+                            attention_bias=True, random_norms_and_biases=True)
