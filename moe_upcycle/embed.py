@@ -41,21 +41,26 @@ class Embedder:
         self.model = model
         self.name = name
         self.batch_size = batch_size
-        self.calls = 0  # number of `encode` calls, so tests can check that embedding is batched
+        self.calls = 0  # `encode` calls made to the model, so tests can check that embedding is batched
+        self._cache: dict[str, torch.Tensor] = {}  # text -> (D,); lint then build re-embed nothing
 
     def encode(self, texts: Sequence[str]) -> torch.Tensor:
-        """Embed `texts` in one batched call.
+        """Embed `texts`: the ones not seen before go to the model in one batched call.
 
         Returns:
             (len(texts), D) fp32, each row L2-normalised, so a dot product is a cosine.
         """
         if not texts:
             return torch.zeros(0, self.dim)
-        self.calls += 1
-        with torch.inference_mode():
-            vecs = self.model.encode(list(texts), batch_size=self.batch_size, convert_to_tensor=True,
-                                     normalize_embeddings=True, show_progress_bar=False)
-        return vecs.detach().to("cpu", torch.float32)
+        missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        if missing:
+            self.calls += 1
+            with torch.inference_mode():
+                vecs = self.model.encode(missing, batch_size=self.batch_size, convert_to_tensor=True,
+                                         normalize_embeddings=True, show_progress_bar=False)
+            vecs = vecs.detach().to("cpu", torch.float32).clone()  # (M, D), a normal tensor again
+            self._cache.update(zip(missing, vecs))
+        return torch.stack([self._cache[t] for t in texts])
 
     @property
     def dim(self) -> int:
@@ -91,7 +96,7 @@ def resolve_embedder(name: Optional[str] = None) -> str:
 
 
 def load_embedder(name: Optional[str] = None, *, batch_size: int = 64, device: str = "cpu") -> Embedder:
-    """Load a sentence-transformers model (cached per name and device).
+    """Load a sentence-transformers model (once per process for the same arguments).
 
     Args:
         name: a local folder or Hub id; None or "all-MiniLM-L6-v2" for the packaged default.
@@ -108,8 +113,13 @@ def load_embedder(name: Optional[str] = None, *, batch_size: int = 64, device: s
         >>> load_embedder().encode(["Write a Python function", "Solve 2x + 3 = 7"]).shape  # doctest: +SKIP
         torch.Size([2, 384])
     """
-    model = _load_model(resolve_embedder(name), device)
-    return Embedder(model, name or DEFAULT_EMBEDDER, batch_size)
+    return _embedder(resolve_embedder(name), name or DEFAULT_EMBEDDER, batch_size, device)
+
+
+@functools.lru_cache(maxsize=4)
+def _embedder(where: str, name: str, batch_size: int, device: str) -> Embedder:
+    # one Embedder (model and text cache) per model and settings for the process
+    return Embedder(_load_model(where, device), name, batch_size)
 
 
 @functools.lru_cache(maxsize=4)
