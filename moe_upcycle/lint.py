@@ -207,8 +207,8 @@ def lint_prompts(sets: dict[str, tuple[list[str], list[str]]], embedder: Embedde
         sim = v @ v.T
         n = len(pos)
         mean = float((sim.sum() - sim.diagonal().sum()) / (n * (n - 1))) if n > 1 else None
-        dups = [NearDuplicate(pos[i], pos[j], float(sim[i, j]))
-                for i, j in itertools.combinations(range(n), 2) if sim[i, j] >= duplicate_threshold]
+        close = torch.triu(sim >= duplicate_threshold, diagonal=1).nonzero().tolist()  # pairs i < j
+        dups = [NearDuplicate(pos[i], pos[j], float(sim[i, j])) for i, j in close]
         contra = []
         if neg:
             cross = v @ neg_vecs[name].T  # (P, Nneg)
