@@ -171,6 +171,8 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, list[Pick
         if target.resolve() == src.resolve():
             raise OutputError(f"-o {target}: that is the input config; it is never overwritten unless you pass "
                               f"--in-place (or choose another -o)")
+        if not target.parent.is_dir():
+            raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
         if target.exists() and not force:
             raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
     data = yaml.safe_load(src.read_text(encoding="utf-8"))

@@ -146,10 +146,10 @@ def label_by_embedding(prompts: Sequence[str], config: UpcycleConfig,
         ConfigError: some routed expert has no positive prompts (it could never be a label).
     """
     experts = config.expert_list()
-    missing = [f"experts[{i}].positive_prompts: needed to label prompts by embedding"
-               for i, e in enumerate(experts) if not e.positive_prompts]
+    missing = [f"experts[{i}].positive_prompts: needed to label prompts by embedding; add prompts or give "
+               f"labels in the prompts file" for i, e in enumerate(experts) if not e.positive_prompts]
     if missing:
-        raise ConfigError(*missing, "or give labels in the file instead of --label-by embedding")
+        raise ConfigError(*missing)
     embedder = embedder or load_embedder()
     texts = [p for e in experts for p in e.positive_prompts] + list(prompts)
     vecs = embedder.encode(texts)  # one batched call

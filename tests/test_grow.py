@@ -123,3 +123,8 @@ def test_write_grown_config_refuses_in_place_with_other_output(config_path, tmp_
 def test_grow_needs_prompts(tiny_llama):
     with pytest.raises(ConfigError, match="no expert has positive_prompts"):
         grow_prompts(load_config({"base_model": str(tiny_llama), "num_experts": 2}), ["x"], None)
+
+
+def test_write_grown_config_refuses_missing_folder(config_path, tmp_path):
+    with pytest.raises(OutputError, match="does not exist; create it or choose another -o"):
+        write_grown_config(config_path, {}, output=tmp_path / "no" / "such.yaml")

@@ -122,3 +122,20 @@ def test_stories_moe_confusion_rows_sum_to_label_counts(stories, tmp_path):
     assert score.overall == pytest.approx(float(hit.mean()))
     # labels from embeddings agree with the hand labels on these clear-cut prompts
     assert label_by_embedding(prompts, load_config(config)) == labels
+
+
+def test_routing_tables_render_accuracy_and_confusion():
+    from rich.console import Console
+
+    from moe_upcycle.prompt_cli import routing_tables
+
+    score = routing_accuracy(torch.tensor([[0, 0], [1, 0], [1, 1]]), ["a", "b", "b"], ["a", "b"])
+    console = Console(record=True, width=120)
+    for table in routing_tables(score):
+        console.print(table)
+    text = console.export_text()
+    assert "(overall 83.3%)" in text  # layer 0: 3 of 3 prompts hit, layer 1: 2 of 3
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in text.splitlines()
+            if ln.startswith("│")}
+    assert rows["0"] == ["100.0%"] and rows["1"] == ["66.7%"]
+    assert rows["a"] == ["1", "0", "1"] and rows["b"] == ["1", "1", "2"]  # prompt [1, 0] ties -> a
