@@ -72,10 +72,13 @@ def build(
     max_shard_size: Optional[str] = typer.Option(None, help="Bytes per output shard, e.g. 5GB."),
     verify: bool = typer.Option(False, "--verify", help="Verify the output right after building; results go in "
                                                          "the model card. Exit 1 if verification fails."),
+    no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from .build import upcycle
 
+    if not no_lint:
+        _warn_prompt_lint(config)
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     if dry_run:
@@ -167,6 +170,19 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), help="Scratch folder fo
         raise typer.Exit(1)
 
 
+def _warn_prompt_lint(config: Path) -> None:
+    """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build."""
+    from .config import load_config
+    from .lint import quick_lint
+
+    try:
+        cfg = load_config(config)
+    except UpcycleError:
+        return  # the build reports it, with every problem
+    for line in quick_lint(cfg):
+        console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), console=console, transient=True, disable=not sys.stderr.isatty())
@@ -174,3 +190,6 @@ def _progress() -> Progress:
 
 def main() -> None:  # pragma: no cover - console entry point alias
     app()
+
+
+from . import prompt_cli  # noqa: E402,F401  (registers `lint` and `prompts grow` on `app`)

@@ -1,0 +1,148 @@
+"""Commands about prompt sets: ``lint`` and ``prompts grow``, and the tables they print.
+
+Registered on the main Typer app by `cli` (it imports this module at its end). Each command is a
+thin shell over `lint`, `grow` and `embed`; rich tables go to stdout, warnings to stderr.
+`routing_tables` renders a `route_eval.RoutingScore` for the ``route --labeled`` command.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .cli import app, cli_errors, console, out
+
+prompts_app = typer.Typer(no_args_is_help=True, help="Work on expert prompt sets.")
+app.add_typer(prompts_app, name="prompts")
+
+EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cache (default: packaged all-MiniLM-L6-v2)."
+
+
+@app.command()
+@cli_errors
+def lint(
+    config: Path = typer.Argument(..., help="The YAML recipe whose expert prompts are checked."),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a pair of experts is above the threshold."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", min=-1.0, max=1.0,
+                                              help="Centroid cosine above which a pair of experts is flagged (default 0.70)."),
+    duplicate_threshold: Optional[float] = typer.Option(None, "--duplicate-threshold", min=-1.0, max=1.0,
+                                                        help="Prompt cosine from which two prompts are near-duplicates (default 0.90)."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per embedding forward pass."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
+) -> None:
+    """Check that the experts' prompt sets are distinct enough for their routers to tell apart."""
+    from .config import load_config
+    from .embed import load_embedder
+    from .errors import ConfigError
+    from .lint import DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, PAIR_THRESHOLD, lint_config
+
+    cfg = load_config(config)
+    if not any(e.positive_prompts for e in cfg.experts):
+        raise ConfigError(f"{config}: no expert has positive_prompts, so there is nothing to lint; list experts "
+                          f"with positive_prompts")
+    report = lint_config(cfg, load_embedder(embedder, batch_size=batch_size),
+                         pair_threshold=PAIR_THRESHOLD if threshold is None else threshold,
+                         duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None else duplicate_threshold)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        for table in lint_tables(report):
+            out.print(table)
+        problems = report.problems(max_offenders=MAX_BUILD_OFFENDERS)  # the table lists more
+        for line in problems:
+            console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+        if not problems:
+            out.print(f"[green]Prompt sets look separable[/] ({len(report.experts)} experts, {report.seconds:.1f}s).")
+    flagged = report.flagged_pairs()
+    if strict and flagged:
+        names = "; ".join(f"{p.first} / {p.second} ({p.centroid_cosine:.2f})" for p in flagged)
+        console.print(f"[bold red]lint failed:[/] {len(flagged)} pair(s) above {report.pair_threshold:.2f}: {names}",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+@prompts_app.command("grow")
+@cli_errors
+def grow(
+    config: Path = typer.Argument(..., help="The YAML recipe whose experts get more prompts."),
+    pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (one per line) or JSONL with \"text\"/\"prompt\"."),
+    per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the new YAML (default CONFIG.grown.yaml)."),
+    in_place: bool = typer.Option(False, "--in-place", help="Replace CONFIG itself."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output file (never CONFIG without --in-place)."),
+    margin: Optional[float] = typer.Option(None, "--margin", help="Least lead over the next most similar expert (default 0.05)."),
+    min_similarity: Optional[float] = typer.Option(None, "--min-similarity", help="Least similarity to the expert's prompts (default 0.20)."),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+) -> None:
+    """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
+    from .config import load_config
+    from .embed import load_embedder
+    from .grow import MARGIN, MIN_SIMILARITY, grow_prompts, read_pool, write_grown_config
+
+    cfg = load_config(config)
+    candidates = read_pool(pool)
+    picks = grow_prompts(cfg, candidates, load_embedder(embedder), per_expert=per_expert,
+                         margin=MARGIN if margin is None else margin,
+                         min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
+    written = write_grown_config(config, picks, output=output, in_place=in_place, force=force)
+    table = Table(title=f"prompts added from {pool.name} ({len(candidates)} candidates)")
+    for col in ("expert", "prompt", "similarity", "margin"):
+        table.add_column(col)
+    for name, chosen in picks.items():
+        for p in chosen:
+            table.add_row(name, p.text, f"{p.similarity:.2f}", f"{p.margin:.2f}")
+    out.print(table)
+    total = sum(len(v) for v in picks.values())
+    out.print(f"[green]Wrote[/] {written}: {total} prompt(s) added "
+              f"({', '.join(f'{k} +{len(v)}' for k, v in picks.items())}).", highlight=False)
+
+
+def lint_tables(report) -> list[Table]:
+    """Rich tables for a `lint.LintReport`: experts, pairs, and misplaced prompts."""
+    experts = Table(title=f"expert prompt sets ({report.embedder})")
+    for col in ("expert", "prompts", "negatives", "mean pairwise cosine", "near-duplicates"):
+        experts.add_column(col)
+    for e in report.experts:
+        experts.add_row(e.name, str(e.count), str(e.negatives), "-" if e.mean_cosine is None else f"{e.mean_cosine:.2f}",
+                        str(len(e.near_duplicates)))
+    for name in report.skipped:
+        experts.add_row(name, "0", "-", "-", "-")
+    pairs = Table(title=f"expert pairs (flagged above {report.pair_threshold:.2f})")
+    for col in ("pair", "centroid cosine", "closest cross-expert prompts", "cosine"):
+        pairs.add_column(col)
+    for p in sorted(report.pairs, key=lambda p: -p.centroid_cosine):
+        flag = "[bold red]" if p.centroid_cosine > report.pair_threshold else ""
+        near = p.nearest[0]
+        pairs.add_row(f"{p.first} / {p.second}", f"{flag}{p.centroid_cosine:.2f}",
+                      f"{near.first!r} / {near.second!r}", f"{near.cosine:.2f}")
+    tables = [experts, pairs]
+    if report.offenders:
+        worst = Table(title="prompts closer to another expert than to their own (most harmful first)")
+        for col in ("expert", "prompt", "closer to", "own", "other"):
+            worst.add_column(col)
+        for o in report.offenders[:20]:
+            worst.add_row(o.expert, o.prompt, o.closer_to, f"{o.own_cosine:.2f}", f"{o.other_cosine:.2f}")
+        tables.append(worst)
+    return tables
+
+
+def routing_tables(score) -> list[Table]:
+    """Rich tables for a `route_eval.RoutingScore`: accuracy per layer and the confusion matrix."""
+    acc = Table(title=f"routing accuracy (overall {score.overall:.1%})")
+    acc.add_column("layer")
+    acc.add_column("accuracy")
+    for layer, a in enumerate(score.layer_accuracy):
+        acc.add_row(str(layer), f"{a:.1%}")
+    conf = Table(title="confusion (rows: label, columns: expert chosen, majority over layers)")
+    conf.add_column("label \\ routed")
+    for name in score.expert_names:
+        conf.add_column(name)
+    conf.add_column("prompts")
+    for name, row in zip(score.expert_names, score.confusion.tolist()):
+        conf.add_row(name, *map(str, row), str(sum(row)))
+    return [acc, conf]

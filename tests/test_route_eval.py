@@ -1,0 +1,141 @@
+"""Routing evaluation: accuracy and confusion from top-1 routing, labels from embeddings, stories260K MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_upcycle import upcycle
+from moe_upcycle.config import load_config
+from moe_upcycle.errors import ConfigError
+from moe_upcycle.route_eval import (collect_router_shares, label_by_embedding, read_labeled, routing_accuracy,
+                                    routing_shares)
+
+
+def test_accuracy_and_confusion_from_hard_assignments():
+    # 4 prompts x 3 layers; labels a, a, b, c
+    top1 = torch.tensor([[0, 0, 1],
+                         [0, 2, 2],
+                         [1, 1, 1],
+                         [0, 2, 2]])
+    score = routing_accuracy(top1, ["a", "a", "b", "c"], ["a", "b", "c"])
+    assert score.layer_accuracy == pytest.approx([3 / 4, 3 / 4, 2 / 4])
+    assert score.overall == pytest.approx(8 / 12)
+    # majority over layers: prompt 0 -> a, prompt 1 -> c, prompt 2 -> b, prompt 3 -> c
+    assert score.confusion.tolist() == [[1, 0, 1], [0, 1, 0], [0, 0, 1]]
+    assert score.label_counts == [2, 1, 1]
+    assert score.layer_confusion[1].tolist() == [[1, 0, 1], [0, 1, 0], [0, 0, 1]]
+    assert score.layer_confusion[0].tolist() == [[2, 0, 0], [0, 1, 0], [1, 0, 0]]
+    assert (score.layer_confusion.sum(-1) == torch.tensor([2, 1, 1])).all()
+
+
+def test_shares_from_router_logits_ignore_padding():
+    # batch of 2 prompts, 3 positions, 2 layers, 2 experts; prompt 1 has one padded position
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    layer0 = torch.tensor([[2., 0], [2, 0], [0, 2], [0, 2], [0, 2], [9, 0]])  # (B*T, E)
+    layer1 = torch.tensor([[0., 1], [0, 1], [0, 1], [1, 0], [0, 1], [9, 0]])
+    shares = routing_shares([layer0, layer1], mask)
+    assert shares.shape == (2, 2, 2)
+    torch.testing.assert_close(shares[0], torch.tensor([[2 / 3, 1 / 3], [0.0, 1.0]]))
+    torch.testing.assert_close(shares[1], torch.tensor([[0.0, 1.0], [0.5, 0.5]]))  # padded row not counted
+    score = routing_accuracy(shares, [0, 1], ["x", "y"])
+    assert score.layer_accuracy == pytest.approx([(2 / 3 + 1) / 2, (0 + 0.5) / 2])
+    # summed over layers prompt 0 has [2/3, 4/3] and prompt 1 [0.5, 1.5]: both go to y
+    assert score.confusion.tolist() == [[0, 1], [0, 1]]
+    assert score.layer_confusion[1].tolist() == [[0, 1], [1, 0]]  # the 0.5/0.5 tie goes to the lower index
+
+
+def test_unknown_labels_are_all_reported():
+    with pytest.raises(ConfigError) as err:
+        routing_accuracy(torch.zeros(3, 2, dtype=torch.long), ["a", "z", "q"], ["a", "b"])
+    assert err.value.problems == ["labels[1]: 'z' is not an expert; expected one of a, b",
+                                  "labels[2]: 'q' is not an expert; expected one of a, b"]
+    with pytest.raises(ConfigError, match="2 labels for 3 prompts"):
+        routing_accuracy(torch.zeros(3, 2, dtype=torch.long), ["a", "b"], ["a", "b"])
+
+
+def test_read_labeled_formats(tmp_path):
+    path = tmp_path / "labeled.jsonl"
+    path.write_text('{"text": "Write a C function", "expert": "code"}\n\n{"prompt": "Integrate x^2"}\n'
+                    'math\tWhat is 2 + 2?\nplain prompt\n')
+    assert read_labeled(path) == (["Write a C function", "Integrate x^2", "What is 2 + 2?", "plain prompt"],
+                                  ["code", None, "math", None])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"expert": "code"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:1: no prompt text"):
+        read_labeled(bad)
+
+
+def test_label_by_embedding_nearest_centroid(tiny_llama):
+    import yaml
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "gate_configs/prompts"
+    config = load_config({"base_model": str(tiny_llama), "experts": [
+        {"source_model": str(tiny_llama), "name": name,
+         "positive_prompts": yaml.safe_load((root / f"{name}.yaml").read_text())["prompts"]}
+        for name in ("code", "math", "creative")]})
+    prompts = ["How do I reverse a string in Rust?", "What is the integral of sin(x)?",
+               "Tell me a fairy tale about a princess and a frog.",
+               "Write a Python function that checks whether a number is prime.", "Write a poem about the sea."]
+    assert label_by_embedding(prompts, config) == ["code", "math", "creative", "code", "creative"]
+    with pytest.raises(ConfigError, match=r"experts\[0\].positive_prompts: needed to label prompts by embedding"):
+        label_by_embedding(prompts, load_config({"base_model": str(tiny_llama), "num_experts": 2}))
+
+
+STORY_EXPERTS = {
+    "animals": ["The cat and the dog played in the park.", "The little bird sang in the tree.",
+                "A big fish swam in the pond."],
+    "food": ["Mom made a big cake for Lily.", "Tom ate an apple and some bread.", "They had soup and cookies."],
+}
+STORY_PROMPTS = [("The dog ran after the cat.", "animals"), ("A bird flew over the tree.", "animals"),
+                 ("The fish jumped out of the water.", "animals"), ("Lily ate a cookie.", "food"),
+                 ("Mom gave Tom some cake and milk.", "food")]
+
+
+def test_stories_moe_confusion_rows_sum_to_label_counts(stories, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = {"base_model": str(stories), "gate_mode": "cheap_embed", "experts_per_token": 1, "dtype": "float32",
+              "experts": [{"source_model": str(stories), "name": k, "positive_prompts": v}
+                          for k, v in STORY_EXPERTS.items()]}
+    result = upcycle(config, tmp_path / "moe")
+    model = AutoModelForCausalLM.from_pretrained(str(result.output), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(result.output))
+    prompts, labels = [p for p, _ in STORY_PROMPTS], [lab for _, lab in STORY_PROMPTS]
+    shares = collect_router_shares(model, tok, prompts, batch_size=2)  # padded batches of 2, 2 and 1
+    assert shares.shape == (5, 5, 2)  # 5 prompts, 5 layers, 2 experts
+    torch.testing.assert_close(shares.sum(-1), torch.ones(5, 5))
+    # the same shares, one prompt at a time (no padding), straight from the model's router logits
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            logits = model(**ids, output_router_logits=True).router_logits
+        want = torch.stack([torch.bincount(layer.argmax(-1), minlength=2).float() / layer.shape[0]
+                            for layer in logits])
+        torch.testing.assert_close(shares[i], want)
+    score = routing_accuracy(shares, labels, list(STORY_EXPERTS))
+    assert score.confusion.sum(1).tolist() == [3, 2]
+    assert (score.layer_confusion.sum(-1) == torch.tensor([3, 2])).all()
+    hit = shares[torch.arange(5), :, torch.tensor([0, 0, 0, 1, 1])]  # (P, L)
+    assert score.layer_accuracy == pytest.approx(hit.mean(0).tolist())
+    assert score.overall == pytest.approx(float(hit.mean()))
+    # labels from embeddings agree with the hand labels on these clear-cut prompts
+    assert label_by_embedding(prompts, load_config(config)) == labels
+
+
+def test_routing_tables_render_accuracy_and_confusion():
+    from rich.console import Console
+
+    from moe_upcycle.prompt_cli import routing_tables
+
+    score = routing_accuracy(torch.tensor([[0, 0], [1, 0], [1, 1]]), ["a", "b", "b"], ["a", "b"])
+    console = Console(record=True, width=120)
+    for table in routing_tables(score):
+        console.print(table)
+    text = console.export_text()
+    assert "(overall 83.3%)" in text  # layer 0: 3 of 3 prompts hit, layer 1: 2 of 3
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in text.splitlines()
+            if ln.startswith("│")}
+    assert rows["0"] == ["100.0%"] and rows["1"] == ["66.7%"]
+    assert rows["a"] == ["1", "0", "1"] and rows["b"] == ["1", "1", "2"]  # prompt [1, 0] ties -> a
