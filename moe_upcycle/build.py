@@ -22,6 +22,7 @@ from .config import UpcycleConfig, load_config
 from .errors import ConfigError, SourceError
 from .execute import iter_tensors
 from .gates import compute_gates
+from .guards import check_free_space, check_source_dtypes
 from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
 from .plan import Plan, Step, make_plan
@@ -82,7 +83,9 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], **overrides) -> tuple
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
     sources = open_sources(config)
-    return config, sources, make_plan(config, sources)
+    plan = make_plan(config, sources)
+    check_source_dtypes(plan, sources)
+    return config, sources, plan
 
 
 def upcycle(
@@ -122,6 +125,7 @@ def upcycle(
         return BuildResult(config, plan, None, sharing)
     target = resolve_output(config, output)
     check_target(target, force, [s.path for s in sources.values() if s.path])
+    check_free_space(target.parent, plan.total_bytes)
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]

@@ -11,6 +11,7 @@ This module checks the config on its own; checks against the checkpoints live in
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import typing
 from pathlib import Path
@@ -47,6 +48,8 @@ def parse_size(value: Union[int, str]) -> int:
     """
     if isinstance(value, bool):
         raise ValueError("expected a size such as 5GB or a number of bytes")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
     if isinstance(value, (int, float)):
         size = int(value)
     else:
@@ -62,7 +65,8 @@ def parse_size(value: Union[int, str]) -> int:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf/nan in a scale or std would silently fill the output with inf/nan
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ExpertConfig(_Strict):
@@ -100,7 +104,7 @@ class UpcycleConfig(_Strict):
     experts_per_token: int = Field(default=2, ge=1)
     shared_experts: list[SharedExpertConfig] = Field(default_factory=list)
     tensor_policy: TensorPolicy = "share"
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch generators take unsigned 64-bit seeds
     output: Optional[str] = None
     max_shard_size: int = 5 * 10**9
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
@@ -175,12 +179,12 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark
             pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
             raise ConfigError(f"{path}{pos}: YAML syntax error: {exc.problem or exc}") from None
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as exc:
             raise ConfigError(f"{path}: not a readable YAML file ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...), "

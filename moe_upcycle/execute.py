@@ -8,6 +8,7 @@ The executor is the only place that touches tensor bytes. Storage policy:
 - ``clone``: every slot gets its own copy.
 
 A slot with transforms (noise, residual scale) is always an independent copy, whatever the policy.
+Each source tensor is checked for NaN/Inf once, as it passes (a warning naming it; see `guards`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Iterator, Literal
 
 import torch
 
+from .guards import warn_nonfinite
 from .plan import Plan, Step
 from .source import Checkpoint
 
@@ -66,7 +68,10 @@ def iter_tensors(
                 src = step.source
                 base = cache.get(src)
                 if base is None:
-                    base = sources[src[0]].read(src[1]).to(step.dtype)
+                    raw = sources[src[0]].read(src[1])
+                    base = raw.to(step.dtype)
+                    warn_nonfinite(base, raw, src[1], sources[src[0]])  # once per source tensor, no extra read
+                    del raw
                     cache[src] = base
                 remaining[src] -= 1
                 if remaining[src] == 0:
