@@ -60,7 +60,7 @@ def check_source_dtypes(plan: Plan, sources: dict[str, Checkpoint]) -> list[str]
     found = sorted({d for counts in per_source.values() for d in counts}, key=str)
     lines = []
     if len(found) > 1:
-        stored = "; ".join(f"{ref}: " + ", ".join(f"{n} {_name(d)}" for d, n in counts.items())
+        stored = "; ".join(f"{ref}: " + ", ".join(f"{n} {_name(d)} tensor(s)" for d, n in counts.items())
                            for ref, counts in per_source.items())
         lines.append(f"the sources store different dtypes ({stored}); every tensor is cast to "
                      f"{_name(plan.dtype)}, the output dtype — set dtype: in the config to choose another")

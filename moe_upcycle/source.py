@@ -220,9 +220,10 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
         if key == "__metadata__":
             continue
         info, start, end = _header_entry(file, key, entry)
-        if not 0 <= start <= end <= data_size or end - start != info.nbytes:
-            raise SourceError(f"{file}: tensor {key!r} header is inconsistent (offsets {start}..{end}, "
-                              f"shape {list(info.shape)}, {data_size} data bytes); the file is truncated or corrupt")
+        if end < start or end - start != info.nbytes:
+            raise SourceError(f"{file}: tensor {key!r} header is inconsistent: shape {list(info.shape)} of "
+                              f"{entry['dtype']} needs {info.nbytes} bytes but its offsets {start}..{end} give "
+                              f"{end - start}; the file is corrupt")
         spans.append((start, end, key))
         out[key] = info
     spans.sort()
@@ -235,9 +236,12 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
             raise SourceError(f"{file}: the header leaves bytes {position}..{start} before tensor {key!r} "
                               f"unaccounted for; the file is corrupt")
         position, previous = end, key
-    if position != data_size:
-        raise SourceError(f"{file}: the header describes {position} data bytes but the file holds {data_size}; "
-                          f"the file is truncated or corrupt — re-download it")
+    if position > data_size:
+        raise SourceError(f"{file}: truncated: the header describes {position} data bytes but the file holds "
+                          f"{data_size}; re-download it")
+    if position < data_size:
+        raise SourceError(f"{file}: {data_size - position} bytes after the last tensor are not described by the "
+                          f"header; the file is corrupt — re-download it")
     return {key: out[key] for _, _, key in spans}
 
 

@@ -167,6 +167,19 @@ def _offsets_past_end(m: Path) -> None:
     _rewrite_header(m / "model.safetensors", edit)
 
 
+def _offsets_beyond_file(m: Path) -> None:
+    def edit(h):
+        k = _last_key(h)
+        h[k]["shape"] = [h[k]["shape"][0] * 1000]
+        h[k]["data_offsets"][1] = h[k]["data_offsets"][0] + 4 * h[k]["shape"][0]
+    _rewrite_header(m / "model.safetensors", edit)
+
+
+def _extra_bytes(m: Path) -> None:
+    f = m / "model.safetensors"
+    f.write_bytes(f.read_bytes() + b"\0" * 16)
+
+
 def _offsets_overlap(m: Path) -> None:
     def edit(h):
         k = _last_key(h)
@@ -294,13 +307,18 @@ CHECKPOINT_CASES = [
     ("index-escapes-folder", "tiny_mistral", _index_escapes_folder,
      ["model.safetensors.index.json: tensor 'model.norm.weight' is mapped to '../../etc/passwd'", "not a file name"]),
     ("index-not-json", "tiny_mistral", _index_not_json, ["model.safetensors.index.json: not a valid index"]),
-    ("truncated", "tiny_llama", _truncated, ["{m}/model.safetensors:", "truncated"]),
+    ("truncated", "tiny_llama", _truncated,
+     ["{m}/model.safetensors: truncated: the header describes", "data bytes but the file holds", "re-download"]),
     ("truncated-in-header", "tiny_llama", _truncated_in_header, ["{m}/model.safetensors:", "header claims", "truncated"]),
     ("empty-file", "tiny_llama", _empty, ["{m}/model.safetensors: empty or truncated safetensors file (0 bytes)"]),
     ("header-length-absurd", "tiny_llama", _header_length_absurd, ["{m}/model.safetensors:", "header claims 4611686018427387904 bytes"]),
-    ("offsets-past-end", "tiny_llama", _offsets_past_end, ["{m}/model.safetensors: tensor", "inconsistent", "offsets"]),
+    ("offsets-past-end", "tiny_llama", _offsets_past_end,
+     ["{m}/model.safetensors: the header leaves bytes", "unaccounted for"]),
+    ("offsets-beyond-file", "tiny_llama", _offsets_beyond_file, ["{m}/model.safetensors: truncated", "re-download"]),
+    ("extra-bytes", "tiny_llama", _extra_bytes, ["{m}/model.safetensors: 16 bytes after the last tensor"]),
     ("offsets-overlap", "tiny_llama", _offsets_overlap, ["{m}/model.safetensors: tensors", "overlap"]),
-    ("absurd-shape", "tiny_llama", _absurd_shape, ["{m}/model.safetensors: tensor", "shape [1000000000000, 1000000000000]"]),
+    ("absurd-shape", "tiny_llama", _absurd_shape,
+     ["{m}/model.safetensors: tensor", "shape [1000000000000, 1000000000000] of F32 needs 4000000000000000000000000 bytes"]),
     ("negative-shape", "tiny_llama", _negative_shape, ["{m}/model.safetensors: tensor", "malformed header entry"]),
     ("unknown-dtype", "tiny_llama", _unknown_dtype, ["{m}/model.safetensors: tensor", "dtype 'Q4_K'"]),
     ("header-not-json", "tiny_llama", _header_not_json, ["{m}/model.safetensors: safetensors header is not valid JSON"]),
