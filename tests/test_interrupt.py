@@ -4,6 +4,7 @@ files are gone, and a second build succeeds."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -130,4 +131,23 @@ def test_killed_build_leftovers_are_cleared_by_next_build(big_config, tmp_path):
 
     code, output = cli("build", big_config, target)
     assert code == 0, output
+    assert leftovers(target) == ["moe"]
+
+
+def test_concurrent_build_to_same_target_is_refused(big_config, tmp_path):
+    """While one real build process writes, a second build to the same target is refused by the lock
+    (it writes nothing); the first finishes intact."""
+    target = tmp_path / "moe"
+    first = _start_build(big_config, target)
+    _wait_for_shards(first, target)
+    code, output = cli("build", big_config, target)
+    assert code == 1 and "Traceback" not in output
+    assert f"another build (pid {first.pid}) is writing {target}" in " ".join(output.split())
+    out, err = first.communicate(timeout=180)
+    assert first.returncode == 0, out + err
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == N_SHARDS
+    recipe = json.loads((target / "moe_upcycle.json").read_text())
+    for shard in set(index["weight_map"].values()):  # every shard is exactly what the first build wrote
+        assert hashlib.sha256((target / shard).read_bytes()).hexdigest() == recipe["sha256"][shard]
     assert leftovers(target) == ["moe"]
