@@ -201,14 +201,18 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
 def _format_errors(exc: ValidationError) -> list[str]:
     lines = []
     for err in exc.errors():
-        loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
-        path = _yaml_path(loc)
         kind = err["type"]
+        # drop pydantic's own location tags ("function-after[...]"); an unknown key is the user's, kept as is
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+        if kind == "extra_forbidden":
+            loc = [p for p in err["loc"][:-1] if p in loc] + [err["loc"][-1]]
+        path = _yaml_path(loc)
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             hint = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
             suggestion = f" — did you mean {hint[0]}?" if hint else f" — valid keys: {', '.join(sorted(valid))}"
-            lines.append(f"{path}: unknown key{suggestion}")
+            lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
+                         f"unknown key{suggestion}")
         elif kind == "literal_error":
             lines.append(f"{path}: {err['input']!r} is not allowed; expected {err['ctx']['expected']}")
         elif kind == "missing":
