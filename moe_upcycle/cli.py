@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -46,7 +47,7 @@ def cli_errors(fn: Callable) -> Callable:
                 raise
             kind = type(exc).__name__.replace("Error", " error").lower()
             for problem in exc.problems:
-                console.print(f"[bold red]{kind}:[/] {problem}", highlight=False, soft_wrap=True)
+                console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
         except KeyboardInterrupt:
             console.print("[bold red]interrupted:[/] nothing was written under the output name")
@@ -64,7 +65,7 @@ def _warnings_printed() -> Iterator[None]:
 
         def show(message, category, filename, lineno, file=None, line=None):
             if issubclass(category, UpcycleWarning):
-                console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+                console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
             else:
                 shown(message, category, filename, lineno, file, line)
 

@@ -169,17 +169,25 @@ def _space_hint(exc: OSError, folder: Path) -> str:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Delay SIGINT/SIGTERM until the block ends, so a swap is never left half done."""
-    held = {signal.SIGINT, signal.SIGTERM}
+    """Delay SIGINT/SIGTERM until the block ends, so a swap is never left half done.
+
+    Python-level handlers (not a thread signal mask: torch's threads would still take the
+    signal) note what arrives; it is re-raised, to the handlers in place before, at the end.
+    """
+    pending: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
     try:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    except (AttributeError, ValueError, OSError):  # no pthread_sigmask (Windows)
+        previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in held}
+    except ValueError:  # not the main thread: signals are not ours to handle
         yield
         return
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
 
 
 def _publish(stage: Path, target: Path, force: bool) -> None:
@@ -196,4 +204,4 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
         except OSError:
             os.rename(old, target)  # put the previous contents back
             raise
-    shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

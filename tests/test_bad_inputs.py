@@ -37,6 +37,7 @@ CONFIG_CASES = [
     ("unknown-key-nested", EXPERTS.replace("name: a", "name: a\n    positve_prompts: [x]"), [],
      ["experts[0].positve_prompts: unknown key", "did you mean positive_prompts?"]),
     ("unknown-key-no-match", GOOD + "zzz: 1\n", [], ["zzz: unknown key", "valid keys:", "base_model"]),
+    ("unknown-key-odd", GOOD + "'[x]': 1\n", [], ["[x]: unknown key", "valid keys:"]),
     ("missing-base-model", "num_experts: 2\n", [], ["base_model: required key is missing"]),
     ("empty-experts", "base_model: {base}\nexperts: []\n", [], ["no experts", "num_experts"]),
     ("empty-prompt", EXPERTS.replace("name: a", "name: a\n    positive_prompts: ['']"), [],

@@ -188,3 +188,60 @@ def test_second_build_refused_while_lock_held(config, tmp_path):
     assert code == 0, output
     assert leftovers(target) == ["moe"]
     assert json.loads((target / "config.json").read_text())["num_local_experts"] == 2
+
+
+def test_output_is_a_file_refused(config, tmp_path):
+    target = tmp_path / "moe"
+    target.write_text("not a folder")
+    code, output = cli("build", config, target, "--force")
+    assert code == 1 and f"output {target} exists and is a file" in " ".join(output.split())
+    assert target.read_text() == "not a folder" and leftovers(target) == ["moe"]
+
+
+def test_existing_output_refused_without_force(config, tmp_path):
+    target = tmp_path / "moe"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    code, output = cli("build", config, target)
+    assert code == 1 and "already exists and is not empty" in output and "--force" in output
+    assert [p.name for p in target.iterdir()] == ["keep.txt"] and leftovers(target) == ["moe"]
+
+
+def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch):
+    """A Ctrl-C that lands during the final --force swap is delivered only after it: the target is
+    then wholly the new build, and no swap folder is left."""
+    import signal
+
+    import moe_upcycle.output_dir as output_dir
+
+    target = tmp_path / "moe"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    real_rename = os.rename
+
+    def rename_with_interrupt(src, dst):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives between the two renames
+        return real_rename(src, dst)
+
+    with pytest.raises(KeyboardInterrupt):
+        with output_dir.staged_output(target, force=True) as stage:
+            (stage / "new.txt").write_text("new")
+            monkeypatch.setattr(output_dir.os, "rename", rename_with_interrupt)
+    monkeypatch.setattr(output_dir.os, "rename", real_rename)
+    assert [p.name for p in target.iterdir()] == ["new.txt"] and leftovers(target) == ["moe"]
+
+
+def test_leftover_swap_folder_is_restored(tmp_path):
+    """A build SIGKILLed between the two renames of a --force swap leaves the previous output as
+    .<name>.old-<pid> and no target: the next build on that target puts it back first."""
+    from moe_upcycle.output_dir import staged_output
+
+    target = tmp_path / "moe"
+    old = tmp_path / ".moe.old-99999"
+    old.mkdir()
+    (old / "weights.txt").write_text("previous")
+    with pytest.raises(RuntimeError):
+        with staged_output(target) as stage:
+            assert [p.name for p in target.iterdir()] == ["weights.txt"]  # restored before building
+            raise RuntimeError("build failed")
+    assert (target / "weights.txt").read_text() == "previous" and leftovers(target) == ["moe"]
