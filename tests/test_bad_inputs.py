@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from typer.testing import CliRunner
 
 from failure_checks import assert_clean_failure, cli, leftovers, run_module
+from moe_upcycle.cli import app
 
 GOOD = "base_model: {base}\nnum_experts: 2\ngate_mode: random\n"
 EXPERTS = ("base_model: {base}\ngate_mode: random\nexperts:\n"
@@ -344,6 +346,7 @@ CHECKPOINT_CASES = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's note on the junk .bin cases
 @pytest.mark.parametrize("case_id,fixture,breaker,words", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
 def test_broken_checkpoint_fails_cleanly(case_id, fixture, breaker, words, request, tmp_path):
     model = tmp_path / "model"
@@ -397,8 +400,7 @@ def test_broken_expert_named_with_its_field(tiny_llama, tmp_path):
 def test_debug_shows_traceback(tiny_llama, tmp_path):
     cfg = tmp_path / "experts.yaml"
     cfg.write_text(GOOD.replace("{base}", str(tiny_llama)) + "dtype: fp8\n")
-    result = __import__("typer.testing").testing.CliRunner().invoke(
-        __import__("moe_upcycle.cli").cli.app, ["--debug", "build", str(cfg), str(tmp_path / "moe")])
+    result = CliRunner().invoke(app, ["--debug", "build", str(cfg), str(tmp_path / "moe")])
     assert result.exit_code != 0
     assert type(result.exception).__name__ == "ConfigError" and "dtype" in str(result.exception)
 
