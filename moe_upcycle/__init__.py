@@ -9,10 +9,10 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 from .build import BuildResult, upcycle  # noqa: E402
 from .config import UpcycleConfig, load_config  # noqa: E402
-from .errors import ConfigError, OutputError, PlanError, SourceError, UpcycleError  # noqa: E402
+from .errors import ConfigError, OutputError, PlanError, SourceError, UpcycleError, UpcycleWarning  # noqa: E402
 from .in_memory import upcycle_model  # noqa: E402
 
 __all__ = [
     "BuildResult", "ConfigError", "OutputError", "PlanError", "SourceError", "UpcycleConfig", "UpcycleError",
-    "__version__", "load_config", "upcycle", "upcycle_model",
+    "UpcycleWarning", "__version__", "load_config", "upcycle", "upcycle_model",
 ]

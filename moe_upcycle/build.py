@@ -23,10 +23,11 @@ from .drift import InitDrift, build_drift
 from .errors import ConfigError, SourceError
 from .execute import iter_tensors
 from .gates import compute_gates
+from .guards import check_free_space, check_source_dtypes
 from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
 from .plan import Plan, Step, make_plan
-from .plan_report import PlanSummary, check_free_disk, summarize
+from .plan_report import PlanSummary, summarize
 from .report import sharing_report
 from .shared_experts import shared_gate_rows
 from .source import Checkpoint, open_checkpoint
@@ -97,7 +98,9 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
         sources = meta_sources(config)
     else:
         sources = open_sources(config)
-    return config, sources, make_plan(config, sources)
+    plan = make_plan(config, sources)
+    check_source_dtypes(plan, sources)
+    return config, sources, plan
 
 
 def upcycle(
@@ -147,7 +150,7 @@ def upcycle(
     if dry_run:
         return BuildResult(config, plan, None, sharing, summary=summary)
     check_target(target, force, [s.path for s in sources.values() if s.path])
-    check_free_disk(target, summary.disk_needed_bytes)
+    check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)
     shared_gates = shared_gate_rows(config, plan, base)

@@ -7,17 +7,20 @@ exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from .errors import UpcycleError
+from .errors import UpcycleError, UpcycleWarning
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
@@ -37,19 +40,37 @@ def cli_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with _warnings_printed():
+                return fn(*args, **kwargs)
         except UpcycleError as exc:
             if DEBUG["on"]:
                 raise
             kind = type(exc).__name__.replace("Error", " error").lower()
             for problem in exc.problems:
-                console.print(f"[bold red]{kind}:[/] {problem}", highlight=False, soft_wrap=True)
+                console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
         except KeyboardInterrupt:
             console.print("[bold red]interrupted:[/] nothing was written under the output name")
             raise typer.Exit(130)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _warnings_printed() -> Iterator[None]:
+    """Print every UpcycleWarning as ``warning: ...`` (each one, not just the first per line of code)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", UpcycleWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, UpcycleWarning):
+                console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
 
 
 def print_plan(result) -> None:

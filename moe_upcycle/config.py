@@ -11,6 +11,7 @@ This module checks the config on its own; checks against the checkpoints live in
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import typing
 from pathlib import Path
@@ -51,6 +52,8 @@ def parse_size(value: Union[int, str]) -> int:
     """
     if isinstance(value, bool):
         raise ValueError("expected a size such as 5GB or a number of bytes")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
     if isinstance(value, (int, float)):
         size = int(value)
     else:
@@ -66,7 +69,8 @@ def parse_size(value: Union[int, str]) -> int:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf/nan in a scale or std would silently fill the output with inf/nan
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ExpertInit(_Strict):
@@ -150,7 +154,7 @@ class UpcycleConfig(_Strict):
     experts_per_token: int = Field(default=2, ge=1)
     shared_experts: list[SharedExpertConfig] = Field(default_factory=list)
     tensor_policy: TensorPolicy = "share"
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch generators take unsigned 64-bit seeds
     output: Optional[str] = None
     max_shard_size: int = 5 * 10**9
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
@@ -247,12 +251,12 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark
             pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
             raise ConfigError(f"{path}{pos}: YAML syntax error: {exc.problem or exc}") from None
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as exc:
             raise ConfigError(f"{path}: not a readable YAML file ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...), "
@@ -269,14 +273,18 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
 def _format_errors(exc: ValidationError) -> list[str]:
     lines = []
     for err in exc.errors():
-        loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
-        path = _yaml_path(loc)
         kind = err["type"]
+        # drop pydantic's own location tags ("function-after[...]"); an unknown key is the user's, kept as is
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+        if kind == "extra_forbidden":
+            loc = [p for p in err["loc"][:-1] if p in loc] + [err["loc"][-1]]
+        path = _yaml_path(loc)
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             hint = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
             suggestion = f" — did you mean {hint[0]}?" if hint else f" — valid keys: {', '.join(sorted(valid))}"
-            lines.append(f"{path}: unknown key{suggestion}")
+            lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
+                         f"unknown key{suggestion}")
         elif kind == "literal_error":
             lines.append(f"{path}: {err['input']!r} is not allowed; expected {err['ctx']['expected']}")
         elif kind == "missing":

@@ -35,3 +35,10 @@ class PlanError(UpcycleError):
 
 class OutputError(UpcycleError):
     """The output folder cannot be written (exists, locked, inside a source, disk full)."""
+
+
+class UpcycleWarning(UserWarning):
+    """Something the build can go on with but the user should know (NaN in a source, a lossy cast).
+
+    Issued with `warnings.warn`; the CLI prints each one as ``warning: ...``.
+    """

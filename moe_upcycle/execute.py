@@ -8,7 +8,8 @@ The executor is the only place that touches tensor bytes. Storage policy:
 - ``clone``: every slot gets its own copy.
 
 A slot with transforms (noise, residual scale, the `inits` methods) is always an independent copy,
-whatever the policy.
+whatever the policy. Each source tensor is checked for NaN/Inf once, as it passes (a warning
+naming it; see `guards`).
 
 Steps made of parts: "average" is the fp32 mean of its parts; parts concatenated along dim 0
 (fused experts) are handed to the writer as a lazy `TensorParts`, read and written one part at a
@@ -24,6 +25,7 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 
 from . import inits
+from .guards import warn_nonfinite
 from .plan import Plan, Step
 from .shared_experts import shared_gate
 from .source import Checkpoint
@@ -79,7 +81,10 @@ def iter_tensors(
         src = step.source
         base = cache.get(src)
         if base is None:
-            base = sources[src[0]].read(src[1]).to(step.dtype)
+            raw = sources[src[0]].read(src[1])
+            base = raw.to(step.dtype)
+            warn_nonfinite(base, raw, src[1], sources[src[0]])  # once per source tensor, no extra read
+            del raw
             cache[src] = base
         remaining[src] -= 1
         if remaining[src] == 0:

@@ -1,7 +1,7 @@
 """What a plan will cost before anything is spent: parameters, bytes, shards, memory, disk.
 
 `summarize` turns a plan into a `PlanSummary` (numbers only, no tensors read); `print_summary`
-shows it with rich (``moe-upcycle plan`` / ``build --dry-run``); `check_free_disk` stops a real
+shows it with rich (``moe-upcycle plan`` / ``build --dry-run``); `guards.check_free_space` stops a real
 build that would not fit on the output's filesystem before a byte is written. Memory figures are
 estimates of tensor memory only (the Python/torch runtime adds a few hundred MB); everything
 else here is exact.
@@ -9,7 +9,6 @@ else here is exact.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -21,7 +20,7 @@ from rich.table import Table
 from . import names
 from .card import parameter_counts
 from .config import UpcycleConfig
-from .errors import OutputError
+from .guards import free_bytes
 from .model_files import TOKENIZER_FILES
 from .plan import Plan, Step
 from .report import human_bytes
@@ -163,30 +162,6 @@ def disk_needed(plan: Plan, base: Checkpoint) -> int:
     return plan.total_bytes + metadata + tokenizer + SMALL_FILES_BYTES
 
 
-def free_bytes(target: Path) -> tuple[Path, int]:
-    """(the nearest existing folder of `target`, free bytes on its filesystem)."""
-    probe = Path(target).resolve()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return probe, shutil.disk_usage(probe).free
-
-
-def check_free_disk(target: Path, needed: int) -> None:
-    """Stop before writing when the output's filesystem has less than `needed` bytes free.
-
-    The staging folder sits beside the target and an old target (``--force``) is removed only
-    after the new one is in place, so the whole output must fit next to what is there now.
-
-    Raises:
-        OutputError: with bytes needed vs available.
-    """
-    probe, free = free_bytes(target)
-    if needed > free:
-        raise OutputError(f"output {target}: the build needs {human_bytes(needed)} ({needed:,} bytes) but the "
-                          f"filesystem holding {probe} has only {human_bytes(free)} ({free:,} bytes) free; free "
-                          f"{human_bytes(needed - free)} or choose an output folder on another disk")
-
-
 def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint], sharing: list[str],
               output: Optional[Path] = None) -> PlanSummary:
     """Everything ``moe-upcycle plan`` reports, computed from the plan and headers only."""
@@ -194,7 +169,7 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
     total, active = parameter_counts(plan)
     base = sources[config.base_model]
     needed = disk_needed(plan, base)
-    free = free_bytes(output)[1] if output is not None else None
+    free = free_bytes(output) if output is not None else None
     return PlanSummary(
         architecture=plan.architecture, experts=plan.expert_names, experts_per_token=plan.experts_per_token,
         gate_mode=config.gate_mode, dtype=str(plan.dtype).removeprefix("torch."),

@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import struct
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +32,7 @@ SAFETENSORS_DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+REQUIRED_INT_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -166,19 +168,27 @@ def read_config(path: Path, field_name: str) -> dict:
         raise SourceError(f"{field_name}: {path} has no config.json; is it a Hugging Face model folder?")
     try:
         config = json.loads(cfg.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SourceError(f"{cfg}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise SourceError(f"{cfg}: expected a JSON object")
-    missing = [k for k in ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
-               if k not in config]
+    missing = [k for k in ("model_type", *REQUIRED_INT_FIELDS) if k not in config]
     if missing:
         raise SourceError(f"{cfg}: missing required field(s) {', '.join(missing)}")
+    wrong = [f"{k} must be a positive integer, got {config[k]!r}" for k in REQUIRED_INT_FIELDS
+             if not isinstance(config[k], int) or isinstance(config[k], bool) or config[k] <= 0]
+    if not isinstance(config["model_type"], str):
+        wrong.insert(0, f"model_type must be a string, got {config['model_type']!r}")
+    if wrong:
+        raise SourceError(*[f"{cfg}: {w}" for w in wrong])
     return config
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     """Parse and sanity-check a safetensors header without reading tensor data.
+
+    The checks are at least as strict as the safetensors library's own (tensors must tile the
+    data section exactly), so a file accepted here never fails later, mid-build, on its header.
 
     Raises:
         SourceError: missing, empty, truncated file or a header that lies (bad offsets, sizes).
@@ -196,33 +206,65 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
                               f"the file is truncated or not safetensors")
         try:
             header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise SourceError(f"{file}: safetensors header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise SourceError(f"{file}: safetensors header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SourceError(f"{file}: safetensors __metadata__ must map names to strings; the file is corrupt")
     data_size = size - 8 - n
     out: dict[str, TensorInfo] = {}
     spans = []
-    for key, meta in header.items():
+    for key, entry in header.items():
         if key == "__metadata__":
             continue
-        try:
-            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
-            shape = tuple(int(d) for d in meta["shape"])
-            start, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {meta!r}") from None
-        info = TensorInfo(key, shape, dtype, file.name)
-        if any(d < 0 for d in shape) or not 0 <= start <= end <= data_size or end - start != info.nbytes:
-            raise SourceError(f"{file}: tensor {key!r} header is inconsistent (offsets {start}..{end}, "
-                              f"shape {list(shape)}, {data_size} data bytes); the file is truncated or corrupt")
+        info, start, end = _header_entry(file, key, entry)
+        if end < start or end - start != info.nbytes:
+            raise SourceError(f"{file}: tensor {key!r} header is inconsistent: shape {list(info.shape)} of "
+                              f"{entry['dtype']} needs {info.nbytes} bytes but its offsets {start}..{end} give "
+                              f"{end - start}; the file is corrupt")
         spans.append((start, end, key))
         out[key] = info
     spans.sort()
-    for (s0, e0, k0), (s1, e1, k1) in zip(spans, spans[1:]):
-        if s1 < e0:
-            raise SourceError(f"{file}: tensors {k0!r} and {k1!r} overlap in the header; the file is corrupt")
-    return dict(sorted(out.items(), key=lambda kv: header[kv[0]]["data_offsets"][0]))
+    # safetensors requires the tensors to tile the data section: no overlap, no gap, nothing after
+    position, previous = 0, None
+    for start, end, key in spans:
+        if start < position:
+            raise SourceError(f"{file}: tensors {previous!r} and {key!r} overlap in the header; the file is corrupt")
+        if start > position:
+            raise SourceError(f"{file}: the header leaves bytes {position}..{start} before tensor {key!r} "
+                              f"unaccounted for; the file is corrupt")
+        position, previous = end, key
+    if position > data_size:
+        raise SourceError(f"{file}: truncated: the header describes {position} data bytes but the file holds "
+                          f"{data_size}; re-download it")
+    if position < data_size:
+        raise SourceError(f"{file}: {data_size - position} bytes after the last tensor are not described by the "
+                          f"header; the file is corrupt — re-download it")
+    return {key: out[key] for _, _, key in spans}
+
+
+def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, int]:
+    """One tensor's header entry as (info, start, end); strict about types (no floats, no bools)."""
+    def ints(values: Any, length: Optional[int] = None) -> Optional[list[int]]:
+        if not isinstance(values, list) or (length is not None and len(values) != length):
+            return None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            return None
+        return values
+
+    if not isinstance(entry, dict):
+        raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r}")
+    dtype_name = entry.get("dtype")
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        raise SourceError(f"{file}: tensor {key!r} has dtype {dtype_name!r}, which moe-upcycle does not read "
+                          f"(supported: {', '.join(SAFETENSORS_DTYPES)})")
+    shape, offsets = ints(entry.get("shape")), ints(entry.get("data_offsets"), 2)
+    if shape is None or offsets is None:
+        raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r} "
+                          f"(shape and data_offsets must be lists of non-negative integers)")
+    return TensorInfo(key, tuple(shape), SAFETENSORS_DTYPES[dtype_name], file.name), offsets[0], offsets[1]
 
 
 def _index_files(index: Path) -> dict[str, Optional[set[str]]]:
@@ -233,7 +275,15 @@ def _index_files(index: Path) -> dict[str, Optional[set[str]]]:
         raise SourceError(f"{index}: not a valid index (needs a weight_map object): {exc}") from None
     files: dict[str, Optional[set[str]]] = {}
     for key, file in weight_map.items():
-        files.setdefault(str(file), set()).add(key)
+        # a hostile index must not make us read files outside the model folder
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, which is not a file name in the "
+                              f"model folder; fix or re-download the index")
+        files.setdefault(file, set()).add(key)
+    for file in files:
+        if not (index.parent / file).is_file():
+            raise SourceError(f"{index.parent / file}: shard file is missing (the index {index.name} lists "
+                              f"{len(files[file])} tensor(s) in it); re-download the model")
     return files
 
 
@@ -247,15 +297,20 @@ def _check_index(path: Path, file: str, expected: Optional[set[str]], found: dic
 
 
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
-    """Load a pytorch .bin with weights_only=True (no pickled code runs) and mmap (lazy pages)."""
+    """Load a pytorch .bin with weights_only=True (no pickled code runs), memory-mapped when it can be.
+
+    Zip-format files (torch >= 1.6) are memory-mapped (lazy pages); legacy-format files cannot be
+    and are read into memory.
+    """
     if not file.is_file():
         raise SourceError(f"{file}: shard file is missing")
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
     except pickle.UnpicklingError as exc:
-        raise SourceError(f"{file}: refused to load: the pickle asks to run code or build objects that are not "
-                          f"tensors, which weights_only loading forbids ({str(exc).splitlines()[0]}). "
-                          f"Convert the checkpoint to safetensors from a trusted environment") from None
+        raise SourceError(f"{file}: refused to load ({_unpickle_reason(exc)}): weights_only loading accepts only "
+                          f"tensors and plain containers, and a pickle that asks for anything else could run "
+                          f"code. Convert the checkpoint to safetensors in a trusted environment, or re-download "
+                          f"it if it is damaged") from None
     except Exception as exc:
         raise SourceError(f"{file}: not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
@@ -263,6 +318,17 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise SourceError(f"{file}: expected a dict of tensors")
     return state
+
+
+def _unpickle_reason(exc: Exception) -> str:
+    """The line of torch's long weights_only message that says what was refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("Trying to load") or "GLOBAL" in line:
+            return line.rstrip(".")
+        if line.endswith("WeightsUnpickler error:") and i + 1 < len(lines):
+            return lines[i + 1].rstrip(".")
+    return lines[0] if lines else type(exc).__name__
 
 
 def _shared_storage(state: dict[str, torch.Tensor]) -> list[list[str]]:

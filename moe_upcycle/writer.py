@@ -20,6 +20,7 @@ from typing import BinaryIO, Iterable, Optional, Sequence, Union
 import torch
 
 from .errors import OutputError
+from .guards import disk_hint
 from .source import DTYPE_NAMES
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -160,8 +161,8 @@ class ShardedWriter:
             self._fh.write(data)
             self._hash.update(data)
         except OSError as exc:
-            raise OutputError(f"writing {self._fh.name} failed: {exc.strerror or exc} "
-                              f"(after {self.bytes_written} of {self.total_bytes} tensor bytes)") from None
+            raise OutputError(f"writing {self._fh.name} failed: {exc.strerror or exc}"
+                              + disk_hint(self.folder, self.total_bytes, self.bytes_written)) from None
 
     def _finish_file(self) -> None:
         if self._fh is not None:

@@ -144,16 +144,17 @@ def test_build_dry_run_prints_plan(tiny_llama, write_yaml, tmp_path):
 
 
 def test_build_stops_before_writing_when_disk_is_too_small(tiny_llama, tmp_path, monkeypatch, write_yaml):
-    import moe_upcycle.plan_report as plan_report
+    import moe_upcycle.guards as guards
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(plan_report.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 12_345, 12_345))
+    monkeypatch.setattr(guards.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 12_345, 12_345))
     target = tmp_path / "moe"
     with pytest.raises(OutputError) as err:
         upcycle({"base_model": str(tiny_llama), "num_experts": 4, "gate_mode": "random"}, target)
     message = str(err.value)
-    assert f"output {target}: the build needs" in message and "has only 12.3 KB (12,345 bytes) free" in message
+    assert f"not enough disk space for the output in {tmp_path}" in message
+    assert "12345 bytes (12.3 KB) available" in message
     assert not target.exists() and list(tmp_path.iterdir()) == []  # nothing staged, no lock left
     cfg = write_yaml({"base_model": str(tiny_llama), "num_experts": 4, "gate_mode": "random"}, "c.yaml")
     res = runner.invoke(app, ["build", str(cfg), str(target)])
-    assert res.exit_code == 1 and "(12,345 bytes) free" in res.stderr and not target.exists()
+    assert res.exit_code == 1 and "12345 bytes (12.3 KB) available" in " ".join(res.stderr.split()) and not target.exists()

@@ -1,0 +1,153 @@
+"""Signals to a real ``python -m moe_upcycle build`` process midway through writing a multi-shard
+model: the target is absent afterwards (or keeps its previous contents with --force), temporary
+files are gone, and a second build succeeds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from failure_checks import REPO, cli, leftovers, module_cmd, module_env
+
+HIDDEN, INTER, LAYERS, VOCAB, KV = 256, 1024, 4, 512, 128
+SHARD = "4MB"  # 104 MB of output in 33 shards
+N_SHARDS = 33
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory) -> Path:
+    """A Llama-shaped dense checkpoint of ~13 MB (written directly: no transformers model needed)."""
+    folder = tmp_path_factory.mktemp("big") / "llama"
+    folder.mkdir()
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, intermediate_size=INTER,
+               num_hidden_layers=LAYERS, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=HIDDEN // 4, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=256,
+               tie_word_embeddings=False, torch_dtype="float32")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    state = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+             "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g), "model.norm.weight": torch.ones(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        state.update({p + "input_layernorm.weight": torch.ones(HIDDEN), p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+                      p + "self_attn.q_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g),
+                      p + "self_attn.k_proj.weight": torch.randn(KV, HIDDEN, generator=g),
+                      p + "self_attn.v_proj.weight": torch.randn(KV, HIDDEN, generator=g),
+                      p + "self_attn.o_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g),
+                      p + "mlp.gate_proj.weight": torch.randn(INTER, HIDDEN, generator=g),
+                      p + "mlp.up_proj.weight": torch.randn(INTER, HIDDEN, generator=g),
+                      p + "mlp.down_proj.weight": torch.randn(HIDDEN, INTER, generator=g)})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture
+def big_config(big_model, tmp_path) -> Path:
+    cfg = tmp_path / "experts.yaml"
+    cfg.write_text(f"base_model: {big_model}\nnum_experts: 8\ngate_mode: random\nmax_shard_size: {SHARD}\n")
+    return cfg
+
+
+def _sigint_default() -> None:
+    # a background test runner may ignore SIGINT, and children inherit that; Python only turns
+    # SIGINT into KeyboardInterrupt when it is not ignored at start-up
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _start_build(cfg: Path, target: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(module_cmd("build", cfg, target, *extra), cwd=REPO, env=module_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)
+
+
+def _wait_for_shards(proc: subprocess.Popen, target: Path, timeout: float = 180) -> list[str]:
+    """Poll until the staging folder holds a shard file; return the shard names then present."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for stage in target.parent.glob(f".{target.name}.partial-*"):
+            shards = sorted(p.name for p in stage.glob("model-*.safetensors"))
+            if shards:
+                return shards
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"build ended (rc {proc.returncode}) before any shard appeared:\n{out}\n{err}")
+        time.sleep(0.005)
+    proc.kill()
+    pytest.fail("no shard appeared in the staging folder")
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("sig,force", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["SIGINT", "SIGTERM-force"])
+def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_config, tmp_path):
+    target = tmp_path / "moe"
+    previous = None
+    if force:  # a previous build's folder: --force must keep it intact until the new one is complete
+        target.mkdir()
+        (target / "config.json").write_text('{"previous": true}')
+        (target / "model.safetensors").write_bytes(b"old weights")
+        previous = _snapshot(target)
+    proc = _start_build(big_config, target, *(["--force"] if force else []))
+    shards = _wait_for_shards(proc, target)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, f"rc {proc.returncode}\n{out}\n{err}"
+    assert "interrupted" in err and "Traceback" not in out + err
+    assert len(shards) < N_SHARDS  # it really was stopped mid-write
+    if force:
+        assert _snapshot(target) == previous
+        assert leftovers(target) == ["moe"]
+    else:
+        assert leftovers(target) == []  # no target, no lock, no staging folder
+
+    code, output = cli("build", big_config, target, *(["--force"] if force else []))
+    assert code == 0, output
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == N_SHARDS and sorted(p.name for p in target.glob("*.safetensors")) == \
+        sorted(set(index["weight_map"].values()))
+    assert leftovers(target) == ["moe"]
+
+
+def test_killed_build_leftovers_are_cleared_by_next_build(big_config, tmp_path):
+    """SIGKILL cannot be caught: the staging folder stays (never under the target name), and the
+    lock file stays but is not held; the next build takes the lock, clears them and succeeds."""
+    target = tmp_path / "moe"
+    proc = _start_build(big_config, target)
+    _wait_for_shards(proc, target)
+    proc.kill()
+    proc.communicate(timeout=60)
+    left = leftovers(target)
+    assert "moe" not in left and ".moe.lock" in left and any(n.startswith(".moe.partial-") for n in left)
+
+    code, output = cli("build", big_config, target)
+    assert code == 0, output
+    assert leftovers(target) == ["moe"]
+
+
+def test_concurrent_build_to_same_target_is_refused(big_config, tmp_path):
+    """While one real build process writes, a second build to the same target is refused by the lock
+    (it writes nothing); the first finishes intact."""
+    target = tmp_path / "moe"
+    first = _start_build(big_config, target)
+    _wait_for_shards(first, target)
+    code, output = cli("build", big_config, target)
+    assert code == 1 and "Traceback" not in output
+    assert f"another build (pid {first.pid}) is writing {target}" in " ".join(output.split())
+    out, err = first.communicate(timeout=180)
+    assert first.returncode == 0, out + err
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == N_SHARDS
+    recipe = json.loads((target / "moe_upcycle.json").read_text())
+    for shard in set(index["weight_map"].values()):  # every shard is exactly what the first build wrote
+        assert hashlib.sha256((target / shard).read_bytes()).hexdigest() == recipe["sha256"][shard]
+    assert leftovers(target) == ["moe"]

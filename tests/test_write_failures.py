@@ -1,0 +1,247 @@
+"""Failing writes (disk full, write errors), unsafe output folders and held locks: a clear error,
+bytes needed vs available where it is about space, and nothing under the target name."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import moe_upcycle.build
+import moe_upcycle.guards
+import moe_upcycle.writer
+from failure_checks import REPO, assert_clean_failure, cli, leftovers, module_cmd, module_env
+from moe_upcycle import upcycle
+
+GOOD = "base_model: {base}\nnum_experts: 2\ngate_mode: random\n"
+
+
+@pytest.fixture
+def config(tiny_llama, tmp_path) -> Path:
+    cfg = tmp_path / "experts.yaml"
+    cfg.write_text(GOOD.replace("{base}", str(tiny_llama)))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def output_bytes(tiny_llama) -> int:
+    """Tensor bytes of the 2-expert build of the tiny Llama."""
+    return upcycle({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"}, dry_run=True).plan.total_bytes
+
+
+class _FillingFile:
+    """A file object that accepts `room` bytes, then fails like a full disk."""
+
+    def __init__(self, real, budget: list[int]):
+        self._real, self._budget = real, budget
+        self.name = real.name
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        if n > self._budget[0]:
+            raise OSError(errno.ENOSPC, "No space left on device", self.name)
+        self._budget[0] -= n
+        return self._real.write(data)
+
+    def flush(self) -> None:
+        self._real.flush()
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def _disk_fills_after(monkeypatch, room: int) -> None:
+    budget = [room]
+    monkeypatch.setattr(moe_upcycle.writer, "open", lambda path, mode: _FillingFile(open(path, mode), budget),
+                        raising=False)
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new", "force-over-previous"])
+def test_disk_full_mid_write(force, config, output_bytes, tmp_path, monkeypatch):
+    target = tmp_path / "moe"
+    if force:
+        target.mkdir()
+        (target / "keep.txt").write_text("previous build")
+    _disk_fills_after(monkeypatch, room=output_bytes // 2)
+    code, output = cli("build", config, target, "--max-shard-size", "60KB", *(["--force"] if force else []))
+    flat = " ".join(output.split())
+    m = re.search(r"output error: writing (\S+) failed: No space left on device \(the output needs (\d+) bytes in "
+                  r"all; (\d+) were written, (\d+) bytes available\)", flat)
+    assert m, output
+    assert Path(m.group(1)).parent.name.startswith(".moe.partial-")  # it failed in the staging folder
+    assert int(m.group(2)) == output_bytes and 0 < int(m.group(3)) <= output_bytes // 2
+    if force:
+        assert code == 1 and "Traceback" not in output
+        assert [p.name for p in target.iterdir()] == ["keep.txt"] and leftovers(target) == ["moe"]
+    else:
+        assert_clean_failure(code, output, target, ["No space left on device"])
+
+
+def test_not_enough_space_refused_before_writing(config, output_bytes, tmp_path, monkeypatch):
+    monkeypatch.setattr(moe_upcycle.guards, "free_bytes", lambda folder: 1234)
+    target = tmp_path / "moe"
+    code, output = cli("build", config, target)
+    assert_clean_failure(code, output, target, [f"not enough disk space for the output in {tmp_path}",
+                                                f"needs {output_bytes} bytes", "1234 bytes (1.2 KB) available"])
+
+
+def test_error_writing_other_files_is_reported(config, tmp_path, monkeypatch):
+    """An OSError outside the shard writer (here: the model card) is an OutputError too."""
+    def fail(folder, *args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "README.md"))
+
+    monkeypatch.setattr(moe_upcycle.build, "write_model_card", fail)
+    target = tmp_path / "moe"
+    code, output = cli("build", config, target)
+    assert_clean_failure(code, output, target, ["README.md: No space left on device", f"nothing was written under {target}",
+                                                "bytes available in"])
+
+
+def _in_tmpfs(size: int, script: str) -> subprocess.CompletedProcess:
+    """Run `script` (sh) with $FS a fresh tmpfs of `size` bytes, in a private mount namespace."""
+    if not shutil.which("unshare"):
+        pytest.skip("unshare not available: the fake-file tests above cover disk-full")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"user namespaces not available here: {probe.stderr.decode().strip()}")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f'FS=$(mktemp -d) && mount -t tmpfs -o size={size} tmpfs "$FS" '
+                           f'&& cd "$FS" && {script}'], cwd=REPO, env=module_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_real_tiny_filesystem(config, output_bytes):
+    """A real tmpfs: too small → refused up front; just big enough for the tensors but not the rest
+    → a real ENOSPC mid-write. Either way nothing is left on it."""
+    build = " ".join(f"'{a}'" for a in module_cmd("build", config, "moe", "--max-shard-size", "100KB"))
+    small = _in_tmpfs(64 * 1024, f'{build}; echo "rc=$?"; echo "files:$(ls -A)"')
+    assert "rc=1" in small.stdout, small.stdout + small.stderr
+    flat = " ".join(small.stderr.split())
+    assert f"not enough disk space for the output" in flat and f"needs {output_bytes} bytes" in flat
+    assert re.search(r"\b\d{5} bytes \([\d.]+ KB\) available", flat), flat
+    assert "files:\n" in small.stdout and "Traceback" not in small.stderr  # nothing on the filesystem
+
+    exact = -(-output_bytes // 4096) * 4096  # room for the tensors, not for shard headers and page rounding
+    mid = _in_tmpfs(exact, f'{build}; echo "rc=$?"; echo "files:$(ls -A)"')
+    assert "rc=1" in mid.stdout, mid.stdout + mid.stderr
+    flat = " ".join(mid.stderr.split())
+    assert "No space left on device" in flat and f"the output needs {output_bytes} bytes in all" in flat, flat
+    assert "files:\n" in mid.stdout and "Traceback" not in mid.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Output folder overlapping a source
+
+
+@pytest.mark.parametrize("where", ["equal", "inside", "parent"])
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+def test_output_overlapping_source_refused(where, force, tiny_llama, tmp_path):
+    model = tmp_path / "models" / "base"
+    shutil.copytree(tiny_llama, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    target = {"equal": model, "inside": model / "moe", "parent": tmp_path / "models"}[where]
+    cfg = tmp_path / "experts.yaml"
+    cfg.write_text(GOOD.replace("{base}", str(model)))
+    code, output = cli("build", cfg, target, *(["--force"] if force else []))
+    assert code == 1 and "Traceback" not in output
+    assert f"output {target} overlaps the source model folder {model}" in " ".join(output.split())
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before  # source untouched, nothing added
+    assert not any(p.name.startswith((".moe", ".base", ".models")) for p in (tmp_path, tmp_path / "models", model)
+                   for p in p.iterdir())
+
+
+def test_output_through_symlink_to_source_refused(tiny_llama, tmp_path):
+    model = tmp_path / "base"
+    shutil.copytree(tiny_llama, model)
+    (tmp_path / "link").symlink_to(model)
+    cfg = tmp_path / "experts.yaml"
+    cfg.write_text(GOOD.replace("{base}", str(model)))
+    code, output = cli("build", cfg, tmp_path / "link" / "moe")
+    assert code == 1 and "overlaps the source model folder" in output and not (model / "moe").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Locks
+
+
+def test_second_build_refused_while_lock_held(config, tmp_path):
+    target = tmp_path / "moe"
+    lock = tmp_path / ".moe.lock"
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR)
+    os.write(fd, b"4242")
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a running build holds
+    try:
+        code, output = cli("build", config, target)
+        assert code == 1 and "Traceback" not in output
+        assert f"another build (pid 4242) is writing {target} (it holds {lock})" in " ".join(output.split())
+        assert not target.exists() and lock.read_text() == "4242"  # the holder's lock is left alone
+        assert not list(tmp_path.glob(".moe.partial-*"))
+    finally:
+        os.close(fd)
+    code, output = cli("build", config, target)  # the lock file is still there but no longer held
+    assert code == 0, output
+    assert leftovers(target) == ["moe"]
+    assert json.loads((target / "config.json").read_text())["num_local_experts"] == 2
+
+
+def test_output_is_a_file_refused(config, tmp_path):
+    target = tmp_path / "moe"
+    target.write_text("not a folder")
+    code, output = cli("build", config, target, "--force")
+    assert code == 1 and f"output {target} exists and is a file" in " ".join(output.split())
+    assert target.read_text() == "not a folder" and leftovers(target) == ["moe"]
+
+
+def test_existing_output_refused_without_force(config, tmp_path):
+    target = tmp_path / "moe"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    code, output = cli("build", config, target)
+    assert code == 1 and "already exists and is not empty" in output and "--force" in output
+    assert [p.name for p in target.iterdir()] == ["keep.txt"] and leftovers(target) == ["moe"]
+
+
+def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch):
+    """A Ctrl-C that lands during the final --force swap is delivered only after it: the target is
+    then wholly the new build, and no swap folder is left."""
+    import signal
+
+    import moe_upcycle.output_dir as output_dir
+
+    target = tmp_path / "moe"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    real_rename = os.rename
+
+    def rename_with_interrupt(src, dst):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives between the two renames
+        return real_rename(src, dst)
+
+    with pytest.raises(KeyboardInterrupt):
+        with output_dir.staged_output(target, force=True) as stage:
+            (stage / "new.txt").write_text("new")
+            monkeypatch.setattr(output_dir.os, "rename", rename_with_interrupt)
+    monkeypatch.setattr(output_dir.os, "rename", real_rename)
+    assert [p.name for p in target.iterdir()] == ["new.txt"] and leftovers(target) == ["moe"]
+
+
+def test_leftover_swap_folder_is_restored(tmp_path):
+    """A build SIGKILLed between the two renames of a --force swap leaves the previous output as
+    .<name>.old-<pid> and no target: the next build on that target puts it back first."""
+    from moe_upcycle.output_dir import staged_output
+
+    target = tmp_path / "moe"
+    old = tmp_path / ".moe.old-99999"
+    old.mkdir()
+    (old / "weights.txt").write_text("previous")
+    with pytest.raises(RuntimeError):
+        with staged_output(target) as stage:
+            assert [p.name for p in target.iterdir()] == ["weights.txt"]  # restored before building
+            raise RuntimeError("build failed")
+    assert (target / "weights.txt").read_text() == "previous" and leftovers(target) == ["moe"]
