@@ -188,7 +188,7 @@ class UpcycleConfig(_Strict):
             problems.append("no experts: give num_experts: N (N copies of base_model) or an experts: list")
         n = self.expert_count
         if n and self.experts_per_token > n:
-            problems.append(f"experts_per_token: {self.experts_per_token} but there are only {n} experts; "
+            problems.append(f"experts_per_token is {self.experts_per_token} but there are only {n} experts; "
                             f"use a value from 1 to {n}")
         names = [e.name for e in self.experts if e.name]
         dupes = sorted({x for x in names if names.count(x) > 1})

@@ -138,7 +138,7 @@ BAD_INPUTS = {
     "layer mismatch": ({"experts": [{"source_model": "{deep}"}, {"source_model": "{base}"}], "gate_mode": "random"},
                        ["experts[0]", "num_hidden_layers is 3", "has 2"]),
     "too many active": ({"num_experts": 2, "experts_per_token": 3, "gate_mode": "random"},
-                        ["experts_per_token: 3", "only 2 experts"]),
+                        ["experts_per_token is 3", "only 2 experts"]),
     "both experts and num_experts": ({"num_experts": 2, "experts": [{"source_model": "{base}"}], "gate_mode": "random",
                                       "experts_per_token": 1},
                                      ["num_experts and experts are both given"]),

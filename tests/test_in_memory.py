@@ -108,7 +108,7 @@ def test_errors_name_the_argument(dense_stories):
     dense, _ = dense_stories
     with pytest.raises(ConfigError, match="gate: 'cheap_embed' is not available in memory"):
         upcycle_model(dense, gate="cheap_embed")
-    with pytest.raises(ConfigError, match="experts_per_token: 5 but there are only 4 experts"):
+    with pytest.raises(ConfigError, match="experts_per_token is 5 but there are only 4 experts"):
         upcycle_model(dense, num_experts=4, experts_per_token=5)
     with pytest.raises(PlanError, match="granularity: 3 does not divide intermediate_size 172"):
         upcycle_model(dense, num_experts=6, experts_per_token=3, expert_init={"method": "split", "granularity": 3})

@@ -117,7 +117,7 @@ def test_verify_fails_when_a_shard_is_truncated(tiny_moe, tmp_path):
     data = json.loads(res.stdout)
     assert data["ok"] is False and data["loaded_class"] is None
     text = "\n".join(data["problems"])
-    assert f"{SHARD}: tensor" in text and "truncated or corrupt" in text
+    assert f"{SHARD}: truncated" in text
     assert f"{SHARD}: sha256 differs" in text
     assert "does not load with transformers" in text
 

@@ -89,7 +89,9 @@ def test_not_enough_space_refused_before_writing(config, output_bytes, tmp_path,
     target = tmp_path / "moe"
     code, output = cli("build", config, target)
     assert_clean_failure(code, output, target, [f"not enough disk space for the output in {tmp_path}",
-                                                f"needs {output_bytes} bytes", "1234 bytes (1.2 KB) available"])
+                                                "1234 bytes (1.2 KB) available"])
+    needed = int(re.search(r"needs (\d+) bytes", " ".join(output.split())).group(1))
+    assert needed >= output_bytes  # tensors plus config, tokenizer and card
 
 
 def test_error_writing_other_files_is_reported(config, tmp_path, monkeypatch):
@@ -117,22 +119,18 @@ def _in_tmpfs(size: int, script: str) -> subprocess.CompletedProcess:
 
 
 def test_real_tiny_filesystem(config, output_bytes):
-    """A real tmpfs: too small → refused up front; just big enough for the tensors but not the rest
-    → a real ENOSPC mid-write. Either way nothing is left on it."""
+    """A real tmpfs too small for the output: refused up front, nothing left on it. (A mid-write
+    ENOSPC cannot happen on a quiet filesystem because the up-front check over-counts; the failing
+    file-object tests above cover it.)"""
     build = " ".join(f"'{a}'" for a in module_cmd("build", config, "moe", "--max-shard-size", "100KB"))
     small = _in_tmpfs(64 * 1024, f'{build}; echo "rc=$?"; echo "files:$(ls -A)"')
     assert "rc=1" in small.stdout, small.stdout + small.stderr
     flat = " ".join(small.stderr.split())
-    assert f"not enough disk space for the output" in flat and f"needs {output_bytes} bytes" in flat
+    assert "not enough disk space for the output" in flat
+    needed = int(re.search(r"needs (\d+) bytes", flat).group(1))
+    assert needed >= output_bytes
     assert re.search(r"\b\d{5} bytes \([\d.]+ KB\) available", flat), flat
     assert "files:\n" in small.stdout and "Traceback" not in small.stderr  # nothing on the filesystem
-
-    exact = -(-output_bytes // 4096) * 4096  # room for the tensors, not for shard headers and page rounding
-    mid = _in_tmpfs(exact, f'{build}; echo "rc=$?"; echo "files:$(ls -A)"')
-    assert "rc=1" in mid.stdout, mid.stdout + mid.stderr
-    flat = " ".join(mid.stderr.split())
-    assert "No space left on device" in flat and f"the output needs {output_bytes} bytes in all" in flat, flat
-    assert "files:\n" in mid.stdout and "Traceback" not in mid.stderr
 
 
 # ---------------------------------------------------------------------------------------------
