@@ -21,6 +21,7 @@ from .card import write_model_card
 from .config import UpcycleConfig, load_config
 from .errors import ConfigError, SourceError
 from .execute import iter_tensors
+from .gate_checks import parallel_experts
 from .gates import compute_gates
 from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
@@ -43,6 +44,7 @@ class BuildResult:
     shards: list[str] = field(default_factory=list)
     sha256: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    gate_warnings: list[str] = field(default_factory=list)
 
 
 def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
@@ -93,6 +95,8 @@ def upcycle(
     dry_run: bool = False,
     tensor_policy: Optional[str] = None,
     max_shard_size: Union[int, str, None] = None,
+    device: Optional[str] = None,
+    batch_size: Optional[int] = None,
     on_step: Callable[[Step, Plan], None] = lambda step, plan: None,
 ) -> BuildResult:
     """Build an MoE checkpoint from dense checkpoint(s) — the library form of ``moe-upcycle build``.
@@ -104,6 +108,8 @@ def upcycle(
         dry_run: plan and check only; write nothing.
         tensor_policy: "share" or "clone" (overrides the config).
         max_shard_size: bytes per shard, e.g. "5GB" (overrides the config).
+        device: where hidden-state gate modes run the base model: auto, cpu, cuda or cuda:N.
+        batch_size: prompts per forward pass for hidden-state gate modes.
         on_step: called with (step, plan) after each output tensor is written (progress).
 
     Returns:
@@ -116,7 +122,8 @@ def upcycle(
         >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
     """
     start = time.perf_counter()
-    config, sources, plan = prepare(config, tensor_policy=tensor_policy, max_shard_size=max_shard_size)
+    config, sources, plan = prepare(config, tensor_policy=tensor_policy, max_shard_size=max_shard_size,
+                                    device=device, batch_size=batch_size)
     sharing = sharing_report(plan, sources, config.tensor_policy)
     if dry_run:
         return BuildResult(config, plan, None, sharing)
@@ -124,6 +131,7 @@ def upcycle(
     check_target(target, force, [s.path for s in sources.values() if s.path])
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)
+    gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
         writer = ShardedWriter(stage, specs, config.max_shard_size)
@@ -142,7 +150,8 @@ def upcycle(
         write_recipe(stage, config, hashes)
     for ckpt in sources.values():
         ckpt.close()
-    return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start)
+    return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
+                       gate_warnings)
 
 
 def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str]) -> None:

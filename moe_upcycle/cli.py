@@ -102,6 +102,8 @@ def build(
     clone_tensors: Optional[bool] = typer.Option(None, "--clone-tensors/--share-tensors",
                                                  help="Give every expert slot its own copy, or share one storage per source tensor."),
     max_shard_size: Optional[str] = typer.Option(None, help="Bytes per output shard, e.g. 5GB."),
+    device: Optional[str] = typer.Option(None, help="Where hidden-state gates run the base model: auto, cpu, cuda, cuda:N."),
+    batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from .build import upcycle
@@ -118,9 +120,11 @@ def build(
             progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
 
         result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
-                         on_step=on_step)
+                         device=device, batch_size=batch_size, on_step=on_step)
     for line in result.sharing:
         console.print(line, highlight=False)
+    for line in result.gate_warnings:
+        console.print(f"[bold yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
 

@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import prompt_sets
 from .errors import ConfigError
 
 GateMode = Literal[
@@ -26,6 +27,7 @@ GateMode = Literal[
 ]
 DType = Literal["float32", "float16", "bfloat16"]
 TensorPolicy = Literal["share", "clone"]
+Quantize = Literal["4bit", "8bit"]
 # mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `plan` says what it supports.
 Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek"]
 
@@ -74,6 +76,9 @@ class ExpertConfig(_Strict):
     negative_prompts: list[str] = Field(default_factory=list)
     noise_scale: Optional[float] = Field(default=None, ge=0)
     residual_scale: Optional[float] = None
+    # a shipped prompt-set name (gate_configs/prompts) or a prompt file, added to the listed prompts
+    positive_prompts_from: Optional[str] = None
+    negative_prompts_from: Optional[str] = None
 
     @field_validator("positive_prompts", "negative_prompts")
     @classmethod
@@ -82,6 +87,23 @@ class ExpertConfig(_Strict):
             if not p.strip():
                 raise ValueError(f"prompt {i} is empty; remove it or write a prompt")
         return prompts
+
+    @field_validator("positive_prompts_from", "negative_prompts_from")
+    @classmethod
+    def _known_prompt_source(cls, ref: Optional[str]) -> Optional[str]:
+        if ref is not None:
+            prompt_sets.resolve_reference(ref)
+        return ref
+
+    def with_prompt_sets(self, where: str) -> "ExpertConfig":
+        """A copy whose prompt lists include the prompts of `*_prompts_from` (listed ones first)."""
+        update = {}
+        for kind in ("positive", "negative"):
+            ref = getattr(self, f"{kind}_prompts_from")
+            if ref is not None:
+                extra = prompt_sets.load_prompts(ref, f"{where}.{kind}_prompts_from")
+                update[f"{kind}_prompts"] = list(getattr(self, f"{kind}_prompts")) + extra
+        return self.model_copy(update=update) if update else self
 
 
 class SharedExpertConfig(ExpertConfig):
@@ -106,8 +128,29 @@ class UpcycleConfig(_Strict):
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
     router_init_std: float = Field(default=0.02, gt=0)
     gate_scale: Optional[float] = Field(default=None, gt=0)
+    # hidden-state gate modes (see hidden_gates)
+    gate_center: bool = False
+    calibration_text: Optional[str] = None
+    batch_size: int = Field(default=8, ge=1)
+    device: str = "auto"
+    gate_dtype: Optional[DType] = None
+    quantize: Optional[Quantize] = None
 
-    @field_validator("dtype", mode="before")
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("calibration_text")
+    @classmethod
+    def _calibration_exists(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not Path(value).expanduser().exists():
+            raise ValueError(f"{value!r} does not exist; give a .txt/.jsonl file or a folder of them")
+        return value
+
+    @field_validator("dtype", "gate_dtype", mode="before")
     @classmethod
     def _dtype_name(cls, value: Any) -> Any:
         return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
@@ -133,6 +176,8 @@ class UpcycleConfig(_Strict):
         dupes = sorted({x for x in names if names.count(x) > 1})
         if dupes:
             problems.append(f"experts: duplicate expert names {dupes}; give each expert its own name")
+        if self.gate_mode == "kmeans" and self.calibration_text is None:
+            problems.append("gate_mode kmeans needs calibration_text: a .txt/.jsonl file or a folder of them")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -146,7 +191,8 @@ class UpcycleConfig(_Strict):
         """The routed experts, expanding `num_experts: N` into N copies of `base_model`."""
         if self.num_experts is not None:
             return [ExpertConfig(source_model=self.base_model, name=f"expert_{i}") for i in range(self.num_experts)]
-        return [e if e.name else e.model_copy(update={"name": f"expert_{i}"}) for i, e in enumerate(self.experts)]
+        return [(e if e.name else e.model_copy(update={"name": f"expert_{i}"})).with_prompt_sets(f"experts[{i}]")
+                for i, e in enumerate(self.experts)]
 
 
 # ---------------------------------------------------------------------------------------------

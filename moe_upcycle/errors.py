@@ -35,3 +35,7 @@ class PlanError(UpcycleError):
 
 class OutputError(UpcycleError):
     """The output folder cannot be written (exists, locked, inside a source, disk full)."""
+
+
+class DependencyError(UpcycleError):
+    """An optional extra (matplotlib, bitsandbytes) or a device the request needs is not available."""
