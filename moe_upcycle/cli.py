@@ -149,6 +149,49 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), help="Scratch folder fo
         raise typer.Exit(1)
 
 
+@app.command()
+@cli_errors
+def route(
+    model: Path = typer.Argument(..., metavar="OUT", help="A built MoE folder."),
+    prompts: Path = typer.Option(..., "--prompts", help="Prompts: YAML/JSON list (or prompts: key) or text, one per line."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
+) -> None:
+    """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
+    import json as _json
+
+    from .route import plot_routing, read_prompts
+    from .route import route as route_prompts
+
+    result = route_prompts(model, read_prompts(prompts), device=device, batch_size=batch_size)
+    if plot is not None:
+        plot_routing(result, plot)
+    if as_json:
+        print(_json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+        return
+    data = result.to_dict()
+    names = data["experts"]
+    per_prompt = Table(title="per prompt: top-1 share across layers and tokens")
+    for col in ("prompt", "tokens", "top expert", *names):
+        per_prompt.add_column(col)
+    for p in data["prompts"]:
+        text = p["prompt"].replace("\n", " ")
+        per_prompt.add_row(text if len(text) <= 50 else text[:47] + "...", str(p["tokens"]), p["top_expert"],
+                           *[f"{p['top1_share'][n]:.2f}" for n in names])
+    out.print(per_prompt)
+    load = Table(title=f"per layer: top-{data['experts_per_token']} expert load "
+                       f"(entropy in bits, balanced = {data['max_entropy_bits']:.2f})")
+    for col in ("layer", *names, "entropy"):
+        load.add_column(col)
+    for row in data["layers"]:
+        load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
+    out.print(load)
+    if plot is not None:
+        out.print(f"saved {plot}", highlight=False)
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), console=console, transient=True, disable=not sys.stderr.isatty())

@@ -143,13 +143,6 @@ class UpcycleConfig(_Strict):
             raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
         return value
 
-    @field_validator("calibration_text")
-    @classmethod
-    def _calibration_exists(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and not Path(value).expanduser().exists():
-            raise ValueError(f"{value!r} does not exist; give a .txt/.jsonl file or a folder of them")
-        return value
-
     @field_validator("dtype", "gate_dtype", mode="before")
     @classmethod
     def _dtype_name(cls, value: Any) -> Any:

@@ -214,7 +214,7 @@ def encode_windows(tokenizer, docs: list[str], window: int = CALIBRATION_WINDOW)
     return out
 
 
-def _pad(rows: list[Encoded], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_batch(rows: list[Encoded], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, real) each (B, T), padded on `side`."""
     width = max(len(r.ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -261,7 +261,7 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
-                ids, attn, real = _pad([encoded[i] for i in rows], pad_id, side)
+                ids, attn, real = pad_batch([encoded[i] for i in rows], pad_id, side)
                 positions = (attn.cumsum(1) - 1).clamp_min(0)  # same positions whatever the padding
                 state.update(rows=rows, real_cpu=real, real={})
                 dev = loaded.input_device
