@@ -201,7 +201,7 @@ def encode_windows(tokenizer, docs: list[str], window: int = CALIBRATION_WINDOW)
     special = set(tokenizer.all_special_ids)
     out = []
     for doc in docs:
-        ids = tokenizer(doc, add_special_tokens=True)["input_ids"]
+        ids = tokenizer(doc, add_special_tokens=True, verbose=False)["input_ids"]  # windowed below
         head = []
         for i in ids:
             if i not in special:
@@ -425,7 +425,7 @@ def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts
         except ValueError as exc:
             raise ConfigError(f"calibration_text: {calibration_text} gives {points.shape[0]} tokens; layer {layer}: "
                               f"{exc}; add more text") from None
-        sums = torch.zeros(num_experts, points.shape[1]).index_add_(0, clusters.assignment, points)
+        sums = torch.nn.functional.one_hot(clusters.assignment, num_experts).T.float() @ points  # (E, H)
         centroids.append(clusters.centroids)
         means.append(sums / clusters.sizes[:, None].float())
     return torch.stack(centroids), torch.stack(means), inputs.token_norm

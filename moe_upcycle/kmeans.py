@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_ITERATIONS = 100
+RESTARTS = 4  # seeded restarts; the clustering with the highest total cosine wins
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ def spherical_kmeans(points: torch.Tensor, k: int, seed: int) -> Clusters:
     """Cluster `points` (N, H) by cosine into `k` clusters.
 
     k-means++ seeding (on cosine distance) from a CPU generator seeded with `seed`, then Lloyd
-    iterations until assignments stop changing. A cluster that empties is given the point that is
+    iterations until assignments stop changing; `RESTARTS` seeded runs, keeping the one whose
+    points have the highest total cosine to their centroids. A cluster that empties is given the point that is
     currently farthest from its own centroid, so every cluster keeps at least one point.
 
     Args:
@@ -56,25 +58,34 @@ def spherical_kmeans(points: torch.Tensor, k: int, seed: int) -> Clusters:
         [2, 2]
     """
     x = torch.nn.functional.normalize(points.float(), dim=-1)  # (N, H)
-    n = x.shape[0]
     distinct = torch.unique(torch.round(x * 1e5), dim=0).shape[0]
     if distinct < k:
         raise ValueError(f"only {distinct} distinct token directions for {k} clusters")
     gen = torch.Generator().manual_seed(seed)
-    centroids = _plus_plus(x, k, gen)
-    assignment = torch.full((n,), -1, dtype=torch.long)
+    best, best_score = None, float("-inf")
+    for _ in range(RESTARTS):
+        run = _lloyd(x, _plus_plus(x, k, gen), k)
+        score = float((x * run.centroids[run.assignment]).sum())
+        if score > best_score + 1e-9:
+            best, best_score = run, score
+    return best
+
+
+def _lloyd(x: torch.Tensor, centroids: torch.Tensor, k: int) -> Clusters:
+    """Lloyd iterations from the given unit centroids until assignments stop changing."""
+    assignment = torch.full((x.shape[0],), -1, dtype=torch.long)
     iterations = 0
     for iterations in range(1, MAX_ITERATIONS + 1):
         sim = x @ centroids.T  # (N, k)
         new = sim.argmax(dim=1)
-        new = _fill_empty(new, sim, k)
+        if torch.bincount(new, minlength=k).min() == 0:
+            new = _fill_empty(new, sim, k)
         if torch.equal(new, assignment):
             break
         assignment = new
-        sums = torch.zeros_like(centroids).index_add_(0, assignment, x)
+        sums = torch.nn.functional.one_hot(assignment, k).T.to(x.dtype) @ x  # (k, H); index_add_ is slow on CPU
         centroids = torch.nn.functional.normalize(sums, dim=-1)
-    sizes = torch.bincount(assignment, minlength=k)
-    return Clusters(centroids, assignment, sizes, iterations)
+    return Clusters(centroids, assignment, torch.bincount(assignment, minlength=k), iterations)
 
 
 def _plus_plus(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
