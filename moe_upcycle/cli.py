@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -43,7 +44,7 @@ def cli_errors(fn: Callable) -> Callable:
                 raise
             kind = type(exc).__name__.replace("Error", " error").lower()
             for problem in exc.problems:
-                console.print(f"[bold red]{kind}:[/] {problem}", highlight=False, soft_wrap=True)
+                console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
         except KeyboardInterrupt:
             console.print("[bold red]interrupted:[/] nothing was written under the output name")
@@ -124,7 +125,7 @@ def build(
     for line in result.sharing:
         console.print(line, highlight=False)
     for line in result.gate_warnings:
-        console.print(f"[bold yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
 
