@@ -193,11 +193,17 @@ def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[
                               "(or drop --plot)") from None
     share = result.prompt_share().numpy()
     labels = [p if len(p) <= 40 else p[:37] + "..." for p in (q.replace("\n", " ") for q in result.prompts)]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(result.expert_names), 1.0 + 0.3 * len(labels)))
+    n_experts = len(result.expert_names)
+    # labels take ~3.5 in on the left; each expert column gets 0.8 in
+    fig, ax = plt.subplots(figsize=(4.5 + 0.8 * n_experts, 1.5 + 0.35 * len(labels)))
     image = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+    for i in range(len(labels)):
+        for e in range(n_experts):
+            ax.text(e, i, f"{share[i, e]:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if share[i, e] < 0.6 else "black")
     ax.set_xticks(range(len(result.expert_names)), result.expert_names, rotation=45, ha="right")
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.set_title(title or "top-1 share per prompt (all layers, real tokens)")
+    ax.set_title(title or "top-1 share per prompt (all layers, real tokens)", fontsize=9)
     fig.colorbar(image, ax=ax, label="top-1 share")
     fig.tight_layout()
     out = Path(path)

@@ -178,3 +178,12 @@ def test_gpu_explicit_index_and_fp32(stories):
     gpu = hg.load_base(stories, device="cuda:0", dtype="float32")
     assert next(gpu.model.parameters()).dtype == torch.float32
     assert gpu.input_device == torch.device("cuda", 0)
+
+
+def test_hidden_avg_is_an_alias_of_hidden(stories):
+    experts = [e.model_dump(exclude_none=True) for e in _experts(stories)]
+    gates = {mode: hg.compute_hidden_gates(load_config({"base_model": str(stories), "gate_mode": mode,
+                                                        "device": "cpu", "experts": experts}), 5, stories)
+             for mode in ("hidden", "hidden_avg")}
+    for layer in range(5):
+        assert torch.equal(gates["hidden"][layer], gates["hidden_avg"][layer])
