@@ -22,6 +22,7 @@ from .config import UpcycleConfig, load_config
 from .drift import InitDrift, build_drift
 from .errors import ConfigError, SourceError
 from .execute import iter_tensors
+from .gate_checks import parallel_experts
 from .gates import compute_gates
 from .guards import check_free_space, check_source_dtypes
 from .model_files import copy_tokenizer_files, moe_config, write_config
@@ -50,6 +51,7 @@ class BuildResult:
     summary: Optional[PlanSummary] = None
     verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
+    gate_warnings: list[str] = field(default_factory=list)
 
 
 def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
@@ -111,6 +113,8 @@ def upcycle(
     dry_run: bool = False,
     tensor_policy: Optional[str] = None,
     max_shard_size: Union[int, str, None] = None,
+    device: Optional[str] = None,
+    batch_size: Optional[int] = None,
     on_step: Callable[[Step, Plan], None] = lambda step, plan: None,
     verify: bool = False,
     from_config: bool = False,
@@ -124,6 +128,8 @@ def upcycle(
         dry_run: plan and check only; write nothing.
         tensor_policy: "share" or "clone" (overrides the config).
         max_shard_size: bytes per shard, e.g. "5GB" (overrides the config).
+        device: where hidden-state gate modes run the base model: auto, cpu, cuda or cuda:N.
+        batch_size: prompts per forward pass for hidden-state gate modes.
         on_step: called with (step, plan) after each output tensor is written (progress).
         verify: run `verify.verify` on the finished files before they are moved into place and
             put its results in the model card and ``moe_upcycle.json``. A failed verification
@@ -143,7 +149,8 @@ def upcycle(
     start = time.perf_counter()
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
-    config, sources, plan = prepare(config, from_config, tensor_policy=tensor_policy, max_shard_size=max_shard_size)
+    config, sources, plan = prepare(config, from_config, tensor_policy=tensor_policy, max_shard_size=max_shard_size,
+                                    device=device, batch_size=batch_size)
     sharing = sharing_report(plan, sources, config.tensor_policy)
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)
@@ -154,6 +161,7 @@ def upcycle(
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)
     shared_gates = shared_gate_rows(config, plan, base)
+    gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
         writer = ShardedWriter(stage, specs, config.max_shard_size)
@@ -185,7 +193,7 @@ def upcycle(
     for ckpt in sources.values():
         ckpt.close()
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift)
+                       summary, checked, drift, gate_warnings)
 
 
 def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],

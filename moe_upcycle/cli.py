@@ -94,6 +94,8 @@ def build(
     verify: bool = typer.Option(False, "--verify", help="Verify the output right after building; results go in "
                                                          "the model card. Exit 1 if verification fails."),
     no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
+    device: Optional[str] = typer.Option(None, help="Where hidden-state gates run the base model: auto, cpu, cuda, cuda:N."),
+    batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from .build import upcycle
@@ -115,9 +117,11 @@ def build(
             progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
 
         result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
-                         on_step=on_step, verify=verify)
+                         device=device, batch_size=batch_size, on_step=on_step, verify=verify)
     for line in result.sharing:
         console.print(line, highlight=False)
+    for line in result.gate_warnings:
+        console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
     if result.drift is not None:
@@ -202,6 +206,49 @@ def _warn_prompt_lint(config: Path) -> None:
         return  # the build reports it, with every problem
     for line in quick_lint(cfg):
         console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+@cli_errors
+def route(
+    model: Path = typer.Argument(..., metavar="OUT", help="A built MoE folder."),
+    prompts: Path = typer.Option(..., "--prompts", help="Prompts: YAML/JSON list (or prompts: key) or text, one per line."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
+) -> None:
+    """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
+    import json as _json
+
+    from .route import plot_routing, read_prompts
+    from .route import route as route_prompts
+
+    result = route_prompts(model, read_prompts(prompts), device=device, batch_size=batch_size)
+    if plot is not None:
+        plot_routing(result, plot)
+    if as_json:
+        print(_json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+        return
+    data = result.to_dict()
+    names = data["experts"]
+    per_prompt = Table(title="per prompt: top-1 share across layers and tokens")
+    for col in ("prompt", "tokens", "top expert", *names):
+        per_prompt.add_column(col)
+    for p in data["prompts"]:
+        text = p["prompt"].replace("\n", " ")
+        per_prompt.add_row(text if len(text) <= 50 else text[:47] + "...", str(p["tokens"]), p["top_expert"],
+                           *[f"{p['top1_share'][n]:.2f}" for n in names])
+    out.print(per_prompt)
+    load = Table(title=f"per layer: top-{data['experts_per_token']} expert load "
+                       f"(entropy in bits, balanced = {data['max_entropy_bits']:.2f})")
+    for col in ("layer", *names, "entropy"):
+        load.add_column(col)
+    for row in data["layers"]:
+        load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
+    out.print(load)
+    if plot is not None:
+        out.print(f"saved {plot}", highlight=False)
 
 
 def _progress() -> Progress:

@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import prompt_sets
 from .errors import ConfigError
 
 GateMode = Literal[
@@ -28,6 +29,7 @@ GateMode = Literal[
 DType = Literal["float32", "float16", "bfloat16"]
 TensorPolicy = Literal["share", "clone"]
 InitMethod = Literal["copy", "noise", "drop", "split"]
+Quantize = Literal["4bit", "8bit"]
 # mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `plan` says what it supports.
 Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek"]
 Layout = Literal["per_expert", "fused"]
@@ -128,6 +130,9 @@ class ExpertConfig(_Strict):
             raise ValueError(f"{list(layers)} is not a layer range; write [start, end) with 0 <= start < end, "
                              f"e.g. [0, 24]")
         return layers
+    # a shipped prompt-set name (gate_configs/prompts) or a prompt file, added to the listed prompts
+    positive_prompts_from: Optional[str] = None
+    negative_prompts_from: Optional[str] = None
 
     @field_validator("positive_prompts", "negative_prompts")
     @classmethod
@@ -136,6 +141,23 @@ class ExpertConfig(_Strict):
             if not p.strip():
                 raise ValueError(f"prompt {i} is empty; remove it or write a prompt")
         return prompts
+
+    @field_validator("positive_prompts_from", "negative_prompts_from")
+    @classmethod
+    def _known_prompt_source(cls, ref: Optional[str]) -> Optional[str]:
+        if ref is not None:
+            prompt_sets.resolve_reference(ref)
+        return ref
+
+    def with_prompt_sets(self, where: str) -> "ExpertConfig":
+        """A copy whose prompt lists include the prompts of `*_prompts_from` (listed ones first)."""
+        update = {}
+        for kind in ("positive", "negative"):
+            ref = getattr(self, f"{kind}_prompts_from")
+            if ref is not None:
+                extra = prompt_sets.load_prompts(ref, f"{where}.{kind}_prompts_from")
+                update[f"{kind}_prompts"] = list(getattr(self, f"{kind}_prompts")) + extra
+        return self.model_copy(update=update) if update else self
 
 
 class SharedExpertConfig(ExpertConfig):
@@ -167,8 +189,22 @@ class UpcycleConfig(_Strict):
     layout: Layout = "per_expert"
     attention_from: AttentionFrom = "base"
     shared_expert_gate: Optional[SharedExpertGate] = None
+    # hidden-state gate modes (see hidden_gates)
+    gate_center: bool = False
+    calibration_text: Optional[str] = None
+    batch_size: int = Field(default=8, ge=1)
+    device: str = "auto"
+    gate_dtype: Optional[DType] = None
+    quantize: Optional[Quantize] = None
 
-    @field_validator("dtype", mode="before")
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("dtype", "gate_dtype", mode="before")
     @classmethod
     def _dtype_name(cls, value: Any) -> Any:
         return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
@@ -209,6 +245,8 @@ class UpcycleConfig(_Strict):
             problems += [f"shared_experts[{i}].positive_prompts: shared_expert_gate: prompts needs at least one "
                          f"prompt; add prompts or use shared_expert_gate: constant"
                          for i, e in enumerate(self.shared_experts) if not e.positive_prompts]
+        if self.gate_mode == "kmeans" and self.calibration_text is None:
+            problems.append("gate_mode kmeans needs calibration_text: a .txt/.jsonl file or a folder of them")
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -222,7 +260,8 @@ class UpcycleConfig(_Strict):
         """The routed experts, expanding `num_experts: N` into N copies of `base_model`."""
         if self.num_experts is not None:
             return [ExpertConfig(source_model=self.base_model, name=f"expert_{i}") for i in range(self.num_experts)]
-        return [e if e.name else e.model_copy(update={"name": f"expert_{i}"}) for i, e in enumerate(self.experts)]
+        return [(e if e.name else e.model_copy(update={"name": f"expert_{i}"})).with_prompt_sets(f"experts[{i}]")
+                for i, e in enumerate(self.experts)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,3 +42,7 @@ class UpcycleWarning(UserWarning):
 
     Issued with `warnings.warn`; the CLI prints each one as ``warning: ...``.
     """
+
+
+class DependencyError(UpcycleError):
+    """An optional extra (matplotlib, bitsandbytes) or a device the request needs is not available."""

@@ -61,8 +61,11 @@ def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[i
         shared = normalise_rows(rows, config.gate_scale or default_gate_scale(hidden))
         return {layer: shared.clone() for layer in range(plan.num_layers)}
     if mode in ("hidden", "hidden_avg", "hidden_last", "kmeans"):
-        raise ConfigError(f"gate_mode: {mode!r} is not available yet; use cheap_embed, random, "
-                          f"uniform_random or uniform")
+        from .hidden_gates import compute_hidden_gates
+
+        if base.path is None:
+            raise ConfigError(f"gate_mode: {mode} runs the base model, which needs a checkpoint folder")
+        return compute_hidden_gates(config, plan.num_layers, base.path)
     for layer in range(plan.num_layers):
         if mode == "random":
             g = torch.randn(num_experts, hidden, generator=gen) * config.router_init_std
@@ -82,8 +85,9 @@ def check_prompts(config: UpcycleConfig) -> None:
     if config.num_experts is not None:
         raise ConfigError(f"gate_mode: {config.gate_mode} needs prompts, but num_experts gives copies without "
                           f"prompts; use gate_mode: random (or uniform, uniform_random), or list experts with prompts")
-    missing = [f"experts[{i}].positive_prompts: gate_mode {config.gate_mode} needs at least one prompt"
-               for i, e in enumerate(config.experts) if not e.positive_prompts]
+    missing = [f"experts[{i}].positive_prompts: gate_mode {config.gate_mode} needs at least one prompt "
+               f"(or positive_prompts_from: a prompt set)"
+               for i, e in enumerate(config.expert_list()) if not e.positive_prompts]
     if missing:
         raise ConfigError(*missing)
 

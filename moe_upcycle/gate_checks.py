@@ -1,0 +1,63 @@
+"""Checks on computed router weights: experts whose gate vectors are nearly parallel.
+
+Two experts whose rows point the same way in a layer get the same scores there, so the router
+cannot tell them apart ("your prompts for `coder` and `math` are too similar"). This module only
+inspects the gates; it changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PARALLEL_COSINE = 0.95
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """Compact layer list.
+
+    Example:
+        >>> layer_ranges([0, 1, 2, 5, 7, 8])
+        '0-2, 5, 7-8'
+    """
+    parts, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            parts.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(parts)
+
+
+def parallel_experts(gates: dict[int, torch.Tensor], expert_names: list[str] | tuple[str, ...],
+                     threshold: float = PARALLEL_COSINE) -> list[str]:
+    """Warnings naming each expert pair and the layers where their gate rows have cosine > `threshold`.
+
+    Args:
+        gates: layer -> (num_experts, hidden) router weights.
+        expert_names: name of each expert row.
+        threshold: cosine above which two rows count as nearly parallel.
+
+    Returns:
+        One message per offending pair (empty when routing can tell every pair apart).
+    """
+    hits: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    for layer in sorted(gates):
+        rows = torch.nn.functional.normalize(gates[layer].float(), dim=-1)
+        if rows.abs().sum() == 0:  # all-zero gates (gate_mode: uniform) route uniformly by design
+            continue
+        cos = rows @ rows.T
+        n = cos.shape[0]
+        for a in range(n):
+            for b in range(a + 1, n):
+                if cos[a, b] > threshold:
+                    hits.setdefault((a, b), []).append((layer, float(cos[a, b])))
+    out = []
+    for (a, b), found in hits.items():
+        layers = [layer for layer, _ in found]
+        worst = max(c for _, c in found)
+        out.append(f"routing: gate vectors of experts `{expert_names[a]}` and `{expert_names[b]}` are nearly "
+                   f"parallel (cosine > {threshold}, up to {worst:.3f}) in layer(s) {layer_ranges(layers)}: "
+                   f"your prompts for `{expert_names[a]}` and `{expert_names[b]}` are too similar for the router "
+                   f"to tell apart; make them more distinct, add negative_prompts, or set gate_center: true")
+    return out

@@ -1,0 +1,189 @@
+"""Hidden-state gates: the hooks capture the true router input, padding does not matter, modes differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_upcycle import hidden_gates as hg
+from moe_upcycle.config import load_config
+from moe_upcycle.errors import ConfigError, DependencyError
+from routing_prompts import CODE, STORY
+
+F = torch.nn.functional
+
+
+@pytest.fixture(scope="module")
+def loaded(stories):
+    return hg.load_base(stories, device="cpu")
+
+
+def _experts(stories, **extra):
+    cfg = load_config({"base_model": str(stories), "gate_mode": "hidden", "experts": [
+        {"source_model": str(stories), "name": "code", "positive_prompts": CODE[:5], **extra},
+        {"source_model": str(stories), "name": "story", "positive_prompts": STORY[:4]}]})
+    return cfg.expert_list()
+
+
+def _reference_means(loaded, prompts):
+    """Router inputs rebuilt independently: one prompt at a time, no padding, capture the residual
+    *entering* post_attention_layernorm and apply the model's own norm to it; mean over non-special
+    tokens, then over prompts. Returns (L, H)."""
+    special = set(loaded.tokenizer.all_special_ids)
+    per_layer = [[] for _ in loaded.norms]
+    for prompt in prompts:
+        ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        keep = torch.tensor([i not in special for i in ids[0].tolist()])
+        residuals = {}
+        handles = [norm.register_forward_pre_hook(lambda m, args, i=i: residuals.__setitem__(i, args[0]))
+                   for i, norm in enumerate(loaded.norms)]
+        with torch.inference_mode():
+            loaded.model(input_ids=ids)
+        for h in handles:
+            h.remove()
+        for i, norm in enumerate(loaded.norms):
+            with torch.inference_mode():
+                router_input = norm(residuals[i])[0]  # (T, H): the model's own RMSNorm on the residual
+            per_layer[i].append(router_input[keep].mean(dim=0))
+    return torch.stack([torch.stack(v).mean(dim=0) for v in per_layer])
+
+
+def test_captured_router_input_equals_norm_of_residual(loaded, stories):
+    experts = _experts(stories)
+    own, _, inputs = hg.prompt_router_inputs(loaded, experts, "mean", batch_size=3)
+    for e, expert in enumerate(experts):
+        expected = _reference_means(loaded, expert.positive_prompts)
+        torch.testing.assert_close(own[:, e], expected, atol=1e-5, rtol=1e-5)
+    # the gate rows the build writes are these vectors, normalised and scaled
+    cfg = load_config({"base_model": str(stories), "gate_mode": "hidden", "device": "cpu", "batch_size": 4,
+                       "experts": [e.model_dump(exclude_none=True) for e in experts]})
+    gates = hg.compute_hidden_gates(cfg, 5, stories)
+    for layer in range(5):
+        for e, expert in enumerate(experts):
+            assert F.cosine_similarity(gates[layer][e], own[layer, e], dim=0) > 1 - 1e-6
+    assert inputs.token_norm.shape == (5,) and (inputs.token_norm > 1).all()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("reduce", ["mean", "last"])
+def test_padding_does_not_change_the_vector(loaded, side, reduce):
+    short = "The cat sat."
+    batch = [short, STORY[2], CODE[6], STORY[5] + " " + STORY[6]]
+    enc_alone = hg.encode(loaded.tokenizer, [short], loaded.max_length)
+    enc_batch = hg.encode(loaded.tokenizer, batch, loaded.max_length)
+    alone = hg.capture_router_inputs(loaded, enc_alone, [0], 1, reduce, batch_size=1).sums[:, 0]
+    padded = hg.capture_router_inputs(loaded, enc_batch, [0, 1, 1, 1], 2, reduce, batch_size=4,
+                                      padding_side=side).sums[:, 0]
+    assert len(enc_batch[3].ids) > 2 * len(enc_alone[0].ids)  # the short prompt really is padded
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
+
+
+def test_negative_prompts_move_the_vector(loaded, stories):
+    plain = _experts(stories)
+    with_neg = _experts(stories, negative_prompts=STORY[6:9])
+    own, neg, _ = hg.prompt_router_inputs(loaded, with_neg, "mean", batch_size=8)
+    own_plain, neg_plain, _ = hg.prompt_router_inputs(loaded, plain, "mean", batch_size=8)
+    torch.testing.assert_close(own, own_plain, atol=1e-5, rtol=0)  # positives unchanged
+    assert neg_plain.abs().max() == 0 and neg[:, 0].norm(dim=-1).min() > 1
+    cfg = load_config({"base_model": str(stories), "gate_mode": "hidden", "device": "cpu",
+                       "experts": [e.model_dump(exclude_none=True) for e in with_neg]})
+    moved = hg.compute_hidden_gates(cfg, 5, stories)
+    for layer in range(5):
+        direction = own[layer, 0] - neg[layer, 0]
+        assert F.cosine_similarity(moved[layer][0], direction, dim=0) > 1 - 1e-6
+        assert F.cosine_similarity(moved[layer][0], own[layer, 0], dim=0) < 0.9  # it really moved
+        # the expert without negatives keeps its own direction
+        assert F.cosine_similarity(moved[layer][1], own[layer, 1], dim=0) > 1 - 1e-6
+
+
+def test_hidden_last_differs_from_hidden(loaded, stories):
+    experts = _experts(stories)
+    mean, _, _ = hg.prompt_router_inputs(loaded, experts, "mean", batch_size=4)
+    last, _, _ = hg.prompt_router_inputs(loaded, experts, "last", batch_size=4)
+    cos = F.cosine_similarity(mean, last, dim=-1)  # (L, E)
+    assert cos.max() < 0.98
+    # hidden_last of one prompt is exactly its last real token's router input
+    enc = hg.encode(loaded.tokenizer, [CODE[0]], loaded.max_length)
+    ref = {}
+    handles = [n.register_forward_hook(lambda m, a, out, i=i: ref.__setitem__(i, out[0, -1].clone()))
+               for i, n in enumerate(loaded.norms)]
+    with torch.inference_mode():
+        loaded.model(input_ids=torch.tensor([enc[0].ids]))
+    for h in handles:
+        h.remove()
+    got = hg.capture_router_inputs(loaded, enc, [0], 1, "last", batch_size=1).sums[:, 0]
+    torch.testing.assert_close(got, torch.stack([ref[i] for i in range(5)]), atol=1e-6, rtol=0)
+
+
+def test_default_scale_gives_decisive_unsaturated_gap():
+    # two experts in 3-d: own means 2 units apart along x, token norm 2
+    own = torch.tensor([[[1.0, 1.0, 0.0], [1.0, -1.0, 0.0]]])
+    unit = F.normalize(own, dim=-1)
+    scale = hg.default_scales(unit, own, torch.tensor([2.0]))
+    logits = torch.einsum("leh,lfh->lef", own, unit * scale[:, None, None])
+    assert logits[0, 0, 0] - logits[0, 0, 1] == pytest.approx(hg.DECISIVE_LOGIT_GAP, rel=1e-5)
+    # nearly identical experts: the cap bounds any typical token's logit difference
+    close = torch.tensor([[[1.0, 0.001, 0.0], [1.0, -0.001, 0.0]]])
+    unit = F.normalize(close, dim=-1)
+    scale = hg.default_scales(unit, close, torch.tensor([2.0]))
+    spread = (unit[0, 0] - unit[0, 1]).norm()
+    assert float(scale * spread * 2.0) == pytest.approx(hg.MAX_TOKEN_LOGIT_GAP, rel=1e-4)
+
+
+def test_gate_center_removes_shared_component(loaded, stories):
+    experts = _experts(stories)
+    own, _, inputs = hg.prompt_router_inputs(loaded, experts, "mean", batch_size=8)
+    centered = hg.gate_rows(own, own, inputs.token_norm, center=True, scale=1.0)
+    plain = hg.gate_rows(own, own, inputs.token_norm, center=False, scale=1.0)
+    assert torch.allclose(centered.norm(dim=-1), torch.ones(5, 2), atol=1e-5)
+    # two centred experts are opposite; uncentred rows share most of their direction
+    torch.testing.assert_close(centered[:, 0], -centered[:, 1], atol=1e-5, rtol=0)
+    assert F.cosine_similarity(plain[:, 0], plain[:, 1], dim=-1).min() > 0.5
+
+
+def test_quantize_without_bitsandbytes_is_a_clear_error(stories, monkeypatch):
+    monkeypatch.setattr(hg.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DependencyError, match=r"quantize: 4bit .* bitsandbytes.*moe-upcycle\[quant\]"):
+        hg.load_base(stories, device="cpu", quantize="4bit")
+
+
+def test_cuda_requested_without_gpu_is_a_clear_error(stories, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DependencyError, match=r"device: 'cuda:1' .* use device: cpu"):
+        hg.resolve_device("cuda:1")
+    assert hg.resolve_device("auto") == "cpu"
+
+
+def test_prompt_with_only_special_tokens_is_named(loaded):
+    with pytest.raises(ConfigError, match="'<s>' has no tokens besides special tokens"):
+        hg.encode(loaded.tokenizer, ["<s>"], loaded.max_length)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_gates_match_cpu(stories):
+    experts = _experts(stories)
+    cpu = hg.load_base(stories, device="cpu")
+    gpu = hg.load_base(stories, device="cuda")
+    assert next(gpu.model.parameters()).dtype == torch.bfloat16 and gpu.input_device.type == "cuda"
+    own_cpu, _, _ = hg.prompt_router_inputs(cpu, experts, "mean", batch_size=4)
+    own_gpu, _, _ = hg.prompt_router_inputs(gpu, experts, "mean", batch_size=4)
+    assert own_gpu.device.type == "cpu"  # sums come back to the CPU
+    assert F.cosine_similarity(own_cpu, own_gpu, dim=-1).min() > 0.99
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_explicit_index_and_fp32(stories):
+    gpu = hg.load_base(stories, device="cuda:0", dtype="float32")
+    assert next(gpu.model.parameters()).dtype == torch.float32
+    assert gpu.input_device == torch.device("cuda", 0)
+
+
+def test_hidden_avg_is_an_alias_of_hidden(stories):
+    experts = [e.model_dump(exclude_none=True) for e in _experts(stories)]
+    gates = {mode: hg.compute_hidden_gates(load_config({"base_model": str(stories), "gate_mode": mode,
+                                                        "device": "cpu", "experts": experts}), 5, stories)
+             for mode in ("hidden", "hidden_avg")}
+    for layer in range(5):
+        assert torch.equal(gates["hidden"][layer], gates["hidden_avg"][layer])

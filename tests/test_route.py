@@ -1,0 +1,136 @@
+"""Routing of a built MoE: own prompts go to their own expert on stories260K; `route` numbers and CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moe_upcycle import upcycle
+from moe_upcycle.cli import app
+from moe_upcycle.gate_checks import layer_ranges, parallel_experts
+from moe_upcycle.route import route
+from routing_prompts import CODE, STORY
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def moe(stories, tmp_path_factory):
+    """stories260K upcycled to two experts whose prompts differ in kind: code snippets vs. stories."""
+    out = tmp_path_factory.mktemp("route") / "moe"
+    result = upcycle({"base_model": str(stories), "gate_mode": "hidden", "experts_per_token": 1, "device": "cpu",
+                      "experts": [{"source_model": str(stories), "name": "code", "positive_prompts": CODE},
+                                  {"source_model": str(stories), "name": "story", "positive_prompts": STORY}]}, out)
+    return result
+
+
+@pytest.fixture(scope="module")
+def routed(moe):
+    return route(moe.output, CODE + STORY, device="cpu", batch_size=5)
+
+
+def test_each_expert_gets_its_own_prompts_top1_in_most_layers(routed):
+    majority = routed.layer_majority()  # (P, L): expert most of the prompt's tokens chose first
+    n = len(CODE)
+    code_share = (majority[:n] == 0).double().mean().item()
+    story_share = (majority[n:] == 1).double().mean().item()
+    assert code_share >= 0.8 and story_share >= 0.8, (code_share, story_share)
+    # and across layers and tokens, every prompt's most chosen expert is its own
+    assert routed.prompt_expert() == [0] * n + [1] * len(STORY)
+
+
+def test_route_numbers_are_consistent(routed, moe):
+    assert routed.expert_names == ["code", "story"]
+    p, layers, e = routed.top1.shape
+    assert (p, layers, e) == (len(CODE) + len(STORY), 5, 2)
+    # every real token has exactly one top-1 expert per layer
+    assert torch.equal(routed.top1.sum(dim=2), routed.tokens[:, None].expand(p, layers))
+    load = routed.layer_load()
+    torch.testing.assert_close(load.sum(dim=1), torch.ones(layers, dtype=torch.float64))
+    entropy = routed.layer_entropy()
+    expected = -(load * torch.log2(load)).sum(dim=1)
+    torch.testing.assert_close(entropy, expected)
+    assert ((entropy > 0.5) & (entropy <= 1.0)).all()  # both experts used, neither starved
+    share = routed.prompt_share()
+    torch.testing.assert_close(share.sum(dim=1), torch.ones(p, dtype=torch.float64))
+    # the gate rows written equal what route sees: its own prompts, same numbers twice
+    again = route(moe.output, CODE[:2], device="cpu", batch_size=1)
+    torch.testing.assert_close(again.top1, routed.top1[:2])
+
+
+def test_route_cli_json(moe, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{STORY[0]}\n\n{STORY[1]}\n", encoding="utf-8")
+    result = runner.invoke(app, ["route", str(moe.output), "--prompts", str(prompts), "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert data["experts"] == ["code", "story"] and data["max_entropy_bits"] == 1.0
+    assert [p["prompt"] for p in data["prompts"]] == STORY[:2]
+    assert all(p["top_expert"] == "story" for p in data["prompts"])
+    assert all(math.isclose(sum(p["top1_share"].values()), 1.0, abs_tol=2e-4) for p in data["prompts"])
+    assert [row["layer"] for row in data["layers"]] == [0, 1, 2, 3, 4]
+    assert len(data["prompts"][0]["layer_top_expert"]) == 5
+
+
+def test_route_cli_tables_and_plot(moe, tmp_path):
+    pytest.importorskip("matplotlib")  # the optional `plot` extra; the error path is tested below
+    prompts = tmp_path / "p.yaml"
+    prompts.write_text(json.dumps({"prompts": [CODE[0], STORY[0]]}), encoding="utf-8")
+    png = tmp_path / "routing.png"
+    result = runner.invoke(app, ["route", str(moe.output), "--prompts", str(prompts), "--plot", str(png),
+                                 "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "per layer: top-1 expert load" in result.stdout and "entropy" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_plot_without_matplotlib_is_a_clear_error(moe, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Once upon a time\n", encoding="utf-8")
+    result = runner.invoke(app, ["route", str(moe.output), "--prompts", str(prompts), "--plot",
+                                 str(tmp_path / "r.png"), "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "--plot needs matplotlib" in result.output and "moe-upcycle[plot]" in result.output
+
+
+def test_route_rejects_a_dense_model(stories, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello\n", encoding="utf-8")
+    result = runner.invoke(app, ["route", str(stories), "--prompts", str(prompts), "--device", "cpu"])
+    assert result.exit_code == 1 and "not an MoE with a router in every layer" in result.output
+
+
+def test_parallel_gates_are_named_with_their_layers():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, generator=gen), torch.randn(16, generator=gen)
+    gates = {layer: torch.stack([a, a * 2 + 0.01 * layer, b]) for layer in range(4)}
+    gates[2] = torch.stack([a, b, -a])  # layer 2 tells them apart
+    (message,) = parallel_experts(gates, ["coder", "math", "chat"])
+    assert "`coder` and `math`" in message and "layer(s) 0-1, 3" in message and "too similar" in message
+    assert parallel_experts({0: torch.zeros(3, 8)}, ["a", "b", "c"]) == []  # uniform gates: by design
+    assert layer_ranges([0, 1, 2, 4]) == "0-2, 4"
+
+
+def test_build_warns_about_identical_prompts(tiny_llama, tmp_path, write_yaml):
+    same = ["def add(a, b): return a + b", "for i in range(10): print(i)"]
+    cfg = write_yaml({"base_model": str(tiny_llama), "gate_mode": "cheap_embed", "experts": [
+        {"source_model": str(tiny_llama), "name": "coder", "positive_prompts": same},
+        {"source_model": str(tiny_llama), "name": "math", "positive_prompts": same},
+        {"source_model": str(tiny_llama), "name": "chat", "positive_prompts": ["Hello! How are you today?"]}]})
+    result = runner.invoke(app, ["build", str(cfg), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "experts `coder` and `math` are nearly parallel" in result.output
+    assert "layer(s) 0-1" in result.output and "`chat`" not in result.output
+
+
+def test_build_device_option_is_validated(tiny_llama, tmp_path, write_yaml):
+    cfg = write_yaml({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"})
+    result = runner.invoke(app, ["build", str(cfg), str(tmp_path / "out"), "--device", "tpu"])
+    assert result.exit_code == 1
+    assert "device: 'tpu' is not a device; use auto, cpu, cuda or cuda:N" in result.output
