@@ -101,7 +101,7 @@ def test_memory_estimates_follow_policy_and_transforms():
         experts=[{"source_model": REF, "noise_scale": 0.01}] * 8, num_experts=None)
     # a noisy slot: the bf16 read, an fp32 working copy and the bf16 result
     assert estimate_build_peak(plan, config, sources) == routers + mlp_bf16 * 4
-    config, sources, plan = _mixtral_plan(gate_mode="kmeans")
+    config, sources, plan = _mixtral_plan(gate_mode="kmeans", calibration_text="corpus.txt")
     assert estimate_gate_peak(plan, config, sources[REF]) == routers + 4 * 7_241_732_096
 
 
