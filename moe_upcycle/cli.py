@@ -212,7 +212,11 @@ def _warn_prompt_lint(config: Path) -> None:
 @cli_errors
 def route(
     model: Path = typer.Argument(..., metavar="OUT", help="A built MoE folder."),
-    prompts: Path = typer.Option(..., "--prompts", help="Prompts: YAML/JSON list (or prompts: key) or text, one per line."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: YAML/JSON list (or prompts: key) or text, one per line."),
+    labeled: Optional[Path] = typer.Option(None, "--labeled", help="Prompts with the expert each should go to "
+                                           "(JSONL with text/expert, or expert<TAB>prompt lines): routing accuracy."),
+    label_by: Optional[str] = typer.Option(None, "--label-by", help="Label prompts that have none: 'embedding' "
+                                           "(nearest expert centroid of the recorded prompts)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
     as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
@@ -224,11 +228,33 @@ def route(
     from .route import plot_routing, read_prompts
     from .route import route as route_prompts
 
-    result = route_prompts(model, read_prompts(prompts), device=device, batch_size=batch_size)
+    from .errors import ConfigError
+
+    if (prompts is None) == (labeled is None):
+        raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
+    if label_by not in (None, "embedding"):
+        raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
+    if labeled is not None:
+        from .route_eval import read_labeled
+
+        texts, labels = read_labeled(labeled)
+        if label_by is None and None in labels:
+            _ = _labels(texts, labels, model, label_by)  # raises, naming the first unlabelled prompt
+    else:
+        texts, labels = read_prompts(prompts), None
+    result = route_prompts(model, texts, device=device, batch_size=batch_size)
     if plot is not None:
         plot_routing(result, plot)
+    score = None
+    if labels is not None:
+        from .route_eval import routing_accuracy
+
+        score = routing_accuracy(result.shares(), _labels(texts, labels, model, label_by), result.expert_names)
     if as_json:
-        print(_json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+        data = result.to_dict()
+        if score is not None:
+            data["accuracy"] = score.to_dict()
+        print(_json.dumps(data, indent=2, ensure_ascii=False))
         return
     data = result.to_dict()
     names = data["experts"]
@@ -247,8 +273,27 @@ def route(
     for row in data["layers"]:
         load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
     out.print(load)
+    if score is not None:
+        from .prompt_cli import routing_tables
+
+        for table in routing_tables(score):
+            out.print(table)
     if plot is not None:
         out.print(f"saved {plot}", highlight=False)
+
+
+def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[str]) -> list[str]:
+    """Labels for `route --labeled`, missing ones filled by embedding from the build's recorded config."""
+    from .route_eval import labels_for
+    from .verify import read_recipe
+
+    recipe = read_recipe(Path(model_dir)) if label_by else None
+    config = None
+    if recipe:
+        from .config import load_config
+
+        config = load_config(recipe["config"])
+    return labels_for(texts, labels, config, label_by or "")
 
 
 def _progress() -> Progress:

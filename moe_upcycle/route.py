@@ -45,6 +45,10 @@ class RoutingResult:
     tokens: torch.Tensor
     experts_per_token: int
 
+    def shares(self) -> torch.Tensor:
+        """(P, L, E) share of each prompt's real tokens whose top-1 expert at layer l is e."""
+        return self.top1.double() / self.tokens.clamp_min(1)[:, None, None]
+
     def prompt_share(self) -> torch.Tensor:
         """(P, E) share of each prompt's (layer, token) top-1 choices that went to each expert."""
         totals = self.top1.sum(dim=(1, 2)).clamp_min(1)

@@ -4,7 +4,7 @@ Given which expert each prompt's tokens pick first (top-1) in every layer, and a
 prompt (the expert it should go to), computes routing accuracy per layer and overall, and
 confusion matrices (rows: label, columns: expert chosen). Labels come from a labelled file
 (`read_labeled`) or, for unlabelled prompts, from the nearest expert centroid in embedding space
-(`label_by_embedding`). `collect_router_shares` runs a transformers MoE to get the routing.
+(`label_by_embedding`). The routing itself comes from `route.route` (`RoutingResult.shares()`).
 
 Shapes: P prompts, L layers, E experts. "Shares" are (P, L, E): the fraction of a prompt's real
 (unpadded) tokens whose top-1 expert in layer l is e; each (p, l) row sums to 1. Hard
@@ -54,27 +54,6 @@ class RoutingScore:
     def to_dict(self) -> dict:
         return {"experts": self.expert_names, "layer_accuracy": self.layer_accuracy, "overall": self.overall,
                 "confusion": self.confusion.tolist(), "layer_confusion": self.layer_confusion.tolist()}
-
-
-def routing_shares(router_logits: Sequence[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-prompt, per-layer top-1 token shares from a transformers MoE's `router_logits`.
-
-    Args:
-        router_logits: one tensor per layer, (B*T, E) as transformers returns them with
-            ``output_router_logits=True`` (or (B, T, E)).
-        attention_mask: (B, T), 1 for real tokens; padded positions are not counted.
-
-    Returns:
-        (B, L, E) float shares; each (b, l) row sums to 1.
-    """
-    mask = attention_mask.to(torch.float32)  # (B, T)
-    b, t = mask.shape
-    per_layer = []
-    for logits in router_logits:
-        top1 = logits.reshape(b, t, -1).argmax(-1)  # (B, T)
-        hits = torch.nn.functional.one_hot(top1, logits.shape[-1]).float() * mask[..., None]  # (B, T, E)
-        per_layer.append(hits.sum(1) / mask.sum(1, keepdim=True).clamp_min(1))  # (B, E)
-    return torch.stack(per_layer, 1)
 
 
 def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
@@ -201,21 +180,24 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     return prompts, labels
 
 
-def collect_router_shares(model, tokenizer, prompts: Sequence[str], batch_size: int = 16) -> torch.Tensor:
-    """Run a transformers MoE (e.g. Mixtral) on `prompts` and return their top-1 shares (P, L, E).
+def labels_for(prompts: Sequence[str], labels: Sequence[Optional[str]], config: Optional[UpcycleConfig],
+               label_by: str) -> list[str]:
+    """Fill missing labels: ``label_by="embedding"`` labels them by nearest expert centroid.
 
-    Loads nothing: pass a model and tokenizer already loaded. Prompts are padded in
-    batches; a tokenizer without a pad token gets its eos (or unk) token as pad.
+    Raises:
+        ConfigError: prompts without labels and no way (or no recipe) to label them.
     """
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    device = next(model.parameters()).device
-    out = []
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            batch = tokenizer(list(prompts[i:i + batch_size]), return_tensors="pt", padding=True)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            result = model(**batch, output_router_logits=True)
-            out.append(routing_shares([r.float().cpu() for r in result.router_logits],
-                                      batch["attention_mask"].cpu()))
-    return torch.cat(out)
+    missing = [i for i, lab in enumerate(labels) if lab is None]
+    if not missing:
+        return list(labels)
+    if label_by != "embedding":
+        raise ConfigError(f"--labeled: {len(missing)} prompt(s) have no label (first: {prompts[missing[0]]!r}); "
+                          f"write `expert<TAB>prompt` lines or JSONL with an \"expert\" field, or pass --label-by embedding")
+    if config is None:
+        raise ConfigError("--label-by embedding needs the experts' prompts from the build's moe_upcycle.json, "
+                          "which this folder lacks")
+    guessed = label_by_embedding([prompts[i] for i in missing], config)
+    out = list(labels)
+    for i, lab in zip(missing, guessed):
+        out[i] = lab
+    return out

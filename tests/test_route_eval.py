@@ -8,8 +8,8 @@ import torch
 from moe_upcycle import upcycle
 from moe_upcycle.config import load_config
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.route_eval import (collect_router_shares, label_by_embedding, read_labeled, routing_accuracy,
-                                    routing_shares)
+from moe_upcycle.route import route
+from moe_upcycle.route_eval import label_by_embedding, labels_for, read_labeled, routing_accuracy
 
 
 def test_accuracy_and_confusion_from_hard_assignments():
@@ -27,22 +27,6 @@ def test_accuracy_and_confusion_from_hard_assignments():
     assert score.layer_confusion[1].tolist() == [[1, 0, 1], [0, 1, 0], [0, 0, 1]]
     assert score.layer_confusion[0].tolist() == [[2, 0, 0], [0, 1, 0], [1, 0, 0]]
     assert (score.layer_confusion.sum(-1) == torch.tensor([2, 1, 1])).all()
-
-
-def test_shares_from_router_logits_ignore_padding():
-    # batch of 2 prompts, 3 positions, 2 layers, 2 experts; prompt 1 has one padded position
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    layer0 = torch.tensor([[2., 0], [2, 0], [0, 2], [0, 2], [0, 2], [9, 0]])  # (B*T, E)
-    layer1 = torch.tensor([[0., 1], [0, 1], [0, 1], [1, 0], [0, 1], [9, 0]])
-    shares = routing_shares([layer0, layer1], mask)
-    assert shares.shape == (2, 2, 2)
-    torch.testing.assert_close(shares[0], torch.tensor([[2 / 3, 1 / 3], [0.0, 1.0]]))
-    torch.testing.assert_close(shares[1], torch.tensor([[0.0, 1.0], [0.5, 0.5]]))  # padded row not counted
-    score = routing_accuracy(shares, [0, 1], ["x", "y"])
-    assert score.layer_accuracy == pytest.approx([(2 / 3 + 1) / 2, (0 + 0.5) / 2])
-    # summed over layers prompt 0 has [2/3, 4/3] and prompt 1 [0.5, 1.5]: both go to y
-    assert score.confusion.tolist() == [[0, 1], [0, 1]]
-    assert score.layer_confusion[1].tolist() == [[0, 1], [1, 0]]  # the 0.5/0.5 tie goes to the lower index
 
 
 def test_unknown_labels_are_all_reported():
@@ -103,15 +87,18 @@ def test_stories_moe_confusion_rows_sum_to_label_counts(stories, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(result.output), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(result.output))
     prompts, labels = [p for p, _ in STORY_PROMPTS], [lab for _, lab in STORY_PROMPTS]
-    shares = collect_router_shares(model, tok, prompts, batch_size=2)  # padded batches of 2, 2 and 1
+    routed = route(result.output, prompts, device="cpu", batch_size=2)  # padded batches of 2, 2 and 1
+    assert routed.expert_names == list(STORY_EXPERTS)
+    shares = routed.shares().float()
     assert shares.shape == (5, 5, 2)  # 5 prompts, 5 layers, 2 experts
     torch.testing.assert_close(shares.sum(-1), torch.ones(5, 5))
     # the same shares, one prompt at a time (no padding), straight from the model's router logits
     for i, prompt in enumerate(prompts):
-        ids = tok(prompt, return_tensors="pt")
+        enc = tok(prompt, return_tensors="pt", return_special_tokens_mask=True)
+        real = enc.pop("special_tokens_mask")[0] == 0  # route counts real tokens only (no BOS)
         with torch.inference_mode():
-            logits = model(**ids, output_router_logits=True).router_logits
-        want = torch.stack([torch.bincount(layer.argmax(-1), minlength=2).float() / layer.shape[0]
+            logits = model(**enc, output_router_logits=True).router_logits
+        want = torch.stack([torch.bincount(layer[real].argmax(-1), minlength=2).float() / int(real.sum())
                             for layer in logits])
         torch.testing.assert_close(shares[i], want)
     score = routing_accuracy(shares, labels, list(STORY_EXPERTS))
@@ -122,6 +109,7 @@ def test_stories_moe_confusion_rows_sum_to_label_counts(stories, tmp_path):
     assert score.overall == pytest.approx(float(hit.mean()))
     # labels from embeddings agree with the hand labels on these clear-cut prompts
     assert label_by_embedding(prompts, load_config(config)) == labels
+    assert labels_for(prompts, [None, "animals", None, None, "food"], load_config(config), "embedding") == labels
 
 
 def test_routing_tables_render_accuracy_and_confusion():
@@ -139,3 +127,32 @@ def test_routing_tables_render_accuracy_and_confusion():
             if ln.startswith("│")}
     assert rows["0"] == ["100.0%"] and rows["1"] == ["66.7%"]
     assert rows["a"] == ["1", "0", "1"] and rows["b"] == ["1", "1", "2"]  # prompt [1, 0] ties -> a
+
+
+def test_route_labeled_cli_reports_accuracy_and_confusion(stories, tmp_path):
+    """`route OUT --labeled FILE` on a stories260K MoE: rows of the confusion matrix sum to the prompts per label,
+    and --label-by embedding fills the prompts that have no label."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moe_upcycle.cli import app
+
+    config = {"base_model": str(stories), "gate_mode": "cheap_embed", "experts_per_token": 1,
+              "experts": [{"source_model": str(stories), "name": k, "positive_prompts": v}
+                          for k, v in STORY_EXPERTS.items()]}
+    out = upcycle(config, tmp_path / "moe").output
+    labeled = tmp_path / "labeled.txt"
+    labeled.write_text("animals\tThe dog ran after the cat.\nanimals\tA bird flew over the tree.\n"
+                       "The fish jumped out of the water.\nfood\tLily ate a cookie.\nfood\tMom gave Tom some cake and milk.\n")
+    runner = CliRunner()
+    res = runner.invoke(app, ["route", str(out), "--labeled", str(labeled)])
+    assert res.exit_code == 1 and "no label" in res.output and "--label-by embedding" in " ".join(res.output.split())
+    res = runner.invoke(app, ["route", str(out), "--labeled", str(labeled), "--label-by", "embedding", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    acc = data["accuracy"]
+    assert [sum(row) for row in acc["confusion"]] == [3, 2]
+    assert len(acc["layer_accuracy"]) == 5 and 0.0 <= acc["overall"] <= 1.0
+    res = runner.invoke(app, ["route", str(out), "--labeled", str(labeled), "--label-by", "embedding"])
+    assert res.exit_code == 0 and "confusion" in res.output.lower()
