@@ -54,8 +54,13 @@ class BuildResult:
     gate_warnings: list[str] = field(default_factory=list)
 
 
-def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
+def open_sources(config: UpcycleConfig,
+                 opener: Callable[[str, str], Checkpoint] = open_checkpoint) -> dict[str, Checkpoint]:
     """Open every model the config names (each once), reporting all missing ones together.
+
+    Args:
+        config: the recipe.
+        opener: (reference, YAML field) -> Checkpoint; `meta_model.meta_source` plans from config.json alone.
 
     Raises:
         SourceError: every model that could not be opened.
@@ -68,7 +73,7 @@ def open_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
     sources, problems = {}, []
     for ref, field_name in refs.items():
         try:
-            sources[ref] = open_checkpoint(ref, field_name)
+            sources[ref] = opener(ref, field_name)
         except SourceError as exc:
             problems += exc.problems
     if problems:

@@ -107,15 +107,6 @@ def meta_sources(config: UpcycleConfig) -> dict[str, Checkpoint]:
     Raises:
         SourceError: every model whose config could not be read, together.
     """
-    refs = {config.base_model: "base_model"}
-    for i, expert in enumerate(config.experts):
-        refs.setdefault(expert.source_model, f"experts[{i}].source_model")
-    sources, problems = {}, []
-    for ref, field_name in refs.items():
-        try:
-            sources[ref] = meta_source(ref, field_name)
-        except SourceError as exc:
-            problems += exc.problems
-    if problems:
-        raise SourceError(*problems)
-    return sources
+    from .build import open_sources
+
+    return open_sources(config, meta_source)
