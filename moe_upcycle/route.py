@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 
 from .errors import DependencyError, SourceError
-from .hidden_gates import encode, pad_batch, resolve_device
+from .capture import encode, pad_batch, resolve_device
 from .prompt_sets import read_prompt_file
 
 RECIPE_NAME = "moe_upcycle.json"

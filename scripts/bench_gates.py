@@ -5,7 +5,7 @@ shipped prompt sets and times, in the same run and on the same batches of the sa
 
 - ``plain``: the decoder alone (``model.model``), no hooks — the same layers gate capture runs;
 - ``plain+lm_head``: the whole ``LlamaForCausalLM`` forward, as a user would call it;
-- ``gates``: `hidden_gates.capture_router_inputs` (hooks, masked running sums).
+- ``gates``: `capture.capture_router_inputs` (hooks, masked running sums).
 
 Prints tokens/s of each, the ratio gates/plain (target ≥ 0.85) and peak memory (process RSS on
 CPU, ``torch.cuda.max_memory_allocated`` on GPU). Runs on GPU too when one is present.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from moe_upcycle import hidden_gates as hg
+from moe_upcycle import capture as cap
 from moe_upcycle.prompt_sets import load_prompts, set_names
 from moe_upcycle.tiny import make_dense_model
 
@@ -37,14 +37,14 @@ def expert_prompts() -> list[list[str]]:
     return [[pool[(e * PROMPTS_PER_EXPERT + i) % len(pool)] for i in range(PROMPTS_PER_EXPERT)] for e in range(EXPERTS)]
 
 
-def plain_pass(loaded: hg.LoadedModel, encoded: list[hg.Encoded], batch_size: int, full: bool) -> None:
+def plain_pass(loaded: cap.LoadedModel, encoded: list[cap.Encoded], batch_size: int, full: bool) -> None:
     """The same batches as `run_batches` (length-sorted, same padding), without hooks."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
     module = loaded.model if full else loaded.model.base_model
     pad = loaded.tokenizer.pad_token_id or 0
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
-            ids, attn, _ = hg.pad_batch([encoded[i] for i in order[start:start + batch_size]], pad, "right")
+            ids, attn, _ = cap.pad_batch([encoded[i] for i in order[start:start + batch_size]], pad, "right")
             positions = (attn.cumsum(1) - 1).clamp_min(0)
             dev = loaded.input_device
             module(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev), use_cache=False)
@@ -71,17 +71,17 @@ def timed(fns: dict, device: str, repeats: int) -> dict:
 
 
 def bench(folder: Path, device: str, batch_size: int, repeats: int) -> dict:
-    loaded = hg.load_base(folder, device=device)
+    loaded = cap.load_base(folder, device=device)
     groups, texts = [], []
     for e, prompts in enumerate(expert_prompts()):
         texts += prompts
         groups += [e] * len(prompts)
-    encoded = hg.encode(loaded.tokenizer, texts, loaded.max_length)
+    encoded = cap.encode(loaded.tokenizer, texts, loaded.max_length)
     tokens = sum(len(x.ids) for x in encoded)
     captured = {}
 
     def gates():
-        captured["inputs"] = hg.capture_router_inputs(loaded, encoded, groups, EXPERTS, "mean", batch_size)
+        captured["inputs"] = cap.capture_router_inputs(loaded, encoded, groups, EXPERTS, "mean", batch_size)
 
     peaks = {}
     if device != "cpu":  # peak memory of one pass of each, measured apart from the timing

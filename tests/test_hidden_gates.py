@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_upcycle import capture as cap
 from moe_upcycle import hidden_gates as hg
 from moe_upcycle.config import load_config
 from moe_upcycle.errors import ConfigError, DependencyError
@@ -15,7 +16,7 @@ F = torch.nn.functional
 
 @pytest.fixture(scope="module")
 def loaded(stories):
-    return hg.load_base(stories, device="cpu")
+    return cap.load_base(stories, device="cpu")
 
 
 def _experts(stories, **extra):
@@ -69,10 +70,10 @@ def test_captured_router_input_equals_norm_of_residual(loaded, stories):
 def test_padding_does_not_change_the_vector(loaded, side, reduce):
     short = "The cat sat."
     batch = [short, STORY[2], CODE[6], STORY[5] + " " + STORY[6]]
-    enc_alone = hg.encode(loaded.tokenizer, [short], loaded.max_length)
-    enc_batch = hg.encode(loaded.tokenizer, batch, loaded.max_length)
-    alone = hg.capture_router_inputs(loaded, enc_alone, [0], 1, reduce, batch_size=1).sums[:, 0]
-    padded = hg.capture_router_inputs(loaded, enc_batch, [0, 1, 1, 1], 2, reduce, batch_size=4,
+    enc_alone = cap.encode(loaded.tokenizer, [short], loaded.max_length)
+    enc_batch = cap.encode(loaded.tokenizer, batch, loaded.max_length)
+    alone = cap.capture_router_inputs(loaded, enc_alone, [0], 1, reduce, batch_size=1).sums[:, 0]
+    padded = cap.capture_router_inputs(loaded, enc_batch, [0, 1, 1, 1], 2, reduce, batch_size=4,
                                       padding_side=side).sums[:, 0]
     assert len(enc_batch[3].ids) > 2 * len(enc_alone[0].ids)  # the short prompt really is padded
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
@@ -103,7 +104,7 @@ def test_hidden_last_differs_from_hidden(loaded, stories):
     cos = F.cosine_similarity(mean, last, dim=-1)  # (L, E)
     assert cos.max() < 0.98
     # hidden_last of one prompt is exactly its last real token's router input
-    enc = hg.encode(loaded.tokenizer, [CODE[0]], loaded.max_length)
+    enc = cap.encode(loaded.tokenizer, [CODE[0]], loaded.max_length)
     ref = {}
     handles = [n.register_forward_hook(lambda m, a, out, i=i: ref.__setitem__(i, out[0, -1].clone()))
                for i, n in enumerate(loaded.norms)]
@@ -111,7 +112,7 @@ def test_hidden_last_differs_from_hidden(loaded, stories):
         loaded.model(input_ids=torch.tensor([enc[0].ids]))
     for h in handles:
         h.remove()
-    got = hg.capture_router_inputs(loaded, enc, [0], 1, "last", batch_size=1).sums[:, 0]
+    got = cap.capture_router_inputs(loaded, enc, [0], 1, "last", batch_size=1).sums[:, 0]
     torch.testing.assert_close(got, torch.stack([ref[i] for i in range(5)]), atol=1e-6, rtol=0)
 
 
@@ -142,29 +143,29 @@ def test_gate_center_removes_shared_component(loaded, stories):
 
 
 def test_quantize_without_bitsandbytes_is_a_clear_error(stories, monkeypatch):
-    monkeypatch.setattr(hg.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(cap.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DependencyError, match=r"quantize: 4bit .* bitsandbytes.*moe-upcycle\[quant\]"):
-        hg.load_base(stories, device="cpu", quantize="4bit")
+        cap.load_base(stories, device="cpu", quantize="4bit")
 
 
 def test_cuda_requested_without_gpu_is_a_clear_error(stories, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DependencyError, match=r"device: 'cuda:1' .* use device: cpu"):
-        hg.resolve_device("cuda:1")
-    assert hg.resolve_device("auto") == "cpu"
+        cap.resolve_device("cuda:1")
+    assert cap.resolve_device("auto") == "cpu"
 
 
 def test_prompt_with_only_special_tokens_is_named(loaded):
     with pytest.raises(ConfigError, match="'<s>' has no tokens besides special tokens"):
-        hg.encode(loaded.tokenizer, ["<s>"], loaded.max_length)
+        cap.encode(loaded.tokenizer, ["<s>"], loaded.max_length)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_gates_match_cpu(stories):
     experts = _experts(stories)
-    cpu = hg.load_base(stories, device="cpu")
-    gpu = hg.load_base(stories, device="cuda")
+    cpu = cap.load_base(stories, device="cpu")
+    gpu = cap.load_base(stories, device="cuda")
     assert next(gpu.model.parameters()).dtype == torch.bfloat16 and gpu.input_device.type == "cuda"
     own_cpu, _, _ = hg.prompt_router_inputs(cpu, experts, "mean", batch_size=4)
     own_gpu, _, _ = hg.prompt_router_inputs(gpu, experts, "mean", batch_size=4)
@@ -175,7 +176,7 @@ def test_gpu_bf16_gates_match_cpu(stories):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_explicit_index_and_fp32(stories):
-    gpu = hg.load_base(stories, device="cuda:0", dtype="float32")
+    gpu = cap.load_base(stories, device="cuda:0", dtype="float32")
     assert next(gpu.model.parameters()).dtype == torch.float32
     assert gpu.input_device == torch.device("cuda", 0)
 

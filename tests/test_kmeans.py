@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from moe_upcycle import capture as cap
 from moe_upcycle import hidden_gates as hg
 from moe_upcycle.calibration import read_documents
 from moe_upcycle.config import load_config
@@ -68,15 +69,15 @@ def test_kmeans_gates_deterministic_and_every_expert_routed(stories, corpus):
     for layer in range(5):
         assert torch.equal(first[layer], again[layer])
     # route the calibration tokens with the gate rows: every expert is top-1 for some tokens
-    loaded = hg.load_base(stories, device="cpu")
-    encoded = hg.encode_windows(loaded.tokenizer, read_documents(corpus))
+    loaded = cap.load_base(stories, device="cpu")
+    encoded = cap.encode_windows(loaded.tokenizer, read_documents(corpus))
     counts = torch.zeros(5, 4, dtype=torch.long)
 
     def on_output(layer, x, real, rows):
         top = (x.float() @ first[layer].T).argmax(dim=-1)[real]
         counts[layer] += torch.bincount(top, minlength=4)
 
-    hg.run_batches(loaded, encoded, 8, on_output)
+    cap.run_batches(loaded, encoded, 8, on_output)
     assert counts.min() >= 1, counts
     assert int(counts[0].sum()) == sum(sum(e.real) for e in encoded)
 
