@@ -8,6 +8,7 @@ What it does:
 2. For each expert count (default 4 and 8), with ``gate_mode: random``:
    - a plain copy of the same number of bytes to the same disk (the I/O floor),
    - ``python -m moe_upcycle build`` in a subprocess (the real CLI),
+   - the same CLI with the writer's sha256 replaced by a no-op (a diagnostic: what checksums cost),
    - ``mergekit-moe`` on the same config, if it is installed (``--mergekit PATH`` or on PATH).
    Each child is sampled every 20 ms from ``/proc/<pid>/status`` (VmRSS, RssAnon, summed over its
    process tree) and via psutil; its peak RSS also comes exactly from ``wait4``'s rusage.
@@ -46,6 +47,19 @@ TINYLLAMA = dict(
     initializer_range=0.02,
 )
 SAMPLE_SECONDS = 0.02
+# The CLI with the writer's sha256 replaced by a no-op: a diagnostic row that shows what the
+# recipe's checksums cost (not a mode the tool offers).
+NO_HASH_CLI = """
+import sys
+import moe_upcycle.writer as w
+class NoHash:
+    def update(self, data): pass
+    def hexdigest(self): return "not computed"
+    def close(self): pass
+w.BackgroundHash = NoHash
+from moe_upcycle.cli import app
+app(sys.argv[1:])
+"""
 GB = 1e9
 
 
@@ -237,7 +251,8 @@ def write_config(work: Path, dense: Path, experts: int) -> Path:
     return path
 
 
-def bench(work: Path, experts_list: list[int], mergekit: Optional[str], repeat_copy: int = 1) -> list[Run]:
+def bench(work: Path, experts_list: list[int], mergekit: Optional[str], repeat_copy: int = 1,
+          diagnose_hash: bool = True) -> list[Run]:
     dense = ensure_dense_model(work / "dense-tinyllama")
     src_file = dense / "model.safetensors"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -252,6 +267,13 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], repeat_c
         run.out_bytes = dir_bytes(out) if out.exists() else 0
         shutil.rmtree(out, ignore_errors=True)
         runs.append(run)
+        if diagnose_hash:
+            settle()
+            nohash = measure([sys.executable, "-c", NO_HASH_CLI, "build", str(cfg), str(out)],
+                             Run("moe-upcycle, sha256 off (diagnostic)", n), work / f"nohash-{n}.log", env)
+            nohash.out_bytes = dir_bytes(out) if out.exists() else 0
+            shutil.rmtree(out, ignore_errors=True)
+            runs.append(nohash)
 
         for label, hashing in (("plain copy", False), ("plain copy + sha256", True)):
             copy = Run(label, n, out_bytes=run.out_bytes)
@@ -327,10 +349,13 @@ def main() -> None:
     parser.add_argument("--mergekit", default=shutil.which("mergekit-moe"),
                         help="path to mergekit-moe (default: found on PATH); pass '' to skip")
     parser.add_argument("--repeat-copy", type=int, default=1, help="plain-copy repeats (best is kept)")
+    parser.add_argument("--no-diagnose-hash", action="store_true",
+                        help="skip the diagnostic build with the sha256 checksums turned off")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    runs = bench(args.work.resolve(), args.experts, args.mergekit or None, args.repeat_copy)
+    runs = bench(args.work.resolve(), args.experts, args.mergekit or None, args.repeat_copy,
+                 not args.no_diagnose_hash)
     import torch
 
     text = "\n".join([
