@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import yaml
 
@@ -120,6 +120,7 @@ def upcycle(
     max_shard_size: Union[int, str, None] = None,
     device: Optional[str] = None,
     batch_size: Optional[int] = None,
+    checksums: Optional[bool] = None,
     on_step: Callable[[Step, Plan], None] = lambda step, plan: None,
     verify: bool = False,
     from_config: bool = False,
@@ -135,6 +136,8 @@ def upcycle(
         max_shard_size: bytes per shard, e.g. "5GB" (overrides the config).
         device: where hidden-state gate modes run the base model: auto, cpu, cuda or cuda:N.
         batch_size: prompts per forward pass for hidden-state gate modes.
+        checksums: record the sha256 of every shard (overrides the config; hashing costs more CPU
+            than writing, so turning it off roughly halves build time on CPUs without SHA instructions).
         on_step: called with (step, plan) after each output tensor is written (progress).
         verify: run `verify.verify` on the finished files before they are moved into place and
             put its results in the model card and ``moe_upcycle.json``. A failed verification
@@ -155,7 +158,7 @@ def upcycle(
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
     config, sources, plan = prepare(config, from_config, tensor_policy=tensor_policy, max_shard_size=max_shard_size,
-                                    device=device, batch_size=batch_size)
+                                    device=device, batch_size=batch_size, checksums=checksums)
     sharing = sharing_report(plan, sources, config.tensor_policy)
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)
@@ -169,7 +172,7 @@ def upcycle(
     gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
-        writer = ShardedWriter(stage, specs, config.max_shard_size)
+        writer = ShardedWriter(stage, specs, config.max_shard_size, config.checksums)
         try:
             for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed, shared_gates):
                 writer.write(step.name, tensor)
@@ -191,8 +194,8 @@ def upcycle(
         card_lines = (checked.lines() if checked else []) + ([drift.summary()] if drift else [])
         write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path])
         # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
-        write_recipe(stage, config, hashes, {k: v for k, v in checked.to_dict().items() if k != "folder"}
-                     if checked else None)
+        verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
+        write_recipe(stage, config, hashes, skip=() if config.checksums else writer.files, verification=verification)
     if checked:
         checked.folder = str(target)
     for ckpt in sources.values():
@@ -202,11 +205,16 @@ def upcycle(
 
 
 def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],
-                 verification: Optional[dict] = None) -> None:
-    """Record tool version, resolved config, seed, verification and the sha256 of every output file."""
+                 skip: Sequence[str] = (), verification: Optional[dict] = None) -> None:
+    """Record tool version, resolved config, seed, verification and the sha256 of every output file.
+
+    Args:
+        shard_hashes: digests computed while writing (not computed again here).
+        skip: files left unhashed (the shards with ``checksums: false``).
+    """
     hashes = dict(shard_hashes)
     for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name not in hashes:
+        if path.is_file() and path.name not in hashes and path.name not in skip:
             hashes[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
     recipe = {
         "tool": "moe-upcycle",

@@ -94,6 +94,8 @@ def build(
     verify: bool = typer.Option(False, "--verify", help="Verify the output right after building; results go in "
                                                          "the model card. Exit 1 if verification fails."),
     no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
+    checksums: Optional[bool] = typer.Option(None, "--checksums/--no-checksums",
+                                             help="Record the sha256 of every shard (default on; costs more CPU than writing)."),
     device: Optional[str] = typer.Option(None, help="Where hidden-state gates run the base model: auto, cpu, cuda, cuda:N."),
     batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
 ) -> None:
@@ -117,7 +119,7 @@ def build(
             progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
 
         result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
-                         device=device, batch_size=batch_size, on_step=on_step, verify=verify)
+                         device=device, batch_size=batch_size, checksums=checksums, on_step=on_step, verify=verify)
     for line in result.sharing:
         console.print(line, highlight=False)
     for line in result.gate_warnings:

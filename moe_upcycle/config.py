@@ -179,6 +179,7 @@ class UpcycleConfig(_Strict):
     seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch generators take unsigned 64-bit seeds
     output: Optional[str] = None
     max_shard_size: int = 5 * 10**9
+    checksums: bool = True  # sha256 of every output file in moe_upcycle.json (shards hashed while written)
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
     router_init_std: float = Field(default=0.02, gt=0)
     gate_scale: Optional[float] = Field(default=None, gt=0)

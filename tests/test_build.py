@@ -89,3 +89,18 @@ def test_recorded_recipe_config_reloads(tiny_llama, tmp_path):
     recipe = json.loads((result.output / "moe_upcycle.json").read_text())
     again = load_config(recipe["config"])
     assert again == result.config and again.expert_init.ratio == 0.25
+
+
+def test_no_checksums_skips_shard_hashes_but_keeps_small_files(tiny_llama, tmp_path):
+    import hashlib
+
+    result = _upcycle_copy(tiny_llama, tmp_path / "moe", checksums=False, max_shard_size=100_000)
+    recipe = json.loads((result.output / "moe_upcycle.json").read_text())
+    assert recipe["config"]["checksums"] is False and result.sha256 == {}
+    assert not set(recipe["sha256"]) & set(result.shards)  # shards not hashed
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json", "README.md"):
+        assert recipe["sha256"][name] == hashlib.sha256((result.output / name).read_bytes()).hexdigest()
+    on = _upcycle_copy(tiny_llama, tmp_path / "moe2", max_shard_size=100_000)
+    for shard in on.shards:  # same bytes with or without hashing
+        assert (on.output / shard).read_bytes() == (result.output / shard).read_bytes()
+        assert on.sha256[shard] == hashlib.sha256((on.output / shard).read_bytes()).hexdigest()
