@@ -212,9 +212,9 @@ def split_notes(num_experts: int, top_k: int, g: int, group_sources: list[set[st
             f"(dense {intermediate} / granularity {g}) in {-(-num_experts // g)} virtual group(s); routers tied "
             f"within each group, down_proj scaled by {g}")
     if (intermediate // g * itemsize) % 16:
-        head += (f". Note: transformers' default grouped_mm experts kernel wants intermediate sizes in multiples "
-                 f"of 16 bytes; if loading fails with 'strides should be multiple of 16 bytes', pass "
-                 f"experts_implementation='eager' to from_pretrained")
+        head += (". Note: transformers' default grouped_mm experts kernel wants intermediate sizes in multiples "
+                 "of 16 bytes; if loading fails with 'strides should be multiple of 16 bytes', pass "
+                 "experts_implementation='eager' to from_pretrained")
     if why:
         return [head, "  NOT function-preserving at init: " + "; ".join(why)
                 + ". Expect the outputs to move from the dense model's (see the init drift report)."]

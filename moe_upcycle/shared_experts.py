@@ -103,9 +103,9 @@ def exactness_notes(config: UpcycleConfig, layout: names.OutputLayout) -> list[s
     if not shared:
         return [f"{layout.model_type}: no shared_experts, so the shared expert has intermediate size 0 and adds nothing"]
     if gate_init(config) == "prompts":
-        return [f"shared_expert_gate: prompts varies per token, so the output is not the dense model's even for "
-                f"copies (it differs by (sigmoid(g.x) - 1/2) * sum(shared residual_scale) * FFN(x)); use "
-                f"shared_expert_gate: constant for an exact start"]
+        return ["shared_expert_gate: prompts varies per token, so the output is not the dense model's even for "
+                "copies (it differs by (sigmoid(g.x) - 1/2) * sum(shared residual_scale) * FFN(x)); use "
+                "shared_expert_gate: constant for an exact start"]
     routed = {e.residual_scale if e.residual_scale is not None else 1.0 for e in config.expert_list()}
     s = sum(e.residual_scale if e.residual_scale is not None else 1.0 for e in shared)
     line = (f"shared_expert_gate: constant (zero weights, sigmoid = 1/2): each MoE layer outputs "

@@ -29,7 +29,7 @@ CASES = [
 
 def main(base: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"| init | mean KL (nats/token) | top-1 agreement |\n|---|---|---|")
+        print("| init | mean KL (nats/token) | top-1 agreement |\n|---|---|---|")
         for i, (label, e, k, init) in enumerate(CASES):
             result = upcycle({"base_model": base, "num_experts": e, "experts_per_token": k, "gate_mode": "random",
                               "expert_init": init, "report_init_drift": True}, Path(tmp) / str(i))
