@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-import yaml
 
 from . import __version__
 from .card import write_model_card
@@ -226,8 +225,3 @@ def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, st
     if verification is not None:
         recipe["verify"] = verification
     (folder / RECIPE_NAME).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
-
-
-def config_yaml(config: UpcycleConfig) -> str:
-    """The config as YAML, without defaults the user did not set."""
-    return yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), sort_keys=False, allow_unicode=True)

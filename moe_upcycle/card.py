@@ -8,6 +8,7 @@ the exact total and active parameters that the card and ``moe-upcycle plan`` rep
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -31,9 +32,7 @@ def parameter_counts(plan: Plan) -> tuple[int, int]:
     total = shared = 0
     per_expert: dict[tuple[int, int], int] = {}  # (layer, expert) -> parameters of that expert
     for step in plan.steps:
-        n = 1
-        for d in step.shape:
-            n *= d
+        n = math.prod(step.shape)
         total += n
         if step.kind == "expert":
             per_expert[(step.layer, step.expert)] = per_expert.get((step.layer, step.expert), 0) + n

@@ -303,8 +303,5 @@ def _progress() -> Progress:
                     TimeRemainingColumn(), console=console, transient=True, disable=not sys.stderr.isatty())
 
 
-def main() -> None:  # pragma: no cover - console entry point alias
-    app()
-
 
 from . import prompt_cli  # noqa: E402,F401  (registers `lint` and `prompts grow` on `app`)

@@ -20,7 +20,6 @@ from typing import Optional
 from .errors import PlanError
 
 DENSE_MLP = "model.layers.{layer}.mlp.{proj}.weight"
-DENSE_MLP_BIAS = "model.layers.{layer}.mlp.{proj}.bias"
 PROJS = ("gate_proj", "up_proj", "down_proj")  # SwiGLU: down(act(gate(x)) * up(x))
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -33,8 +32,6 @@ class InputFamily:
     model_type: str
     class_name: str
     default_output: str  # the output tried first when `architecture:` is not given
-    # per-layer non-MLP tensors it may have beyond the Llama set (e.g. q/k biases, q/k norms)
-    extra_layer_tensors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,8 +88,8 @@ WINDOW_FIELDS = ("use_sliding_window", "max_window_layers", "layer_types")
 INPUT_FAMILIES: dict[str, InputFamily] = {
     "llama": InputFamily("llama", "LlamaForCausalLM", "mixtral"),
     "mistral": InputFamily("mistral", "MistralForCausalLM", "mixtral"),
-    "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe", QKV_BIAS),
-    "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe", QK_NORM),
+    "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe"),
+    "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe"),
 }
 
 OUTPUT_LAYOUTS: dict[str, OutputLayout] = {

@@ -17,7 +17,7 @@ import torch
 from . import arch, compat, fused, inits, names, shared_experts
 from .config import ExpertConfig, UpcycleConfig
 from .errors import PlanError
-from .source import Checkpoint, TensorInfo
+from .source import Checkpoint, TensorInfo, tensor_nbytes
 
 STR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # buffers some old .bin checkpoints carry; transformers recomputes them
@@ -57,7 +57,7 @@ class Step:
 
     @property
     def nbytes(self) -> int:
-        return TensorInfo(self.name, self.shape, self.dtype, "").nbytes
+        return tensor_nbytes(self.shape, self.dtype)
 
     def leaves(self) -> tuple["Step", ...]:
         """The steps that read sources: itself, or its parts."""
@@ -78,7 +78,6 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
     layout: str = "per_expert"
-    shared_expert_names: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -221,8 +220,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         raise PlanError(*_dedupe(problems))
     return Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
-                layout=config.layout,
-                shared_expert_names=tuple(e.name or f"shared_{i}" for i, e in enumerate(config.shared_experts)))
+                layout=config.layout)
 
 
 def source_layer(expert: ExpertConfig, layer: int) -> int:

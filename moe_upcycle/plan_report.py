@@ -9,6 +9,7 @@ else here is exact.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -75,13 +76,6 @@ class PlanSummary:
         return None if self.disk_free_bytes is None else self.disk_needed_bytes <= self.disk_free_bytes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def components(plan: Plan) -> list[Component]:
     """Group output tensors by name template (layer and expert indices pulled out)."""
     groups: dict[str, list] = {}
@@ -94,7 +88,7 @@ def components(plan: Plan) -> list[Component]:
     for template, steps in groups.items():
         s = steps[0]
         rows.append(Component(template, len(steps), s.shape, s.kind, source_label(s),
-                              sum(_numel(x.shape) for x in steps), sum(x.nbytes for x in steps)))
+                              sum(math.prod(x.shape) for x in steps), sum(x.nbytes for x in steps)))
     return rows
 
 
@@ -124,10 +118,10 @@ def estimate_gate_peak(plan: Plan, config: UpcycleConfig, base: Checkpoint) -> i
     routers = gate_bytes(plan)
     if config.gate_mode == "cheap_embed":
         info = base.tensors[names.EMBED]
-        fp32 = _numel(info.shape) * 4 if info.dtype != torch.float32 else 0
+        fp32 = math.prod(info.shape) * 4 if info.dtype != torch.float32 else 0
         return routers + info.nbytes + fp32
     if config.gate_mode in HIDDEN_GATE_MODES:
-        return routers + sum(_numel(t.shape) * 4 for t in base.tensors.values())
+        return routers + sum(math.prod(t.shape) * 4 for t in base.tensors.values())
     return routers
 
 
@@ -145,7 +139,7 @@ def estimate_build_peak(plan: Plan, config: UpcycleConfig, sources: dict[str, Ch
         info = sources[step.source[0]].tensors[step.source[1]]
         held = info.nbytes + (step.nbytes if info.dtype != step.dtype else 0)
         if step.transforms:
-            held += _numel(step.shape) * 4 + step.nbytes
+            held += math.prod(step.shape) * 4 + step.nbytes
         elif config.tensor_policy == "clone" and step.kind == "expert":
             held += step.nbytes
         worst = max(worst, held)

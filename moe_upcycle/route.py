@@ -19,10 +19,10 @@ from typing import Optional, Union
 import torch
 
 from .errors import DependencyError, SourceError
+from .build import RECIPE_NAME
 from .capture import encode, pad_batch, resolve_device
 from .prompt_sets import read_prompt_file
 
-RECIPE_NAME = "moe_upcycle.json"
 
 
 @dataclass

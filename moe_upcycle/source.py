@@ -12,6 +12,7 @@ Model references are local folders, or hub ids resolved from the local Hugging F
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import struct
@@ -35,6 +36,16 @@ MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 REQUIRED_INT_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of this shape and dtype.
+
+    Example:
+        >>> tensor_nbytes((2, 3), torch.bfloat16)
+        12
+    """
+    return math.prod(shape) * dtype.itemsize
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where a tensor lives and what it is, without its data."""
@@ -46,10 +57,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 
 from .errors import OutputError
 from .guards import disk_hint
-from .source import DTYPE_NAMES
+from .source import DTYPE_NAMES, tensor_nbytes
 
 INDEX_NAME = "model.safetensors.index.json"
 # Tensors are written and hashed in slices of this size, so hashing a slice overlaps writing the next.
@@ -39,10 +39,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 @dataclass
