@@ -16,7 +16,7 @@ import yaml  # noqa: E402
 
 from moe_upcycle.tiny import make_dense_model  # noqa: E402
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parent / "data" / "stories260K"
 PROMPT_TEXT = "Once upon a time, there was a little girl named Lily."
 
 
@@ -45,7 +45,7 @@ def tiny_llama_bin_tied(models) -> Path:
 
 @pytest.fixture(scope="session")
 def stories() -> Path:
-    """The real pretrained stories260K (Llama, tied embeddings) from ../shared."""
+    """The real pretrained stories260K (Llama, tied embeddings), vendored under tests/data."""
     assert (STORIES / "model.safetensors").is_file(), f"missing {STORIES}"
     return STORIES
 
