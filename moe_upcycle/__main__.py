@@ -1,5 +1,5 @@
 """`python -m moe_upcycle` is the same as the `moe-upcycle` command."""
 
-from .cli import app
+from moe_upcycle.cli import app
 
 app(prog_name="moe-upcycle")

@@ -1,4 +1,4 @@
-"""The build pipeline, top to bottom: load config → open sources → plan → gates → write.
+"""The build pipeline, top to bottom: load config → open sources → plan → gates → write → publish.
 
 `upcycle()` is the library form of ``moe-upcycle build``; each CLI option is one of its keyword
 arguments. The output folder is staged beside the target and renamed into place only when every
@@ -7,33 +7,30 @@ file is complete (see `output_dir`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Union
 
 
-from . import __version__
-from .card import write_model_card
-from .config import UpcycleConfig, load_config
-from .drift import InitDrift, build_drift
-from .errors import ConfigError, SourceError
-from .execute import iter_tensors
-from .gate_checks import parallel_experts
-from .gates import compute_gates
-from .guards import check_free_space, check_source_dtypes
-from .model_files import copy_tokenizer_files, moe_config, write_config
-from .output_dir import check_target, staged_output
-from .plan import Plan, Step, make_plan
-from .plan_report import PlanSummary, summarize
-from .report import sharing_report
-from .shared_experts import shared_gate_rows
-from .source import Checkpoint, open_checkpoint
-from .writer import ShardedWriter, TensorSpec
-
-RECIPE_NAME = "moe_upcycle.json"
+from moe_upcycle.check.drift import InitDrift, build_drift
+from moe_upcycle.checkpoint.output_dir import RECIPE_NAME, check_target, staged_output  # noqa: F401 (RECIPE_NAME: public)
+from moe_upcycle.checkpoint.source import open_sources
+from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
+from moe_upcycle.errors import ConfigError
+from moe_upcycle.gates.checks import parallel_experts
+from moe_upcycle.gates.router import compute_gates, shared_gate_rows
+from moe_upcycle.planning.execute import iter_tensors
+from moe_upcycle.checkpoint.disk_space import check_free_space
+from moe_upcycle.planning.guards import check_source_dtypes
+from moe_upcycle.planning.plan import Plan, Step, make_plan
+from moe_upcycle.planning.plan_report import PlanSummary, summarize
+from moe_upcycle.planning.report import sharing_report
+from moe_upcycle.publish.card import write_model_card
+from moe_upcycle.publish.manifest import write_recipe
+from moe_upcycle.publish.model_files import copy_tokenizer_files, moe_config, write_config
+from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
+from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 
 
 @dataclass
@@ -51,33 +48,6 @@ class BuildResult:
     verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
     gate_warnings: list[str] = field(default_factory=list)
-
-
-def open_sources(config: UpcycleConfig,
-                 opener: Callable[[str, str], Checkpoint] = open_checkpoint) -> dict[str, Checkpoint]:
-    """Open every model the config names (each once), reporting all missing ones together.
-
-    Args:
-        config: the recipe.
-        opener: (reference, YAML field) -> Checkpoint; `meta_model.meta_source` plans from config.json alone.
-
-    Raises:
-        SourceError: every model that could not be opened.
-    """
-    refs = {config.base_model: "base_model"}
-    for i, expert in enumerate(config.experts):
-        refs.setdefault(expert.source_model, f"experts[{i}].source_model")
-    for i, expert in enumerate(config.shared_experts):
-        refs.setdefault(expert.source_model, f"shared_experts[{i}].source_model")
-    sources, problems = {}, []
-    for ref, field_name in refs.items():
-        try:
-            sources[ref] = opener(ref, field_name)
-        except SourceError as exc:
-            problems += exc.problems
-    if problems:
-        raise SourceError(*problems)
-    return sources
 
 
 def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Path:
@@ -99,11 +69,11 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
     if from_config:
-        from .meta_model import meta_sources
+        from moe_upcycle.checkpoint.meta_model import meta_sources
 
-        sources = meta_sources(config)
+        sources = meta_sources(source_refs(config))
     else:
-        sources = open_sources(config)
+        sources = open_sources(source_refs(config))
     plan = make_plan(config, sources)
     check_source_dtypes(plan, sources)
     return config, sources, plan
@@ -166,62 +136,39 @@ def upcycle(
     check_target(target, force, [s.path for s in sources.values() if s.path])
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
-    gates = compute_gates(config, plan, base)
-    shared_gates = shared_gate_rows(config, plan, base)
+    gating, writing, checking = gate_params(config), write_params(config), check_params(config)
+    gates = compute_gates(gating, plan, base)
+    shared_gates = shared_gate_rows(gating, plan, base)
     gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
-        writer = ShardedWriter(stage, specs, config.max_shard_size, config.checksums)
+        writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums)
         try:
-            for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed, shared_gates):
+            for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed, shared_gates):
                 writer.write(step.name, tensor)
                 on_step(step, plan)
             writer.close()
         except BaseException:
             writer.abort()
             raise
-        write_config(stage, moe_config(plan, config.router_aux_loss_coef, config.router_jitter_noise,
-                                       config.output_router_logits))
+        router = router_fields(config)
+        write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits))
         copy_tokenizer_files(base.path, stage)
         hashes = dict(writer.sha256)
         checked = None
         if verify:
-            from .verify import verify as verify_folder
+            from moe_upcycle.check.verify import verify as verify_folder
 
-            checked = verify_folder(stage, config.base_model, hashes=False, config=config, plan=plan)
-        drift = build_drift(config, plan, base.path, stage)
+            checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan)
+        drift = build_drift(checking, plan, base.path, stage)
         card_lines = (checked.lines() if checked else []) + ([drift.summary()] if drift else [])
         write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path])
         # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
         verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
-        write_recipe(stage, config, hashes, skip=() if config.checksums else writer.files, verification=verification)
+        write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files, verification=verification)
     if checked:
         checked.folder = str(target)
     for ckpt in sources.values():
         ckpt.close()
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
                        summary, checked, drift, gate_warnings)
-
-
-def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],
-                 skip: Sequence[str] = (), verification: Optional[dict] = None) -> None:
-    """Record tool version, resolved config, seed, verification and the sha256 of every output file.
-
-    Args:
-        shard_hashes: digests computed while writing (not computed again here).
-        skip: files left unhashed (the shards with ``checksums: false``).
-    """
-    hashes = dict(shard_hashes)
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name not in hashes and path.name not in skip:
-            hashes[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    recipe = {
-        "tool": "moe-upcycle",
-        "version": __version__,
-        "config": config.model_dump(mode="json"),
-        "seed": config.seed,
-        "sha256": dict(sorted(hashes.items())),
-    }
-    if verification is not None:
-        recipe["verify"] = verification
-    (folder / RECIPE_NAME).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")

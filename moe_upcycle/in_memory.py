@@ -19,13 +19,14 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .config import ExpertInit, load_config
-from .errors import ConfigError
-from .execute import iter_tensors
-from .gates import compute_gates
-from .model_files import moe_config
-from .plan import Plan, make_plan
-from .source import Checkpoint, TensorInfo
+from moe_upcycle.recipe.resolve import gate_params, router_fields
+from moe_upcycle.recipe.schema import ExpertInit, load_config
+from moe_upcycle.errors import ConfigError
+from moe_upcycle.planning.execute import iter_tensors
+from moe_upcycle.gates.router import compute_gates
+from moe_upcycle.publish.model_files import moe_config
+from moe_upcycle.planning.plan import Plan, make_plan
+from moe_upcycle.checkpoint.source import Checkpoint, TensorInfo
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
@@ -107,8 +108,9 @@ def upcycle_model(
     source = state_dict_source(dense_model)
     sources = {IN_MEMORY_REF: source}
     plan = make_plan(config, sources)
-    gates = compute_gates(config, plan, source)
-    cfg = moe_config(plan, config.router_aux_loss_coef, config.router_jitter_noise, config.output_router_logits)
+    gates = compute_gates(gate_params(config), plan, source)
+    router = router_fields(config)
+    cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
     model = empty_moe_model(cfg, plan)
     fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed))
     return model.train()

@@ -79,7 +79,7 @@ def ensure_dense_model(folder: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from moe_upcycle.tiny import make_tokenizer
+    from moe_upcycle.checkpoint.tiny import make_tokenizer
 
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from moe_upcycle import capture as cap
-from moe_upcycle.prompt_sets import load_prompts, set_names
-from moe_upcycle.tiny import make_dense_model
+from moe_upcycle.gates import capture as cap
+from moe_upcycle.recipe.prompt_sets import load_prompts, set_names
+from moe_upcycle.checkpoint.tiny import make_dense_model
 
 EXPERTS, PROMPTS_PER_EXPERT = 8, 32
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's moe_upcycle
-from moe_upcycle.embed import load_embedder  # noqa: E402
-from moe_upcycle.lint import lint_prompts  # noqa: E402
+from moe_upcycle.prompts.embed import load_embedder  # noqa: E402
+from moe_upcycle.prompts.lint import lint_prompts  # noqa: E402
 
 TOPICS = {
     "code": ("Write a {} function in {} that handles {} correctly", ["sorting", "parsing", "caching", "retry", "logging"],

@@ -41,7 +41,7 @@ print(json.dumps({"layout": sys.argv[3], "peak_rss_above_baseline_mib": round((p
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from moe_upcycle.tiny import make_dense_model
+    from moe_upcycle.checkpoint.tiny import make_dense_model
 
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's moe_upcycle
-from moe_upcycle.embed import load_embedder  # noqa: E402
+from moe_upcycle.prompts.embed import load_embedder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from moe_upcycle.tiny import make_dense_model  # noqa: E402
+from moe_upcycle.checkpoint.tiny import make_dense_model  # noqa: E402
 
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K"
 PROMPT_TEXT = "Once upon a time, there was a little girl named Lily."

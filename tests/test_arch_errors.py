@@ -7,10 +7,10 @@ import torch
 from typer.testing import CliRunner
 
 from moe_upcycle.cli import app
-from moe_upcycle.config import load_config
+from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError, PlanError
-from moe_upcycle.plan import make_plan
-from moe_upcycle.source import meta_checkpoint
+from moe_upcycle.planning.plan import make_plan
+from moe_upcycle.checkpoint.source import meta_checkpoint
 
 
 def meta(ref, model_type="llama", layers=2, hidden=64, inter=128, vocab=300, heads=4, kv=2, qkv_bias=False,

@@ -12,11 +12,12 @@ from safetensors import safe_open
 
 from conftest import PROMPT_TEXT
 from moe_upcycle import upcycle
-from moe_upcycle.config import load_config
-from moe_upcycle.execute import iter_tensors
-from moe_upcycle.plan import make_plan
-from moe_upcycle.source import meta_checkpoint
-from moe_upcycle.writer import TensorParts
+from moe_upcycle.recipe.schema import load_config
+from moe_upcycle.planning.execute import iter_tensors
+from moe_upcycle.planning.plan import make_plan
+from moe_upcycle.checkpoint.source import meta_checkpoint
+from moe_upcycle.checkpoint.writer import TensorParts
+from tolerances import assert_close_rel
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 PAIRS = [
@@ -59,7 +60,7 @@ def tensor(folder: Path, key: str) -> torch.Tensor:
 
 
 def dense_tensor(folder: Path, key: str) -> torch.Tensor:
-    from moe_upcycle.source import open_checkpoint
+    from moe_upcycle.checkpoint.source import open_checkpoint
 
     return open_checkpoint(str(folder), "test").read(key)
 
@@ -78,7 +79,7 @@ def test_copy_upcycle_every_pair_loads_and_reproduces_dense(fixture, arch, reque
     model = load(result.output, CLASSES[arch])
     assert type(model).__name__ == CLASSES[arch]
     assert model.config.num_experts_per_tok == 2
-    torch.testing.assert_close(logits(model, result.output), dense_logits(base), atol=1e-5, rtol=0)
+    assert_close_rel(logits(model, result.output), dense_logits(base))
 
 
 @pytest.mark.parametrize("fixture,expected", [("tiny_llama", "mixtral"), ("tiny_mistral", "mixtral"),
@@ -146,7 +147,7 @@ def test_fused_layout_equals_per_expert(fixture, arch, shared, request, tmp_path
         per_gate, per_up, per_down = (tensor(per, f"{prefix}.{e}.{n}.weight") for n in names)
         assert torch.equal(gate_up[e], torch.cat([per_gate, per_up]))
         assert torch.equal(down[e], per_down)
-    torch.testing.assert_close(logits(model, fused), logits(load(per, CLASSES[arch]), per), atol=1e-6, rtol=0)
+    assert_close_rel(logits(model, fused), logits(load(per, CLASSES[arch]), per), rel=1e-06)
 
 
 def _meta_llama(layers=32, hidden=4096, inter=14336, vocab=32000, heads=32, kv=8):
@@ -190,11 +191,12 @@ def test_fused_plan_for_mixtral_8x7b_shapes_on_meta():
 
 def test_fused_tensors_stream_part_by_part(tiny_llama):
     """The executor hands fused tensors to the writer lazily: no part is read before it is consumed."""
-    from moe_upcycle.build import open_sources
+    from moe_upcycle.checkpoint.source import open_sources
+    from moe_upcycle.recipe.resolve import source_refs
 
     config = load_config({"base_model": str(tiny_llama), "num_experts": 4, "gate_mode": "uniform", "layout": "fused",
                           "tensor_policy": "clone"})
-    sources = open_sources(config)
+    sources = open_sources(source_refs(config))
     plan = make_plan(config, sources)
     reads: list[str] = []
     ckpt = sources[str(tiny_llama)]

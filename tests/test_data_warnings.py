@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from failure_checks import cli
 from moe_upcycle import UpcycleWarning, upcycle
-from moe_upcycle.tiny import make_dense_model
+from moe_upcycle.checkpoint.tiny import make_dense_model
 
 UP = "model.layers.0.mlp.up_proj.weight"
 

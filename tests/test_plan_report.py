@@ -12,14 +12,14 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from moe_upcycle import OutputError, load_config, upcycle
-from moe_upcycle.card import parameter_counts
+from moe_upcycle.planning.plan_report import parameter_counts
 from moe_upcycle.cli import app
 from moe_upcycle.errors import PlanError
-from moe_upcycle.meta_model import describe_dense
-from moe_upcycle.plan import make_plan
-from moe_upcycle.plan_report import estimate_build_peak, estimate_gate_peak, summarize
-from moe_upcycle.report import sharing_report
-from moe_upcycle.source import meta_checkpoint
+from moe_upcycle.checkpoint.meta_model import describe_dense
+from moe_upcycle.planning.plan import make_plan
+from moe_upcycle.planning.plan_report import estimate_build_peak, estimate_gate_peak, summarize
+from moe_upcycle.planning.report import sharing_report
+from moe_upcycle.checkpoint.source import meta_checkpoint
 
 runner = CliRunner()
 MISTRAL_7B = {  # mistralai/Mistral-7B-v0.1 config.json (the fields that matter)
@@ -144,7 +144,7 @@ def test_build_dry_run_prints_plan(tiny_llama, write_yaml, tmp_path):
 
 
 def test_build_stops_before_writing_when_disk_is_too_small(tiny_llama, tmp_path, monkeypatch, write_yaml):
-    import moe_upcycle.guards as guards
+    import moe_upcycle.checkpoint.disk_space as guards
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(guards.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 12_345, 12_345))

@@ -12,9 +12,9 @@ import yaml
 from typer.testing import CliRunner
 
 from moe_upcycle import __version__, load_config, upcycle
-from moe_upcycle.card import choose_license, read_license
+from moe_upcycle.publish.card import choose_license, read_license
 from moe_upcycle.cli import app
-from moe_upcycle.verify import verify
+from moe_upcycle.check.verify import verify
 
 runner = CliRunner()
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}assistant:"
@@ -134,7 +134,7 @@ def test_build_verify_puts_results_in_card_and_recipe(licensed_base, tmp_path, w
     assert "| top-1 agreement | 100.0% of" in card and "| mean KL(dense‖moe) |" in card
     assert f"| dense base | {licensed_base} |" in card
     recipe = json.loads((out / "moe_upcycle.json").read_text())
-    assert recipe["verify"]["ok"] is True and recipe["verify"]["comparison"]["max_abs_diff"] < 1e-5
+    assert recipe["verify"]["ok"] is True and recipe["verify"]["comparison"]["max_abs_diff"] < 1e-4  # stories logits reach ~20: 5e-6 of them
     assert "folder" not in recipe["verify"] and recipe["sha256"]["README.md"] == _sha(out / "README.md")
     again = verify(out, max_new_tokens=2)  # the published folder checks out, hashes included
     assert again.ok and again.notes == []

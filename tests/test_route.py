@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from moe_upcycle import upcycle
 from moe_upcycle.cli import app
-from moe_upcycle.gate_checks import layer_ranges, parallel_experts
-from moe_upcycle.route import route
+from moe_upcycle.gates.checks import layer_ranges, parallel_experts
+from moe_upcycle.check.route import route
 from routing_prompts import CODE, STORY
 
 runner = CliRunner()

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from moe_upcycle import upcycle
-from moe_upcycle.config import load_config
+from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.route import route
-from moe_upcycle.route_eval import label_by_embedding, labels_for, read_labeled, routing_accuracy
+from moe_upcycle.check.route import route
+from moe_upcycle.check.route_eval import label_by_embedding, labels_for, read_labeled, routing_accuracy
+from moe_upcycle.recipe.resolve import expert_prompts
 
 
 def test_accuracy_and_confusion_from_hard_assignments():
@@ -62,9 +63,9 @@ def test_label_by_embedding_nearest_centroid(tiny_llama):
     prompts = ["How do I reverse a string in Rust?", "What is the integral of sin(x)?",
                "Tell me a fairy tale about a princess and a frog.",
                "Write a Python function that checks whether a number is prime.", "Write a poem about the sea."]
-    assert label_by_embedding(prompts, config) == ["code", "math", "creative", "code", "creative"]
+    assert label_by_embedding(prompts, expert_prompts(config.expert_list())) == ["code", "math", "creative", "code", "creative"]
     with pytest.raises(ConfigError, match=r"experts\[0\].positive_prompts: needed to label prompts by embedding"):
-        label_by_embedding(prompts, load_config({"base_model": str(tiny_llama), "num_experts": 2}))
+        label_by_embedding(prompts, expert_prompts(load_config({"base_model": str(tiny_llama), "num_experts": 2}).expert_list()))
 
 
 STORY_EXPERTS = {
@@ -108,14 +109,14 @@ def test_stories_moe_confusion_rows_sum_to_label_counts(stories, tmp_path):
     assert score.layer_accuracy == pytest.approx(hit.mean(0).tolist())
     assert score.overall == pytest.approx(float(hit.mean()))
     # labels from embeddings agree with the hand labels on these clear-cut prompts
-    assert label_by_embedding(prompts, load_config(config)) == labels
-    assert labels_for(prompts, [None, "animals", None, None, "food"], load_config(config), "embedding") == labels
+    assert label_by_embedding(prompts, expert_prompts(load_config(config).expert_list())) == labels
+    assert labels_for(prompts, [None, "animals", None, None, "food"], expert_prompts(load_config(config).expert_list()), "embedding") == labels
 
 
 def test_routing_tables_render_accuracy_and_confusion():
     from rich.console import Console
 
-    from moe_upcycle.prompt_cli import routing_tables
+    from moe_upcycle.cli.tables import routing_tables
 
     score = routing_accuracy(torch.tensor([[0, 0], [1, 0], [1, 1]]), ["a", "b", "b"], ["a", "b"])
     console = Console(record=True, width=120)

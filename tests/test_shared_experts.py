@@ -9,7 +9,8 @@ import torch
 
 from conftest import model_logits
 from moe_upcycle import upcycle
-from moe_upcycle.tiny import make_finetune
+from moe_upcycle.checkpoint.tiny import make_finetune
+from tolerances import assert_close_rel
 from test_architectures import dense_tensor, tensor
 
 
@@ -28,7 +29,7 @@ def test_exact_split_one_shared_expert(fixture, request, tmp_path):
     result = upcycle(_cfg(base, [{"source_model": str(base)}], routed_scale=0.5), tmp_path / "moe")
     assert any("exactly the dense FFN" in n for n in result.plan.notes), result.plan.notes
     assert not tensor(result.output, "model.layers.0.mlp.shared_expert_gate.weight").any()
-    torch.testing.assert_close(model_logits(result.output), model_logits(base), atol=1e-5, rtol=0)
+    assert_close_rel(model_logits(result.output), model_logits(base))
 
 
 def test_two_shared_experts_become_one_with_summed_size_and_stay_exact(tiny_qwen2, tmp_path):
@@ -42,7 +43,7 @@ def test_two_shared_experts_become_one_with_summed_size_and_stay_exact(tiny_qwen
     assert torch.equal(tensor(result.output, "model.layers.1.mlp.shared_expert.gate_proj.weight"), torch.cat([gate, gate]))
     assert torch.equal(tensor(result.output, "model.layers.1.mlp.shared_expert.down_proj.weight"),
                        torch.cat([down * 0.5, down * 0.5], dim=1))
-    torch.testing.assert_close(model_logits(result.output), model_logits(tiny_qwen2), atol=1e-5, rtol=0)
+    assert_close_rel(model_logits(result.output), model_logits(tiny_qwen2))
 
 
 def test_shared_experts_from_two_models_concatenate_their_bytes(tiny_qwen2, tmp_path):
@@ -73,7 +74,7 @@ def test_prompt_gate_is_the_normalised_prompt_embedding_and_not_exact(tiny_qwen2
     assert any("not the dense model's" in n for n in result.plan.notes)
     gate = tensor(result.output, "model.layers.1.mlp.shared_expert_gate.weight")
     assert gate.shape == (1, 64)
-    torch.testing.assert_close(gate.norm(), torch.tensor(2.0), atol=1e-5, rtol=0)
+    assert_close_rel(gate.norm(), torch.tensor(2.0))
     # the direction is the mean token embedding of the prompts
     from transformers import AutoTokenizer
 
@@ -82,7 +83,7 @@ def test_prompt_gate_is_the_normalised_prompt_embedding_and_not_exact(tiny_qwen2
     rows = [embed[torch.tensor(tok(p, add_special_tokens=False)["input_ids"])].mean(0)
             for p in ("def add(a, b):", "import numpy as np")]
     mean = torch.stack(rows).mean(0)
-    torch.testing.assert_close(gate[0], mean / mean.norm() * 2.0, atol=1e-6, rtol=0)
+    assert_close_rel(gate[0], mean / mean.norm() * 2.0, rel=1e-06)
     assert (model_logits(result.output) - model_logits(tiny_qwen2)).abs().max() > 1e-4
 
 
@@ -93,10 +94,10 @@ def test_constant_gate_can_be_forced_over_prompts(tiny_qwen2, tmp_path):
     cfg["experts"] = [{"source_model": base, "residual_scale": 0.5, "positive_prompts": ["Once upon a time"]}] * 2
     result = upcycle(cfg, tmp_path / "moe")
     assert not tensor(result.output, "model.layers.0.mlp.shared_expert_gate.weight").any()
-    torch.testing.assert_close(model_logits(result.output), model_logits(tiny_qwen2), atol=1e-5, rtol=0)
+    assert_close_rel(model_logits(result.output), model_logits(tiny_qwen2))
 
 
 def test_fused_layout_with_shared_expert_is_exact(tiny_qwen2, tmp_path):
     result = upcycle(_cfg(tiny_qwen2, [{"source_model": str(tiny_qwen2)}], routed_scale=0.5, layout="fused"),
                      tmp_path / "moe")
-    torch.testing.assert_close(model_logits(result.output), model_logits(tiny_qwen2), atol=1e-5, rtol=0)
+    assert_close_rel(model_logits(result.output), model_logits(tiny_qwen2))

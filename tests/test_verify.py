@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from moe_upcycle import upcycle
 from moe_upcycle.cli import app
-from moe_upcycle.compare import compare_logits
-from moe_upcycle.verify import IDENTITY_MAX_KL, verify
+from moe_upcycle.check.compare import compare_logits
+from moe_upcycle.check.verify import IDENTITY_MAX_KL, verify
 
 runner = CliRunner()
 SHARD = "model-00001-of-00001.safetensors"

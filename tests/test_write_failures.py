@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import moe_upcycle.build
-import moe_upcycle.guards
-import moe_upcycle.writer
+import moe_upcycle.checkpoint.disk_space
+import moe_upcycle.checkpoint.writer
 from failure_checks import REPO, assert_clean_failure, cli, leftovers, module_cmd, module_env
 from moe_upcycle import upcycle
 
@@ -59,7 +59,7 @@ class _FillingFile:
 
 def _disk_fills_after(monkeypatch, room: int) -> None:
     budget = [room]
-    monkeypatch.setattr(moe_upcycle.writer, "open", lambda path, mode: _FillingFile(open(path, mode), budget),
+    monkeypatch.setattr(moe_upcycle.checkpoint.writer, "open", lambda path, mode: _FillingFile(open(path, mode), budget),
                         raising=False)
 
 
@@ -85,7 +85,7 @@ def test_disk_full_mid_write(force, config, output_bytes, tmp_path, monkeypatch)
 
 
 def test_not_enough_space_refused_before_writing(config, output_bytes, tmp_path, monkeypatch):
-    monkeypatch.setattr(moe_upcycle.guards, "free_bytes", lambda folder: 1234)
+    monkeypatch.setattr(moe_upcycle.checkpoint.disk_space, "free_bytes", lambda folder: 1234)
     target = tmp_path / "moe"
     code, output = cli("build", config, target)
     assert_clean_failure(code, output, target, [f"not enough disk space for the output in {tmp_path}",
@@ -210,7 +210,7 @@ def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch)
     then wholly the new build, and no swap folder is left."""
     import signal
 
-    import moe_upcycle.output_dir as output_dir
+    import moe_upcycle.checkpoint.output_dir as output_dir
 
     target = tmp_path / "moe"
     target.mkdir()
@@ -232,7 +232,7 @@ def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch)
 def test_leftover_swap_folder_is_restored(tmp_path):
     """A build SIGKILLed between the two renames of a --force swap leaves the previous output as
     .<name>.old-<pid> and no target: the next build on that target puts it back first."""
-    from moe_upcycle.output_dir import staged_output
+    from moe_upcycle.checkpoint.output_dir import staged_output
 
     target = tmp_path / "moe"
     old = tmp_path / ".moe.old-99999"

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moe_upcycle import writer as writer_mod
-from moe_upcycle.writer import BackgroundHash, ShardedWriter, TensorSpec
+from moe_upcycle.checkpoint import writer as writer_mod
+from moe_upcycle.checkpoint.writer import BackgroundHash, ShardedWriter, TensorSpec
 
 
 def test_background_hash_matches_hashlib():

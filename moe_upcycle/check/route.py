@@ -1,0 +1,216 @@
+"""See how a built MoE routes prompts: per-prompt top-1 expert shares, per-layer load and entropy.
+
+`route()` loads the MoE with transformers, runs the prompts through it in batches and records, per
+prompt, layer and expert, how many of the prompt's real tokens (not padding, not special tokens)
+chose that expert first, plus the top-k assignments per layer. It returns a `RoutingResult`
+(plain data, JSON via `to_dict`) that other commands build on; printing lives in the CLI and
+`plot_routing` draws a heatmap (matplotlib, the optional ``plot`` extra). It does not change the
+model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from moe_upcycle.errors import DependencyError, SourceError
+from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
+from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
+from moe_upcycle.recipe.prompt_sets import read_prompt_file
+
+
+
+@dataclass
+class RoutingResult:
+    """Routing counts of a set of prompts through an MoE.
+
+    Attributes:
+        prompts: the prompts, in input order.
+        expert_names: one name per expert (from the build recipe, else ``expert_i``).
+        top1: (P, L, E) int64, real tokens of prompt p whose top-1 expert at layer l is e.
+        topk: (L, E) int64, top-k assignments of all real tokens at layer l to expert e.
+        tokens: (P,) real tokens per prompt.
+        experts_per_token: k of the model's top-k routing.
+    """
+
+    prompts: list[str]
+    expert_names: list[str]
+    top1: torch.Tensor
+    topk: torch.Tensor
+    tokens: torch.Tensor
+    experts_per_token: int
+
+    def shares(self) -> torch.Tensor:
+        """(P, L, E) share of each prompt's real tokens whose top-1 expert at layer l is e."""
+        return self.top1.double() / self.tokens.clamp_min(1)[:, None, None]
+
+    def prompt_share(self) -> torch.Tensor:
+        """(P, E) share of each prompt's (layer, token) top-1 choices that went to each expert."""
+        totals = self.top1.sum(dim=(1, 2)).clamp_min(1)
+        return self.top1.sum(dim=1).double() / totals[:, None]
+
+    def prompt_expert(self) -> list[int]:
+        """The expert each prompt chose most often (top-1 across layers and tokens)."""
+        return self.prompt_share().argmax(dim=1).tolist()
+
+    def layer_majority(self) -> torch.Tensor:
+        """(P, L) the expert most of the prompt's tokens chose first at each layer."""
+        return self.top1.argmax(dim=2)
+
+    def layer_load(self) -> torch.Tensor:
+        """(L, E) share of each layer's top-k assignments per expert (sums to 1 per layer)."""
+        return self.topk.double() / self.topk.sum(dim=1, keepdim=True).clamp_min(1)
+
+    def layer_entropy(self) -> torch.Tensor:
+        """(L,) entropy of each layer's load in bits (log2 E = perfectly balanced)."""
+        load = self.layer_load()
+        return -(load * torch.log2(load.clamp_min(1e-300))).sum(dim=1)
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (shares rounded to 4 decimals)."""
+        share, entropy = self.prompt_share(), self.layer_entropy()
+        names = self.expert_names
+        return {
+            "experts": names,
+            "experts_per_token": self.experts_per_token,
+            "max_entropy_bits": round(math.log2(len(names)), 4),
+            "prompts": [{"prompt": p, "tokens": int(self.tokens[i]), "top_expert": names[int(share[i].argmax())],
+                         "top1_share": {n: round(float(share[i, e]), 4) for e, n in enumerate(names)},
+                         "layer_top_expert": [names[e] for e in self.layer_majority()[i].tolist()]}
+                        for i, p in enumerate(self.prompts)],
+            "layers": [{"layer": layer, "load": {n: round(float(v), 4) for n, v in zip(names, row.tolist())},
+                        "entropy_bits": round(float(entropy[layer]), 4)}
+                       for layer, row in enumerate(self.layer_load())],
+        }
+
+
+def read_prompts(path: Union[str, Path]) -> list[str]:
+    """Prompts from a YAML/JSON list (or a mapping with ``prompts:``) or a text file, one per line."""
+    return read_prompt_file(Path(path))
+
+
+def expert_names(model_dir: Path, count: int) -> list[str]:
+    """Expert names recorded by the build (moe_upcycle.json), else ``expert_0..``."""
+    recipe = model_dir / RECIPE_NAME
+    try:
+        experts = json.loads(recipe.read_text(encoding="utf-8"))["config"].get("experts") or []
+        names = [e.get("name") or f"expert_{i}" for i, e in enumerate(experts)]
+    except (OSError, ValueError, KeyError, AttributeError):
+        names = []
+    return names if len(names) == count else [f"expert_{i}" for i in range(count)]
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each layer's router (``mlp.gate`` in transformers 5, ``block_sparse_moe.gate`` in 4.x)."""
+    routers = []
+    for layer in model.base_model.layers:
+        block = getattr(layer, "block_sparse_moe", None) or getattr(layer, "mlp", None)
+        routers.append(getattr(block, "gate", None))
+    return routers
+
+
+def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "auto",
+          batch_size: int = 8) -> RoutingResult:
+    """Run prompts through a built MoE and count which experts each token is routed to.
+
+    Args:
+        model_dir: an MoE folder (e.g. the output of ``moe-upcycle build``).
+        prompts: the prompts to route.
+        device: auto, cpu, cuda or cuda:N (fp32 on CPU, bf16 on GPU).
+        batch_size: prompts per forward pass.
+
+    Returns:
+        The routing counts.
+
+    Raises:
+        SourceError: the folder is not a loadable MoE with one router per layer.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(model_dir)
+    dev = resolve_device(device)
+    kwargs = {"dtype": torch.float32} if dev == "cpu" else {"dtype": torch.bfloat16, "device_map": "auto"}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
+    except Exception as exc:
+        raise SourceError(f"{folder}: cannot load the MoE with transformers ({type(exc).__name__}: {exc})") from None
+    n_experts = int(getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0))
+    k = int(getattr(model.config, "num_experts_per_tok", 1))
+    routers = _routers(model)
+    if not n_experts or any(r is None for r in routers):
+        raise SourceError(f"{folder}: not an MoE with a router in every layer (model_type "
+                          f"{model.config.model_type!r}); route a folder written by moe-upcycle build")
+    encoded = encode(tokenizer, prompts, int(getattr(model.config, "max_position_embeddings", 4096)))
+    n_layers = len(routers)
+    top1 = torch.zeros(len(prompts), n_layers, n_experts, dtype=torch.long)
+    topk = torch.zeros(n_layers, n_experts, dtype=torch.long)
+    state: dict = {}
+
+    def hook_for(layer: int):
+        def hook(module, args, output):
+            logits = (output[0] if isinstance(output, tuple) else output).float().cpu()  # (B*T, E)
+            real = state["real"].reshape(-1)
+            logits = logits.reshape(real.shape[0], -1)[real]
+            rows = state["row_of_token"][real]
+            top1[:, layer].index_put_((rows, logits.argmax(dim=1)), torch.ones(len(rows), dtype=torch.long),
+                                   accumulate=True)
+            topk[layer] += torch.bincount(logits.topk(k, dim=1).indices.reshape(-1), minlength=n_experts)
+        return hook
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    input_device = model.get_input_embeddings().weight.device
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(encoded), batch_size):
+                idx = list(range(start, min(start + batch_size, len(encoded))))
+                ids, attn, real = pad_batch([encoded[i] for i in idx], pad_id, "right")
+                state["real"] = real
+                state["row_of_token"] = torch.tensor(idx)[:, None].expand_as(real).reshape(-1)
+                model.base_model(input_ids=ids.to(input_device), attention_mask=attn.to(input_device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    tokens = torch.tensor([sum(e.real) for e in encoded])
+    return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k)
+
+
+def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[str] = None) -> Path:
+    """Save a heatmap of prompts × experts (top-1 share) to `path` (PNG/PDF/SVG by suffix).
+
+    Raises:
+        DependencyError: matplotlib (the ``plot`` extra) is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DependencyError("--plot needs matplotlib, which is not installed; pip install 'moe-upcycle[plot]' "
+                              "(or drop --plot)") from None
+    share = result.prompt_share().numpy()
+    labels = [p if len(p) <= 40 else p[:37] + "..." for p in (q.replace("\n", " ") for q in result.prompts)]
+    n_experts = len(result.expert_names)
+    # labels take ~3.5 in on the left; each expert column gets 0.8 in
+    fig, ax = plt.subplots(figsize=(4.5 + 0.8 * n_experts, 1.5 + 0.35 * len(labels)))
+    image = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+    for i in range(len(labels)):
+        for e in range(n_experts):
+            ax.text(e, i, f"{share[i, e]:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if share[i, e] < 0.6 else "black")
+    ax.set_xticks(range(len(result.expert_names)), result.expert_names, rotation=45, ha="right")
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_title(title or "top-1 share per prompt (all layers, real tokens)", fontsize=9)
+    fig.colorbar(image, ax=ax, label="top-1 share")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

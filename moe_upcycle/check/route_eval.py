@@ -1,0 +1,202 @@
+"""Routing evaluation: does a built MoE send each prompt to the expert it was meant for?
+
+Given which expert each prompt's tokens pick first (top-1) in every layer, and a label per
+prompt (the expert it should go to), computes routing accuracy per layer and overall, and
+confusion matrices (rows: label, columns: expert chosen). Labels come from a labelled file
+(`read_labeled`) or, for unlabelled prompts, from the nearest expert centroid in embedding space
+(`label_by_embedding`). The routing itself comes from `route.route` (`RoutingResult.shares()`).
+
+Shapes: P prompts, L layers, E experts. "Shares" are (P, L, E): the fraction of a prompt's real
+(unpadded) tokens whose top-1 expert in layer l is e; each (p, l) row sums to 1. Hard
+assignments (P, L) of expert indices are accepted too and count as shares of 0 or 1.
+
+It does not print anything; `prompt_cli.routing_tables` renders a `RoutingScore`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from moe_upcycle.recipe.params import ExpertPrompts
+from moe_upcycle.prompts.embed import Embedder, load_embedder
+from moe_upcycle.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RoutingScore:
+    """Routing accuracy and confusion of labelled prompts.
+
+    Attributes:
+        expert_names: the E experts, in router order.
+        layer_accuracy: per layer, mean over prompts of the share of tokens routed top-1 to the label.
+        overall: mean of `layer_accuracy`.
+        confusion: (E, E) int; row = label, column = expert with the largest share summed over
+            layers (ties go to the lower index). Row i sums to the number of prompts labelled i.
+        layer_confusion: (L, E, E) int; the same per layer.
+    """
+
+    expert_names: list[str]
+    layer_accuracy: list[float]
+    overall: float
+    confusion: torch.Tensor
+    layer_confusion: torch.Tensor
+
+    @property
+    def label_counts(self) -> list[int]:
+        """Prompts per label (row sums of the confusion matrix)."""
+        return self.confusion.sum(1).tolist()
+
+    def to_dict(self) -> dict:
+        return {"experts": self.expert_names, "layer_accuracy": self.layer_accuracy, "overall": self.overall,
+                "confusion": self.confusion.tolist(), "layer_confusion": self.layer_confusion.tolist()}
+
+
+def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
+                     expert_names: Sequence[str]) -> RoutingScore:
+    """Score routing against labels.
+
+    Args:
+        routing: (P, L, E) shares, or (P, L) integer top-1 expert per prompt and layer.
+        labels: per prompt, the expert it should go to (name or index).
+        expert_names: the experts in router order.
+
+    Returns:
+        Accuracy per layer and overall, and the confusion matrices.
+
+    Raises:
+        ConfigError: a label that is not an expert, or a count mismatch.
+
+    Example:
+        >>> s = routing_accuracy(torch.tensor([[0, 0], [1, 0]]), ["a", "b"], ["a", "b"])
+        >>> s.layer_accuracy, s.confusion.tolist()
+        ([1.0, 0.5], [[1, 0], [0, 1]])
+    """
+    names = list(expert_names)
+    e = len(names)
+    if routing.dim() == 2:
+        routing = torch.nn.functional.one_hot(routing.long(), e).float()
+    if routing.dim() != 3 or routing.shape[-1] != e:
+        raise ConfigError(f"routing: expected (prompts, layers, {e}) shares or (prompts, layers) expert indices, "
+                          f"got shape {tuple(routing.shape)}")
+    if len(labels) != routing.shape[0]:
+        raise ConfigError(f"labels: {len(labels)} labels for {routing.shape[0]} prompts; give one label per prompt")
+    idx = torch.tensor(label_indices(labels, names))  # (P,)
+    p, layers, _ = routing.shape
+    hit = routing[torch.arange(p), :, idx]  # (P, L): share routed to the label
+    layer_acc = hit.mean(0).tolist() if p else [0.0] * layers
+    layer_conf = torch.zeros(layers, e, e, dtype=torch.long)
+    pred = routing.argmax(-1)  # (P, L)
+    for layer in range(layers):
+        layer_conf[layer].index_put_((idx, pred[:, layer]), torch.ones(p, dtype=torch.long), accumulate=True)
+    conf = torch.zeros(e, e, dtype=torch.long)
+    conf.index_put_((idx, routing.sum(1).argmax(-1)), torch.ones(p, dtype=torch.long), accumulate=True)
+    overall = sum(layer_acc) / layers if layers else 0.0
+    return RoutingScore(names, layer_acc, overall, conf, layer_conf)
+
+
+def label_indices(labels: Sequence[Union[str, int]], expert_names: Sequence[str]) -> list[int]:
+    """Map labels (names or indices) to expert indices; every unknown label is reported at once."""
+    lookup = {n: i for i, n in enumerate(expert_names)}
+    out, bad = [], []
+    for n, label in enumerate(labels):
+        if isinstance(label, int) and 0 <= label < len(expert_names):
+            out.append(label)
+        elif label in lookup:
+            out.append(lookup[label])
+        else:
+            bad.append(f"labels[{n}]: {label!r} is not an expert; expected one of {', '.join(expert_names)}")
+    if bad:
+        raise ConfigError(*bad)
+    return out
+
+
+def label_by_embedding(prompts: Sequence[str], experts: Sequence[ExpertPrompts],
+                       embedder: Optional[Embedder] = None) -> list[str]:
+    """Label each prompt with the expert whose prompt centroid is nearest in embedding space.
+
+    The centroid is the normalised mean embedding of the expert's positive prompts.
+
+    Raises:
+        ConfigError: some routed expert has no positive prompts (it could never be a label).
+    """
+    missing = [f"experts[{i}].positive_prompts: needed to label prompts by embedding; add prompts or give "
+               f"labels in the prompts file" for i, e in enumerate(experts) if not e.positive]
+    if missing:
+        raise ConfigError(*missing)
+    embedder = embedder or load_embedder()
+    texts = [p for e in experts for p in e.positive] + list(prompts)
+    vecs = embedder.encode(texts)  # one batched call
+    centroids, at = [], 0
+    for e in experts:
+        c = vecs[at:at + len(e.positive)].mean(0)
+        centroids.append(c / c.norm().clamp_min(1e-12))
+        at += len(e.positive)
+    nearest = (vecs[at:] @ torch.stack(centroids).T).argmax(-1)  # (P,)
+    return [experts[i].name for i in nearest.tolist()]
+
+
+def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]]:
+    """Read prompts and labels: JSONL with "text"/"prompt" and "expert"/"label", or plain text.
+
+    Plain text is one prompt per line, optionally ``expert<TAB>prompt``. A prompt without a
+    label gets None (to be filled by `label_by_embedding`).
+
+    Raises:
+        ConfigError: the file is missing or a line has no prompt (file and line named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--labeled {path}: file not found")
+    prompts: list[str] = []
+    labels: list[Optional[str]] = []
+    problems = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"{path}:{n}: not valid JSON ({exc.msg})")
+                continue
+            text, label = row.get("text", row.get("prompt")), row.get("expert", row.get("label"))
+        elif "\t" in line:
+            label, text = line.split("\t", 1)
+        else:
+            label, text = None, line
+        if not isinstance(text, str) or not text.strip():
+            problems.append(f"{path}:{n}: no prompt text (JSONL needs a \"text\" or \"prompt\" field)")
+            continue
+        prompts.append(text.strip())
+        labels.append(label.strip() if isinstance(label, str) and label.strip() else None)
+    if problems:
+        raise ConfigError(*problems)
+    return prompts, labels
+
+
+def labels_for(prompts: Sequence[str], labels: Sequence[Optional[str]],
+               experts: Optional[Sequence[ExpertPrompts]], label_by: str) -> list[str]:
+    """Fill missing labels: ``label_by="embedding"`` labels them by nearest expert centroid.
+
+    Raises:
+        ConfigError: prompts without labels and no way (or no recipe) to label them.
+    """
+    missing = [i for i, lab in enumerate(labels) if lab is None]
+    if not missing:
+        return list(labels)
+    if label_by != "embedding":
+        raise ConfigError(f"--labeled: {len(missing)} prompt(s) have no label (first: {prompts[missing[0]]!r}); "
+                          f"write `expert<TAB>prompt` lines or JSONL with an \"expert\" field, or pass --label-by embedding")
+    if experts is None:
+        raise ConfigError("--label-by embedding needs the experts' prompts from the build's moe_upcycle.json, "
+                          "which this folder lacks")
+    guessed = label_by_embedding([prompts[i] for i in missing], experts)
+    out = list(labels)
+    for i, lab in zip(missing, guessed):
+        out[i] = lab
+    return out

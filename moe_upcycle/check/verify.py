@@ -1,0 +1,324 @@
+"""Verify a built MoE folder: does it load, is every tensor there, how far is it from the dense base?
+
+`verify(folder)` checks, in order: the safetensors files and index (truncated or inconsistent
+shards), the sha256 recorded in ``moe_upcycle.json``, the tensors on disk against the plan (re-made
+from the recorded recipe, headers only), the router fields of config.json, and loading with
+``AutoModelForCausalLM``/``AutoTokenizer`` exactly as a user would (missing, unexpected or
+mismatched keys). Then, against the dense base (the recipe's ``base_model`` unless given), it
+compares logits on sample prompts (max |Δlogit|, top-1 agreement, mean KL(dense‖moe)),
+perplexity on a text and greedy continuations; the two models are loaded one after the other,
+so memory peaks at the larger one (fp32), not both.
+
+Every failed check becomes a problem in the `VerifyResult` (``ok`` is False) rather than an
+exception, so a build can record it in the model card. Thresholds: ``max_kl``/``min_agreement``
+when given; when the recipe makes every expert an unmodified copy of the base (a
+function-preserving upcycle) they default to `IDENTITY_MAX_KL`/`IDENTITY_MIN_AGREEMENT`.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from importlib.resources import files
+from pathlib import Path
+from typing import Optional, Union
+
+from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
+from moe_upcycle.check.verify_report import VerifyResult
+from moe_upcycle.checkpoint.names import TOKENIZER_FILES, output_layout
+from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
+from moe_upcycle.checkpoint.source import TensorInfo, read_safetensors_header, resolve_model
+from moe_upcycle.checkpoint.writer import INDEX_NAME
+from moe_upcycle.errors import SourceError, UpcycleError
+from moe_upcycle.planning.replan import RecordedBuild, recorded_build
+from moe_upcycle.planning.steps import Plan
+from moe_upcycle.recipe.params import CheckParams
+
+IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
+IDENTITY_MIN_AGREEMENT = 0.95
+EDITABLE_FILES = ("README.md",)  # a publisher may edit the card (e.g. the license); not a failure
+
+
+def default_prompts() -> list[str]:
+    """The sample prompts shipped with the package (moe_upcycle/data/verify_prompts.txt)."""
+    return read_prompts(files("moe_upcycle") / "data" / "verify_prompts.txt")
+
+
+def default_text() -> str:
+    """The short perplexity text shipped with the package (moe_upcycle/data/verify_text.txt)."""
+    return _read_text(files("moe_upcycle") / "data" / "verify_text.txt", "--text")
+
+
+def read_prompts(path) -> list[str]:
+    """Prompts from a text file: one per line; blank lines and ``#`` comments are skipped.
+
+    Raises:
+        SourceError: the file is missing or holds no prompt.
+    """
+    lines = _read_text(path, "--prompts").splitlines()
+    prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise SourceError(f"--prompts: {path} holds no prompt; write one prompt per line")
+    return prompts
+
+
+def _read_text(path, option: str) -> str:
+    path = Path(path) if isinstance(path, str) else path  # a Path or a package resource
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{option}: cannot read {path} ({exc}); give a UTF-8 text file") from None
+
+
+def _listed(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def read_recipe(folder: Path) -> Optional[dict]:
+    """The recipe recorded at build time (``moe_upcycle.json``), or None when absent."""
+    path = folder / RECIPE_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{path}: not valid JSON ({exc}); rebuild the model or delete the file") from None
+
+
+def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
+    """Check shards against the index (every header intact); return the tensors on disk."""
+    index = folder / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        by_file: dict[str, Optional[set]] = {}
+        for key, file in weight_map.items():
+            by_file.setdefault(file, set()).add(key)
+    elif (folder / "model.safetensors").is_file():
+        by_file = {"model.safetensors": None}
+    else:
+        result.problems.append(f"{folder}: no {INDEX_NAME} or model.safetensors; the weights are missing")
+        return {}
+    tensors: dict[str, TensorInfo] = {}
+    for file, listed in by_file.items():
+        try:
+            found = read_safetensors_header(folder / file)
+        except SourceError as exc:
+            result.problems += exc.problems
+            continue
+        if listed is not None:
+            if listed - set(found):
+                result.problems.append(f"{file}: the index lists {_listed(sorted(listed - set(found)))} in this "
+                                       f"shard but it does not contain them")
+            if set(found) - listed:
+                result.problems.append(f"{file}: holds {_listed(sorted(set(found) - listed))} which the index does "
+                                       f"not list (transformers will not load them)")
+        tensors.update(found)
+    return tensors
+
+
+def check_hashes(folder: Path, recipe: dict, result: VerifyResult) -> None:
+    """Compare every file's sha256 with the one recorded at build time."""
+    for name, digest in sorted(recipe.get("sha256", {}).items()):
+        path = folder / name
+        if not path.is_file():
+            result.problems.append(f"{name}: recorded in {RECIPE_NAME} but missing from the folder")
+            continue
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(2**24), b""):
+                h.update(chunk)
+        if h.hexdigest() != digest:
+            if name in EDITABLE_FILES:
+                result.notes.append(f"{name} was edited after the build (its sha256 differs from {RECIPE_NAME})")
+            else:
+                result.problems.append(f"{name}: sha256 differs from the one recorded in {RECIPE_NAME} at build time; "
+                                       f"the file was modified or damaged — rebuild it")
+
+
+def check_against_plan(tensors: dict[str, TensorInfo], plan: Plan, result: VerifyResult) -> None:
+    """Every planned tensor on disk with its planned shape and dtype, and nothing else."""
+    planned = {s.name: s for s in plan.steps}
+    result.planned_tensors = len(planned)
+    missing = sorted(set(planned) - set(tensors))
+    unexpected = sorted(set(tensors) - set(planned))
+    if missing:
+        result.problems.append(f"{len(missing)} planned tensor(s) missing from the output: {_listed(missing)}")
+    if unexpected:
+        result.problems.append(f"{len(unexpected)} tensor(s) in the output that the plan does not have: "
+                               f"{_listed(unexpected)}")
+    for name in sorted(set(planned) & set(tensors)):
+        s, t = planned[name], tensors[name]
+        if (s.shape, s.dtype) != (t.shape, t.dtype):
+            result.problems.append(f"tensor {name}: on disk {list(t.shape)} {t.dtype}, planned {list(s.shape)} "
+                                   f"{s.dtype}")
+
+
+def verify(
+    folder: Union[str, Path],
+    base: Union[str, Path, None] = None,
+    *,
+    text: Union[str, Path, None] = None,
+    prompts: Union[str, Path, None] = None,
+    max_kl: Optional[float] = None,
+    min_agreement: Optional[float] = None,
+    hashes: bool = True,
+    max_new_tokens: int = 16,
+    device: str = "cpu",
+    check: Optional[CheckParams] = None,
+    plan: Optional[Plan] = None,
+) -> VerifyResult:
+    """Verify an MoE folder — the library form of ``moe-upcycle verify``.
+
+    Args:
+        folder: the built model folder.
+        base: the dense model to compare with; default: the recipe's ``base_model``.
+        text: a text file for perplexity; default: the short text shipped with the package.
+        prompts: a file of prompts, one per line; default: the shipped prompts plus each
+            expert's first positive prompt.
+        max_kl: fail when mean KL(dense‖moe) is above this.
+        min_agreement: fail when top-1 agreement is below this (0..1).
+        hashes: check each file's sha256 against ``moe_upcycle.json``.
+        max_new_tokens: length of the greedy continuations.
+        device: where both models run ("cpu", "cuda").
+        check, plan: the build's own (``build --verify``); default: re-made from the recorded recipe.
+
+    Returns:
+        The result; ``result.ok`` is False when any check failed.
+
+    Raises:
+        SourceError: the folder, an explicitly given base, text or prompts file cannot be read.
+
+    Example:
+        >>> verify("tiny-moe").ok  # doctest: +SKIP
+        True
+    """
+    folder = Path(folder).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        raise SourceError(f"OUT: {folder} is not a model folder (no config.json); give the folder a build wrote")
+    result = VerifyResult(folder=str(folder))
+    recipe = read_recipe(folder)
+    recorded: Optional[RecordedBuild] = None
+    if check is None and recipe is not None:
+        try:
+            recorded = recorded_build(recipe["config"])
+            check = recorded.check
+        except (UpcycleError, KeyError) as exc:
+            result.notes.append(f"{RECIPE_NAME}: its config is unreadable ({exc}); checks without the recipe")
+    if recipe is None and check is None:
+        result.notes.append(f"no {RECIPE_NAME} (not built by moe-upcycle?): sha256 and plan checks skipped")
+    text_str = _read_text(Path(text), "--text") if text is not None else default_text()
+    prompt_list = read_prompts(prompts) if prompts is not None else _default_prompts(check)
+
+    tensors = check_files(folder, result)
+    result.num_tensors = len(tensors)
+    if hashes and recipe is not None:
+        check_hashes(folder, recipe, result)
+    if plan is None and recorded is not None:
+        try:
+            plan = recorded.plan()
+        except UpcycleError as exc:
+            result.notes.append(f"could not re-make the plan from {RECIPE_NAME} ({'; '.join(exc.problems)}); "
+                                f"tensors checked by transformers only")
+    if plan is not None:
+        check_against_plan(tensors, plan, result)
+    _check_config(folder, plan, result)
+
+    try:
+        moe = load_causal_lm(folder, device=device)
+    except Exception as exc:  # any loading failure is the finding, whatever transformers raises
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        result.problems.append(f"does not load with transformers AutoModelForCausalLM: {type(exc).__name__}: {first}")
+        return result
+    result.loaded_class = moe.class_name
+    for kind, keys in (("missing", moe.missing_keys), ("unexpected", moe.unexpected_keys),
+                       ("mismatched", moe.mismatched_keys)):
+        if keys:
+            result.problems.append(f"transformers reports {len(keys)} {kind} key(s) when loading: {_listed(keys)}")
+    if plan is not None and moe.class_name != output_layout(plan.architecture).class_name:
+        result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
+    moe_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens)
+    del moe
+    gc.collect()
+    result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
+
+    base_path = _resolve_base(base, check, result)
+    dense_run = None
+    if base_path is not None:
+        result.base = str(base if base is not None else check.base_model)
+        _check_tokenizer(base_path, folder, result)
+        try:
+            dense = load_causal_lm(base_path, device=device)
+        except Exception as exc:  # the reference itself is broken: the user must fix --base
+            raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
+                              f"{exc}); pass a working --base DENSE") from None
+        dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens)
+        del dense
+        gc.collect()
+        result.comparison = compare_logits(dense_run.logits, moe_run.logits)
+        result.perplexity_dense = dense_run.perplexity
+    result.continuations = [{"prompt": p, "dense": dense_run.continuations[i] if dense_run else None, "moe": m}
+                            for i, (p, m) in enumerate(zip(prompt_list, moe_run.continuations))]
+    _apply_thresholds(result, max_kl, min_agreement, check)
+    return result
+
+
+def _default_prompts(check: Optional[CheckParams]) -> list[str]:
+    prompts = default_prompts()
+    if check is not None:  # route through every expert: its first positive prompt
+        prompts += list(check.routing_prompts)
+    return list(dict.fromkeys(prompts))
+
+
+def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> None:
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    result.num_experts = cfg.get("num_local_experts")
+    result.experts_per_token = cfg.get("num_experts_per_tok")
+    if plan is None:
+        return
+    for key, want in (("num_local_experts", len(plan.expert_names)), ("num_experts_per_tok", plan.experts_per_token)):
+        if cfg.get(key) != want:
+            result.problems.append(f"config.json: {key} is {cfg.get(key)} but the recipe has {want}")
+
+
+def _resolve_base(base, check: Optional[CheckParams], result: VerifyResult) -> Optional[Path]:
+    if base is not None:
+        return resolve_model(str(base), "--base")  # given explicitly: an error if absent
+    if check is None:
+        result.notes.append("no dense base to compare with (no recipe); pass --base DENSE")
+        return None
+    try:
+        return resolve_model(check.base_model, f"{RECIPE_NAME} base_model")
+    except SourceError as exc:
+        result.notes.append(f"dense comparison skipped: {exc.problems[0]} (pass --base DENSE)")
+        return None
+
+
+def _check_tokenizer(base: Path, folder: Path, result: VerifyResult) -> None:
+    for name in TOKENIZER_FILES:
+        if (base / name).is_file():
+            if not (folder / name).is_file():
+                result.problems.append(f"{name}: the base has it but the output does not; copy it from {base}")
+            elif (base / name).read_bytes() != (folder / name).read_bytes():
+                result.problems.append(f"{name}: differs from the base's {base / name}; the tokenizer must be the "
+                                       f"base's, byte for byte")
+
+
+def _apply_thresholds(result: VerifyResult, max_kl: Optional[float], min_agreement: Optional[float],
+                      check: Optional[CheckParams]) -> None:
+    if check is not None and check.function_preserving:
+        max_kl = IDENTITY_MAX_KL if max_kl is None else max_kl
+        min_agreement = IDENTITY_MIN_AGREEMENT if min_agreement is None else min_agreement
+    result.max_kl, result.min_agreement = max_kl, min_agreement
+    c = result.comparison
+    if c is None:
+        if max_kl is not None or min_agreement is not None:
+            result.problems.append("thresholds (--max-kl/--min-agreement) need the dense base; pass --base DENSE")
+        return
+    if max_kl is not None and c.mean_kl > max_kl:
+        result.problems.append(f"mean KL(dense‖moe) is {c.mean_kl:.4g} nats, above the threshold {max_kl:g}; "
+                               f"the MoE's predictions moved away from the dense model's")
+    if min_agreement is not None and c.top1_agreement < min_agreement:
+        result.problems.append(f"top-1 agreement with the dense model is {c.top1_agreement:.1%}, below the "
+                               f"threshold {min_agreement:.1%}")

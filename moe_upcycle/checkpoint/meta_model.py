@@ -1,0 +1,108 @@
+"""Describe a dense model's tensors from its config.json alone: names, shapes, dtypes, no files.
+
+`describe_dense(config)` derives every tensor of a Llama/Mistral checkpoint from the config's
+dimensions, using the key templates of `names`; `meta_sources(refs)` opens every model a recipe
+names this way (only ``config.json`` has to be on disk), so ``moe-upcycle plan --from-config``
+plans a Mixtral-8x7B before a byte of its weights is downloaded, in milliseconds. It does not
+read or invent weights: reading a tensor of a meta checkpoint gives a ``meta`` tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.errors import SourceError
+from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, meta_checkpoint, open_sources, read_config, resolve_model
+
+Dims = dict[str, int]
+# per-layer tensor suffix -> shape from the model's dimensions (H hidden, I intermediate,
+# Q = heads * head_dim, KV = kv_heads * head_dim); one row per entry of names.LLAMA_LAYER + the MLP
+LAYER_SHAPES: dict[str, Callable[[Dims], tuple[int, ...]]] = {
+    "input_layernorm.weight": lambda d: (d["H"],),
+    "post_attention_layernorm.weight": lambda d: (d["H"],),
+    "self_attn.q_proj.weight": lambda d: (d["Q"], d["H"]),
+    "self_attn.k_proj.weight": lambda d: (d["KV"], d["H"]),
+    "self_attn.v_proj.weight": lambda d: (d["KV"], d["H"]),
+    "self_attn.o_proj.weight": lambda d: (d["H"], d["Q"]),
+    "mlp.gate_proj.weight": lambda d: (d["I"], d["H"]),
+    "mlp.up_proj.weight": lambda d: (d["I"], d["H"]),
+    "mlp.down_proj.weight": lambda d: (d["H"], d["I"]),
+}
+# optional biases, switched on by config flags (Llama's attention_bias / mlp_bias)
+BIAS_SHAPES: dict[str, tuple[str, Callable[[Dims], tuple[int, ...]]]] = {
+    "self_attn.q_proj.bias": ("attention_bias", lambda d: (d["Q"],)),
+    "self_attn.k_proj.bias": ("attention_bias", lambda d: (d["KV"],)),
+    "self_attn.v_proj.bias": ("attention_bias", lambda d: (d["KV"],)),
+    "self_attn.o_proj.bias": ("attention_bias", lambda d: (d["H"],)),
+    "mlp.gate_proj.bias": ("mlp_bias", lambda d: (d["I"],)),
+    "mlp.up_proj.bias": ("mlp_bias", lambda d: (d["I"],)),
+    "mlp.down_proj.bias": ("mlp_bias", lambda d: (d["H"],)),
+}
+
+
+def describe_dense(config: dict, where: str = "config.json") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor a dense checkpoint with this config holds, in Hugging Face order.
+
+    Args:
+        config: a parsed ``config.json`` of a supported dense family (llama, mistral).
+        where: names the config in messages.
+
+    Returns:
+        key -> (shape, dtype); the dtype is the config's ``torch_dtype``/``dtype`` (else float32).
+
+    Raises:
+        PlanError: the model_type is not a supported dense family.
+
+    Example:
+        >>> t = describe_dense({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        ...                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300})
+        >>> len(t), t["model.layers.1.self_attn.k_proj.weight"][0]
+        (21, (64, 64))
+    """
+    names.input_family(config.get("model_type", ""), where)
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    dims = {"H": hidden, "I": int(config["intermediate_size"]), "Q": heads * head_dim, "KV": kv_heads * head_dim}
+    dtype = STR_DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32)
+    vocab = int(config["vocab_size"])
+
+    shapes: dict[str, tuple[int, ...]] = {names.EMBED: (vocab, hidden)}
+    for layer in range(int(config["num_hidden_layers"])):
+        for suffix, shape in LAYER_SHAPES.items():
+            shapes[f"model.layers.{layer}.{suffix}"] = shape(dims)
+        for suffix, (flag, shape) in BIAS_SHAPES.items():
+            if config.get(flag):
+                shapes[f"model.layers.{layer}.{suffix}"] = shape(dims)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes[names.LM_HEAD] = (vocab, hidden)
+    return {k: (s, dtype) for k, s in shapes.items()}
+
+
+def meta_source(ref: str, field_name: str) -> Checkpoint:
+    """A checkpoint described from the ``config.json`` of `ref` alone (weights need not exist).
+
+    Raises:
+        SourceError: `ref` is not a local folder or cached hub id, or has no usable config.json.
+    """
+    path = resolve_model(ref, field_name)
+    config = read_config(path, field_name)
+    try:
+        return meta_checkpoint(ref, config, describe_dense(config, f"{field_name} ({path / 'config.json'})"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SourceError(f"{path / 'config.json'}: cannot derive tensor shapes ({type(exc).__name__}: {exc}); "
+                          f"the config lacks a dimension field") from None
+
+
+def meta_sources(refs: dict[str, str]) -> dict[str, Checkpoint]:
+    """Every model the recipe names (`recipe.resolve.source_refs`), described from config.json only.
+
+    Raises:
+        SourceError: every model whose config could not be read, together.
+    """
+    return open_sources(refs, meta_source)

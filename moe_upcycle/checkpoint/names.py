@@ -1,0 +1,192 @@
+"""The one table of tensor names: dense input families and MoE output layouts.
+
+Inputs are the gate/up/down SwiGLU families with Llama's layer names (Llama, Mistral, Qwen2 with
+q/k/v biases, Qwen3 with q/k norms). Outputs are Mixtral, Qwen2-MoE (attention biases, one
+shared expert with a sigmoid gate) and Qwen3-MoE (q/k norms); each says which dense tensors it
+can hold, its per-expert and transformers-5 fused names and its config.json keys, so `arch`,
+`plan`, `fused` and `model_files` need no per-architecture code paths.
+
+Names are templates with ``{layer}`` and ``{expert}`` holes, filled by `fill`. `split_layer`
+turns a concrete key such as ``model.layers.3.self_attn.q_proj.weight`` back into
+``("model.layers.{layer}.self_attn.q_proj.weight", 3)``. Nothing here reads tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from moe_upcycle.errors import PlanError
+
+DENSE_MLP = "model.layers.{layer}.mlp.{proj}.weight"
+PROJS = ("gate_proj", "up_proj", "down_proj")  # SwiGLU: down(act(gate(x)) * up(x))
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+
+# the tokenizer (and generation) files of a model folder, copied byte for byte into the output
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class InputFamily:
+    """A dense architecture whose MLP is a gate/up/down SwiGLU and whose layers use Llama's names."""
+
+    model_type: str
+    class_name: str
+    default_output: str  # the output tried first when `architecture:` is not given
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """How one MoE architecture names its tensors, and which dense tensors it can hold.
+
+    Per-layer tensors are suffixes after ``model.layers.{layer}.``. The fused names are the
+    transformers-5 in-memory layout: each maps to the dense projections stacked per expert, so
+    ``gate_up_proj`` is (E, 2I, H) = for every expert e, gate_proj_e (I, H) then up_proj_e (I, H).
+    """
+
+    model_type: str
+    class_name: str
+    label: str  # for messages: "Mixtral"
+    router: str
+    expert: dict[str, str]  # dense proj name -> expert template
+    layer_tensors: tuple[str, ...]  # required in the base
+    bias_tensors: tuple[str, ...] = ()  # attention biases it can hold
+    biases_always: bool = False  # written as zeros when the base has none (loaders expect them)
+    bias_config_key: Optional[str] = None  # config.json switch for the biases
+    shared_expert: dict[str, str] = field(default_factory=dict)  # proj -> template (one shared expert)
+    shared_expert_gate: Optional[str] = None  # (1, H) sigmoid gate of the shared expert
+    fused_router: str = "model.layers.{layer}.mlp.gate.weight"
+    fused_expert: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(FUSED_EXPERT))
+    experts_key: str = "num_experts"  # config.json field for the number of routed experts
+    expert_size_key: str = "moe_intermediate_size"  # config.json field for one expert's intermediate size
+    inherit: tuple[str, ...] = ()  # base config.json fields copied beyond model_files.INHERITED
+    config: dict = field(default_factory=dict)  # fixed config.json fields
+
+    def holds(self, suffix: str) -> bool:
+        """Whether a dense per-layer non-MLP tensor (suffix) has a place in this layout."""
+        return suffix in self.layer_tensors or suffix in self.bias_tensors
+
+
+LLAMA_LAYER = (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+)
+QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+O_BIAS = ("self_attn.o_proj.bias",)
+QK_NORM = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# transformers-5 fused expert tensors: name -> dense projections stacked for each expert, in order
+FUSED_EXPERT = {
+    "model.layers.{layer}.mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),  # (E, 2I, H)
+    "model.layers.{layer}.mlp.experts.down_proj": ("down_proj",),  # (E, H, I)
+}
+# what a per-layer tensor is, for messages ("the base has attention biases (self_attn.q_proj.bias)")
+TENSOR_GROUPS = {
+    **{s: "attention biases" for s in QKV_BIAS}, "self_attn.o_proj.bias": "an attention output bias",
+    **{s: "q/k norms" for s in QK_NORM},
+}
+WINDOW_FIELDS = ("use_sliding_window", "max_window_layers", "layer_types")
+
+INPUT_FAMILIES: dict[str, InputFamily] = {
+    "llama": InputFamily("llama", "LlamaForCausalLM", "mixtral"),
+    "mistral": InputFamily("mistral", "MistralForCausalLM", "mixtral"),
+    "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe"),
+    "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe"),
+}
+
+OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
+    "mixtral": OutputLayout(
+        model_type="mixtral",
+        class_name="MixtralForCausalLM",
+        label="Mixtral",
+        router="model.layers.{layer}.block_sparse_moe.gate.weight",
+        expert={
+            "gate_proj": "model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+            "down_proj": "model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",
+            "up_proj": "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
+        },
+        layer_tensors=LLAMA_LAYER,
+        experts_key="num_local_experts",
+        expert_size_key="intermediate_size",
+        config={"router_jitter_noise": 0.0},
+    ),
+    "qwen2_moe": OutputLayout(
+        model_type="qwen2_moe",
+        class_name="Qwen2MoeForCausalLM",
+        label="Qwen2-MoE",
+        router="model.layers.{layer}.mlp.gate.weight",
+        expert={p: "model.layers.{layer}.mlp.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER,
+        bias_tensors=QKV_BIAS,
+        biases_always=True,  # Qwen2-MoE loaders (llama.cpp, vLLM) always expect q/k/v biases
+        bias_config_key="qkv_bias",
+        shared_expert={p: "model.layers.{layer}.mlp.shared_expert." + p + ".weight" for p in PROJS},
+        shared_expert_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
+        inherit=WINDOW_FIELDS,
+        # norm_topk_prob: top-k weights sum to 1, so identical experts reproduce the dense FFN
+        config={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
+    "qwen3_moe": OutputLayout(
+        model_type="qwen3_moe",
+        class_name="Qwen3MoeForCausalLM",
+        label="Qwen3-MoE",
+        router="model.layers.{layer}.mlp.gate.weight",
+        expert={p: "model.layers.{layer}.mlp.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER + QK_NORM,
+        bias_tensors=QKV_BIAS + O_BIAS,
+        bias_config_key="attention_bias",
+        inherit=WINDOW_FIELDS,
+        config={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
+}
+
+
+def fill(template: str, layer: Optional[int] = None, expert: Optional[int] = None, **extra: str) -> str:
+    """Fill a name template.
+
+    Example:
+        >>> fill(OUTPUT_LAYOUTS["mixtral"].expert["gate_proj"], layer=3, expert=1)
+        'model.layers.3.block_sparse_moe.experts.1.w1.weight'
+    """
+    return template.format(layer=layer, expert=expert, **extra)
+
+
+_LAYER_RE = re.compile(r"^(model\.layers\.)(\d+)(\..+)$")
+
+
+def split_layer(key: str) -> tuple[str, Optional[int]]:
+    """Pull the layer index out of a key.
+
+    Example:
+        >>> split_layer("model.layers.12.mlp.up_proj.weight")
+        ('model.layers.{layer}.mlp.up_proj.weight', 12)
+        >>> split_layer("model.norm.weight")
+        ('model.norm.weight', None)
+    """
+    m = _LAYER_RE.match(key)
+    if not m:
+        return key, None
+    return m.group(1) + "{layer}" + m.group(3), int(m.group(2))
+
+
+def input_family(model_type: str, where: str) -> InputFamily:
+    """Look up a dense family by `model_type`, or fail listing what is supported."""
+    try:
+        return INPUT_FAMILIES[model_type]
+    except KeyError:
+        supported = ", ".join(f"{f.class_name} ({k})" for k, f in INPUT_FAMILIES.items())
+        raise PlanError(f"{where}: model_type {model_type!r} is not supported as input; supported: {supported}") from None
+
+
+def output_layout(name: str, where: str = "architecture") -> OutputLayout:
+    """Look up an MoE output layout by name, or fail listing what is supported."""
+    try:
+        return OUTPUT_LAYOUTS[name]
+    except KeyError:
+        raise PlanError(f"{where}: {name!r} is not a supported output architecture; "
+                        f"supported: {', '.join(OUTPUT_LAYOUTS)}") from None

@@ -1,0 +1,210 @@
+"""Atomic output folders: stage beside the target, rename into place only when complete.
+
+`staged_output(target, force)` yields a temporary folder ``.<name>.partial-<pid>`` next to the
+target. On success it is renamed to the target (with `force`, an existing target is swapped out
+and removed only after the new one is in place). On any error, Ctrl-C or SIGTERM the staging
+folder is deleted, so nothing half-written ever carries the target's name. A lock file
+``.<name>.lock`` (an flock, released by the kernel if the process dies) refuses a second
+concurrent build to the same target; leftovers of a killed build are cleared by the next one.
+POSIX only (fcntl).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import glob
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from moe_upcycle.errors import OutputError
+
+# our manifest: the tool version, recipe, seed and sha256 of every file of a folder the tool wrote
+RECIPE_NAME = "moe_upcycle.json"
+
+
+def check_target(target: Path, force: bool, sources: Sequence[Path] = ()) -> None:
+    """Refuse targets that would lose data, before any work is done.
+
+    Raises:
+        OutputError: the target exists and is not empty (without `force`), is a file, or is
+            inside / equal to / a parent of a source model folder.
+    """
+    target = target.resolve()
+    for src in sources:
+        src = src.resolve()
+        if target == src or src in target.parents or target in src.parents:
+            raise OutputError(f"output {target} overlaps the source model folder {src}; "
+                              f"choose an output folder outside every source")
+    if target.exists() and not target.is_dir():
+        raise OutputError(f"output {target} exists and is a file; choose another output path")
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise OutputError(f"output folder {target} already exists and is not empty; "
+                          f"choose another folder or pass --force to replace it")
+    if not target.parent.is_dir():
+        raise OutputError(f"the parent folder of the output, {target.parent}, does not exist; create it first")
+
+
+class _Terminated(BaseException):
+    """SIGTERM turned into an exception so cleanup runs (like KeyboardInterrupt for SIGINT)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    def handler(signum, frame):  # noqa: ARG001
+        raise _Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a staging folder that becomes `target` when the block finishes without error.
+
+    An `OSError` inside the block (disk full, permission denied...) becomes an `OutputError`
+    naming the file; the staging folder is removed whatever happened.
+
+    Raises:
+        OutputError: another build holds the lock for this target, or a file operation failed.
+    """
+    target = Path(target).resolve()
+    lock, fd = _take_lock(target)
+    stage = target.parent / f".{target.name}.partial-{os.getpid()}"
+    try:
+        _recover(target)
+        stage.mkdir()
+        with _sigterm_raises():
+            try:
+                yield stage
+                _publish(stage, target, force)
+            except _Terminated:
+                raise KeyboardInterrupt("terminated (SIGTERM)") from None
+    except OSError as exc:
+        raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
+                          f"{target}" + _space_hint(exc, target.parent)) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        _release_lock(lock, fd)
+
+
+def _take_lock(target: Path) -> tuple[Path, int]:
+    """Hold an exclusive ``flock`` on ``.<name>.lock`` (which records our pid).
+
+    The kernel drops the lock when its process dies, so a lock file left by a killed build
+    never blocks the next one.
+
+    Returns:
+        The lock path and the open descriptor that holds the lock.
+    """
+    lock = target.parent / f".{target.name}.lock"
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as exc:
+            raise OutputError(f"cannot create the lock file {lock}: {exc.strerror or exc}; "
+                              f"is {target.parent} writable?") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise OutputError(f"another build{_lock_owner(lock)} is writing {target} (it holds {lock}); "
+                              f"wait for it to finish or stop it") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous holder removed the file as we opened it: lock the new one
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return lock, fd
+
+
+def _release_lock(lock: Path, fd: int) -> None:
+    lock.unlink(missing_ok=True)  # unlink before unlocking, so no one locks a file that is going away
+    os.close(fd)
+
+
+def _lock_owner(lock: Path) -> str:
+    try:
+        return f" (pid {int(lock.read_text().strip())})"
+    except (OSError, ValueError):
+        return ""
+
+
+def _recover(target: Path) -> None:
+    """With the lock held, clear what a killed build left beside the target.
+
+    Partial folders are deleted. A build killed in the middle of a --force swap (SIGKILL; other
+    signals are held off during it) leaves the previous target as ``.<name>.old-<pid>``: it is
+    moved back if the target is missing, else deleted.
+    """
+    for leftover in sorted(target.parent.glob(f".{glob.escape(target.name)}.partial-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for old in sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*")):
+        if not target.exists():
+            os.rename(old, target)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _space_hint(exc: OSError, folder: Path) -> str:
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ""
+    try:
+        return f" ({shutil.disk_usage(folder).free} bytes available in {folder})"
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Delay SIGINT/SIGTERM until the block ends, so a swap is never left half done.
+
+    Python-level handlers (not a thread signal mask: torch's threads would still take the
+    signal) note what arrives; it is re-raised, to the handlers in place before, at the end.
+    """
+    pending: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in held}
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
+
+
+def _publish(stage: Path, target: Path, force: bool) -> None:
+    with _signals_held():
+        if not target.exists():
+            os.rename(stage, target)
+            return
+        if not force and any(target.iterdir()):
+            raise OutputError(f"output folder {target} appeared during the build; nothing was replaced")
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.rename(target, old)
+        try:
+            os.rename(stage, target)
+        except OSError:
+            os.rename(old, target)  # put the previous contents back
+            raise
+        shutil.rmtree(old, ignore_errors=True)

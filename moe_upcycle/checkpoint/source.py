@@ -1,0 +1,380 @@
+"""Lazy readers for dense checkpoints: headers first, tensor bytes one at a time.
+
+A `Checkpoint` knows every tensor's shape and dtype from the safetensors headers (or from a
+``weights_only`` memory-mapped load of ``pytorch_model*.bin``) without reading any tensor data.
+`read(key)` returns one tensor; one open handle per shard file is kept. It does not check
+checkpoints against each other: that is `plan`'s job.
+
+Model references are local folders, or hub ids resolved from the local Hugging Face cache
+(offline; nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from safetensors import safe_open
+
+from moe_upcycle.errors import SourceError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+REQUIRED_INT_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+# config.json dtype names
+STR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of this shape and dtype.
+
+    Example:
+        >>> tensor_nbytes((2, 3), torch.bfloat16)
+        12
+    """
+    return math.prod(shape) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, without its data."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: str  # file name inside the checkpoint folder ("" for meta checkpoints)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.shape, self.dtype)
+
+
+@dataclass
+class Checkpoint:
+    """A dense model checkpoint opened lazily.
+
+    Attributes:
+        ref: the reference as the user wrote it (folder or hub id).
+        path: the resolved folder (None for meta checkpoints used in plan tests).
+        config: the parsed ``config.json``.
+        tensors: key -> TensorInfo, in file order.
+        shared_groups: groups of keys that share one storage in the input (only ``.bin`` can).
+    """
+
+    ref: str
+    path: Optional[Path]
+    config: dict
+    tensors: dict[str, TensorInfo]
+    shared_groups: list[list[str]] = field(default_factory=list)
+    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    def read(self, key: str) -> torch.Tensor:
+        """Read one tensor from disk (safetensors: a copy; .bin: a memory-mapped view)."""
+        info = self.tensors[key]
+        if self.path is None:
+            return torch.empty(info.shape, dtype=info.dtype, device="meta")
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._open(info.file)
+            if info.file.endswith(".safetensors"):
+                # keep one shard open at a time: reads are ordered by shard
+                for name in [n for n in self._handles if n.endswith(".safetensors")]:
+                    del self._handles[name]
+            self._handles[info.file] = handle
+        try:
+            return handle.get_tensor(key) if info.file.endswith(".safetensors") else handle[key]
+        except Exception as exc:  # a damaged file: name it
+            raise SourceError(f"{self.path / info.file}: cannot read tensor {key!r} ({exc}); "
+                              f"the file is damaged or truncated — re-download it") from None
+
+    def _open(self, file: str) -> Any:
+        full = self.path / file
+        if file.endswith(".safetensors"):
+            return safe_open(str(full), framework="pt", device="cpu")
+        return _load_bin(full)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def resolve_model(ref: str, field_name: str) -> Path:
+    """Resolve a model reference to a local folder.
+
+    Args:
+        ref: a folder path, or a hub id (``org/name``) present in the local Hugging Face cache.
+        field_name: the YAML field that named it, for messages.
+
+    Raises:
+        SourceError: neither a folder nor a cached hub id; says where it looked.
+    """
+    path = Path(os.path.expanduser(ref))
+    if path.is_dir():
+        return path.resolve()
+    looked = [str(path.resolve())]
+    if "/" in ref and not ref.startswith((".", "/", "~")) and ref.count("/") == 1:
+        from huggingface_hub import constants, snapshot_download
+
+        try:
+            return Path(snapshot_download(ref, local_files_only=True))
+        except Exception:
+            looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}")
+    raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
+                      f"give a local folder, or download the hub model first (huggingface-cli download {ref})")
+
+
+def open_sources(refs: dict[str, str],
+                 opener: Optional[Callable[[str, str], "Checkpoint"]] = None) -> dict[str, "Checkpoint"]:
+    """Open every model a recipe names (each once), reporting all missing ones together.
+
+    Args:
+        refs: model reference -> the YAML field that names it (`recipe.resolve.source_refs`).
+        opener: (reference, YAML field) -> Checkpoint; default `open_checkpoint`
+            (`meta_model.meta_source` plans from config.json alone).
+
+    Raises:
+        SourceError: every model that could not be opened.
+    """
+    opener = opener or open_checkpoint
+    sources, problems = {}, []
+    for ref, field_name in refs.items():
+        try:
+            sources[ref] = opener(ref, field_name)
+        except SourceError as exc:
+            problems += exc.problems
+    if problems:
+        raise SourceError(*problems)
+    return sources
+
+
+def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
+    """Open a dense checkpoint folder lazily (reads config.json and tensor headers only).
+
+    Raises:
+        SourceError: missing config/weights, unreadable or inconsistent files.
+    """
+    path = resolve_model(ref, field_name)
+    config = read_config(path, field_name)
+    tensors: dict[str, TensorInfo] = {}
+    shared: list[list[str]] = []
+    st_index = path / "model.safetensors.index.json"
+    bin_index = path / "pytorch_model.bin.index.json"
+    if st_index.is_file() or (path / "model.safetensors").is_file():
+        files = _index_files(st_index) if st_index.is_file() else {"model.safetensors": None}
+        for file, expected in files.items():
+            found = read_safetensors_header(path / file)
+            _check_index(path, file, expected, found, st_index)
+            tensors.update(found)
+    elif bin_index.is_file() or (path / "pytorch_model.bin").is_file():
+        files = _index_files(bin_index) if bin_index.is_file() else {"pytorch_model.bin": None}
+        for file, expected in files.items():
+            state = _load_bin(path / file)
+            found = {k: TensorInfo(k, tuple(t.shape), t.dtype, file) for k, t in state.items()}
+            _check_index(path, file, expected, found, bin_index)
+            tensors.update(found)
+            shared += _shared_storage(state)
+    else:
+        raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
+                          f"pytorch_model.bin or pytorch_model.bin.index.json")
+    return Checkpoint(ref=ref, path=path, config=config, tensors=tensors, shared_groups=shared)
+
+
+def read_config(path: Path, field_name: str) -> dict:
+    """Read a model folder's config.json, with clear errors."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise SourceError(f"{field_name}: {path} has no config.json; is it a Hugging Face model folder?")
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SourceError(f"{cfg}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise SourceError(f"{cfg}: expected a JSON object")
+    missing = [k for k in ("model_type", *REQUIRED_INT_FIELDS) if k not in config]
+    if missing:
+        raise SourceError(f"{cfg}: missing required field(s) {', '.join(missing)}")
+    wrong = [f"{k} must be a positive integer, got {config[k]!r}" for k in REQUIRED_INT_FIELDS
+             if not isinstance(config[k], int) or isinstance(config[k], bool) or config[k] <= 0]
+    if not isinstance(config["model_type"], str):
+        wrong.insert(0, f"model_type must be a string, got {config['model_type']!r}")
+    if wrong:
+        raise SourceError(*[f"{cfg}: {w}" for w in wrong])
+    return config
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and sanity-check a safetensors header without reading tensor data.
+
+    The checks are at least as strict as the safetensors library's own (tensors must tile the
+    data section exactly), so a file accepted here never fails later, mid-build, on its header.
+
+    Raises:
+        SourceError: missing, empty, truncated file or a header that lies (bad offsets, sizes).
+    """
+    if not file.is_file():
+        raise SourceError(f"{file}: shard file is missing")
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise SourceError(f"{file}: empty or truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise SourceError(f"{file}: safetensors header claims {n} bytes but the file has {size}; "
+                              f"the file is truncated or not safetensors")
+        try:
+            header = json.loads(fh.read(n))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise SourceError(f"{file}: safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SourceError(f"{file}: safetensors header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SourceError(f"{file}: safetensors __metadata__ must map names to strings; the file is corrupt")
+    data_size = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        info, start, end = _header_entry(file, key, entry)
+        if end < start or end - start != info.nbytes:
+            raise SourceError(f"{file}: tensor {key!r} header is inconsistent: shape {list(info.shape)} of "
+                              f"{entry['dtype']} needs {info.nbytes} bytes but its offsets {start}..{end} give "
+                              f"{end - start}; the file is corrupt")
+        spans.append((start, end, key))
+        out[key] = info
+    spans.sort()
+    # safetensors requires the tensors to tile the data section: no overlap, no gap, nothing after
+    position, previous = 0, None
+    for start, end, key in spans:
+        if start < position:
+            raise SourceError(f"{file}: tensors {previous!r} and {key!r} overlap in the header; the file is corrupt")
+        if start > position:
+            raise SourceError(f"{file}: the header leaves bytes {position}..{start} before tensor {key!r} "
+                              f"unaccounted for; the file is corrupt")
+        position, previous = end, key
+    if position > data_size:
+        raise SourceError(f"{file}: truncated: the header describes {position} data bytes but the file holds "
+                          f"{data_size}; re-download it")
+    if position < data_size:
+        raise SourceError(f"{file}: {data_size - position} bytes after the last tensor are not described by the "
+                          f"header; the file is corrupt — re-download it")
+    return {key: out[key] for _, _, key in spans}
+
+
+def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, int]:
+    """One tensor's header entry as (info, start, end); strict about types (no floats, no bools)."""
+    def ints(values: Any, length: Optional[int] = None) -> Optional[list[int]]:
+        if not isinstance(values, list) or (length is not None and len(values) != length):
+            return None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            return None
+        return values
+
+    if not isinstance(entry, dict):
+        raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r}")
+    dtype_name = entry.get("dtype")
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        raise SourceError(f"{file}: tensor {key!r} has dtype {dtype_name!r}, which moe-upcycle does not read "
+                          f"(supported: {', '.join(SAFETENSORS_DTYPES)})")
+    shape, offsets = ints(entry.get("shape")), ints(entry.get("data_offsets"), 2)
+    if shape is None or offsets is None:
+        raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r} "
+                          f"(shape and data_offsets must be lists of non-negative integers)")
+    return TensorInfo(key, tuple(shape), SAFETENSORS_DTYPES[dtype_name], file.name), offsets[0], offsets[1]
+
+
+def _index_files(index: Path) -> dict[str, Optional[set[str]]]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        assert isinstance(weight_map, dict)
+    except Exception as exc:
+        raise SourceError(f"{index}: not a valid index (needs a weight_map object): {exc}") from None
+    files: dict[str, Optional[set[str]]] = {}
+    for key, file in weight_map.items():
+        # a hostile index must not make us read files outside the model folder
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, which is not a file name in the "
+                              f"model folder; fix or re-download the index")
+        files.setdefault(file, set()).add(key)
+    for file in files:
+        if not (index.parent / file).is_file():
+            raise SourceError(f"{index.parent / file}: shard file is missing (the index {index.name} lists "
+                              f"{len(files[file])} tensor(s) in it); re-download the model")
+    return files
+
+
+def _check_index(path: Path, file: str, expected: Optional[set[str]], found: dict, index: Path) -> None:
+    if expected is None:
+        return
+    missing = sorted(expected - set(found))
+    if missing:
+        raise SourceError(f"{index}: lists {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                          + f" in {file}, but {path / file} does not contain it")
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """Load a pytorch .bin with weights_only=True (no pickled code runs), memory-mapped when it can be.
+
+    Zip-format files (torch >= 1.6) are memory-mapped (lazy pages); legacy-format files cannot be
+    and are read into memory.
+    """
+    if not file.is_file():
+        raise SourceError(f"{file}: shard file is missing")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+    except pickle.UnpicklingError as exc:
+        raise SourceError(f"{file}: refused to load ({_unpickle_reason(exc)}): weights_only loading accepts only "
+                          f"tensors and plain containers, and a pickle that asks for anything else could run "
+                          f"code. Convert the checkpoint to safetensors in a trusted environment, or re-download "
+                          f"it if it is damaged") from None
+    except Exception as exc:
+        raise SourceError(f"{file}: not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise SourceError(f"{file}: expected a dict of tensors")
+    return state
+
+
+def _unpickle_reason(exc: Exception) -> str:
+    """The line of torch's long weights_only message that says what was refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("Trying to load") or "GLOBAL" in line:
+            return line.rstrip(".")
+        if line.endswith("WeightsUnpickler error:") and i + 1 < len(lines):
+            return lines[i + 1].rstrip(".")
+    return lines[0] if lines else type(exc).__name__
+
+
+def _shared_storage(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Groups of keys whose tensors are the same view of one storage (tied or repeated weights)."""
+    groups: dict[tuple, list[str]] = {}
+    for key, t in state.items():
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        groups.setdefault(ident, []).append(key)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def meta_checkpoint(ref: str, config: dict, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Checkpoint:
+    """A checkpoint with shapes only (no files), for planning huge models in tests."""
+    infos = {k: TensorInfo(k, tuple(s), d, "") for k, (s, d) in tensors.items()}
+    return Checkpoint(ref=ref, path=None, config=config, tensors=infos)

@@ -1,0 +1,69 @@
+"""The Typer app and what every command shares: the consoles and the error handling.
+
+Commands live in `commands` and `prompt_commands`; they register themselves on `app`. Only
+`UpcycleError` is caught: it is printed and the exit code is 1. Any other exception is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Callable, Iterator
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from moe_upcycle.errors import UpcycleError, UpcycleWarning
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
+console = Console(stderr=True)
+out = Console()
+DEBUG = {"on": False}
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors.")) -> None:
+    DEBUG["on"] = debug
+
+
+def cli_errors(fn: Callable) -> Callable:
+    """Print UpcycleError (every problem) and exit 1; Ctrl-C exits 130 after cleanup."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            with _warnings_printed():
+                return fn(*args, **kwargs)
+        except UpcycleError as exc:
+            if DEBUG["on"]:
+                raise
+            kind = type(exc).__name__.replace("Error", " error").lower()
+            for problem in exc.problems:
+                console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            console.print("[bold red]interrupted:[/] nothing was written under the output name")
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _warnings_printed() -> Iterator[None]:
+    """Print every UpcycleWarning as ``warning: ...`` (each one, not just the first per line of code)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", UpcycleWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, UpcycleWarning):
+                console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield

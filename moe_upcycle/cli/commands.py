@@ -1,0 +1,255 @@
+"""The main ``moe-upcycle`` commands: build, plan, verify, demo, route.
+
+Each command is a thin shell over a library function; each option is one of its keyword
+arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from moe_upcycle.errors import UpcycleError
+
+from moe_upcycle.cli.app import DEBUG, app, cli_errors, console, out  # noqa: F401
+
+
+def print_plan(result) -> None:
+    """Show a plan: summary, per-component table, sharing report, disk check (see `plan_report`)."""
+    from moe_upcycle.planning.plan_report import print_summary
+
+    print_summary(result.summary, out)
+
+
+@app.command()
+@cli_errors
+def build(
+    config: Path = typer.Argument(..., help="The YAML recipe (mergekit-moe configs are accepted unchanged)."),
+    out_dir: Optional[Path] = typer.Argument(None, metavar="OUT", help="Output folder (else -o, else output: in the YAML)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty output folder (atomically)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
+    clone_tensors: Optional[bool] = typer.Option(None, "--clone-tensors/--share-tensors",
+                                                 help="Give every expert slot its own copy, or share one storage per source tensor."),
+    max_shard_size: Optional[str] = typer.Option(None, help="Bytes per output shard, e.g. 5GB."),
+    verify: bool = typer.Option(False, "--verify", help="Verify the output right after building; results go in "
+                                                         "the model card. Exit 1 if verification fails."),
+    no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
+    checksums: Optional[bool] = typer.Option(None, "--checksums/--no-checksums",
+                                             help="Record the sha256 of every shard (default on; costs more CPU than writing)."),
+    device: Optional[str] = typer.Option(None, help="Where hidden-state gates run the base model: auto, cpu, cuda, cuda:N."),
+    batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
+) -> None:
+    """Build an MoE checkpoint from CONFIG."""
+    from moe_upcycle.build import upcycle
+
+    if not no_lint:
+        _warn_prompt_lint(config)
+    policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
+    target = out_dir or output
+    if dry_run:
+        print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size))
+        return
+    if verify:
+        console.print("verify: the output will be loaded with transformers and compared with the base after writing",
+                      highlight=False)
+    with _progress() as progress:
+        task = progress.add_task("writing", total=None)
+
+        def on_step(step, plan) -> None:
+            progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
+
+        result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
+                         device=device, batch_size=batch_size, checksums=checksums, on_step=on_step, verify=verify)
+    for line in result.sharing:
+        console.print(line, highlight=False)
+    for line in result.gate_warnings:
+        console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
+              f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
+    if result.drift is not None:
+        out.print(result.drift.summary(), highlight=False)
+    if result.verify is not None:
+        from moe_upcycle.check.verify_report import print_verify
+
+        print_verify(result.verify, out, console)
+        if not result.verify.ok:
+            raise typer.Exit(1)
+
+
+@app.command()
+@cli_errors
+def plan(
+    config: Path = typer.Argument(..., help="The YAML recipe."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder, for the free-disk check "
+                                                                       "(else output: in the YAML)."),
+    from_config: bool = typer.Option(False, "--from-config", help="Describe the models from their config.json "
+                                                                  "alone: plan before downloading any weights."),
+) -> None:
+    """Print the build plan of CONFIG and write nothing (same as build --dry-run)."""
+    from moe_upcycle.build import upcycle
+
+    print_plan(upcycle(config, output, dry_run=True, from_config=from_config))
+
+
+@app.command("verify")
+@cli_errors
+def verify_cmd(
+    folder: Path = typer.Argument(..., metavar="OUT", help="The built MoE folder."),
+    base: Optional[str] = typer.Option(None, "--base", help="Dense model to compare with (default: the recipe's "
+                                                             "base_model)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text file for perplexity (default: a short text "
+                                                              "shipped with moe-upcycle)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file, one per line (default: shipped "
+                                                                    "prompts plus each expert's first prompt)."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", min=0, help="Fail when mean KL(dense||moe) is above this."),
+    min_agreement: Optional[float] = typer.Option(None, "--min-agreement", min=0, max=1,
+                                                  help="Fail when top-1 agreement (0..1) is below this."),
+    hashes: bool = typer.Option(True, "--hashes/--skip-hashes", help="Check every file's sha256 against "
+                                                                      "moe_upcycle.json."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Length of the greedy continuations."),
+    device: str = typer.Option("cpu", "--device", help="Where to run both models, e.g. cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Check that OUT loads with transformers and how far it is from the dense base. Exit 1 on failure."""
+    import json
+
+    from moe_upcycle.check.verify import verify
+    from moe_upcycle.check.verify_report import print_verify
+
+    result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
+                    hashes=hashes, max_new_tokens=max_new_tokens, device=device)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print_verify(result, out, console)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+@cli_errors
+def demo(folder: Path = typer.Argument(Path("demo_out"), help="Scratch folder for the demo models.")) -> None:
+    """Generate a tiny dense Llama, upcycle it to 4 experts and show the MoE reproduces its logits."""
+    from moe_upcycle.cli.demo import run_demo
+
+    result = run_demo(folder, console=out)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+def _warn_prompt_lint(config: Path) -> None:
+    """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build."""
+    from moe_upcycle.prompts.lint import quick_lint
+    from moe_upcycle.recipe.resolve import expert_prompts
+    from moe_upcycle.recipe.schema import load_config
+
+    try:
+        cfg = load_config(config)
+    except UpcycleError:
+        return  # the build reports it, with every problem
+    if not any(e.positive_prompts for e in cfg.experts):  # only prompts listed in the YAML are linted here
+        return
+    for line in quick_lint(expert_prompts(cfg.expert_list())):
+        console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+@cli_errors
+def route(
+    model: Path = typer.Argument(..., metavar="OUT", help="A built MoE folder."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: YAML/JSON list (or prompts: key) or text, one per line."),
+    labeled: Optional[Path] = typer.Option(None, "--labeled", help="Prompts with the expert each should go to "
+                                           "(JSONL with text/expert, or expert<TAB>prompt lines): routing accuracy."),
+    label_by: Optional[str] = typer.Option(None, "--label-by", help="Label prompts that have none: 'embedding' "
+                                           "(nearest expert centroid of the recorded prompts)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
+) -> None:
+    """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
+    import json as _json
+
+    from moe_upcycle.check.route import plot_routing, read_prompts
+    from moe_upcycle.check.route import route as route_prompts
+
+    from moe_upcycle.errors import ConfigError
+
+    if (prompts is None) == (labeled is None):
+        raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
+    if label_by not in (None, "embedding"):
+        raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
+    if labeled is not None:
+        from moe_upcycle.check.route_eval import read_labeled
+
+        texts, labels = read_labeled(labeled)
+        if label_by is None and None in labels:
+            _ = _labels(texts, labels, model, label_by)  # raises, naming the first unlabelled prompt
+    else:
+        texts, labels = read_prompts(prompts), None
+    result = route_prompts(model, texts, device=device, batch_size=batch_size)
+    if plot is not None:
+        plot_routing(result, plot)
+    score = None
+    if labels is not None:
+        from moe_upcycle.check.route_eval import routing_accuracy
+
+        score = routing_accuracy(result.shares(), _labels(texts, labels, model, label_by), result.expert_names)
+    if as_json:
+        data = result.to_dict()
+        if score is not None:
+            data["accuracy"] = score.to_dict()
+        print(_json.dumps(data, indent=2, ensure_ascii=False))
+        return
+    data = result.to_dict()
+    names = data["experts"]
+    per_prompt = Table(title="per prompt: top-1 share across layers and tokens")
+    for col in ("prompt", "tokens", "top expert", *names):
+        per_prompt.add_column(col)
+    for p in data["prompts"]:
+        text = p["prompt"].replace("\n", " ")
+        per_prompt.add_row(text if len(text) <= 50 else text[:47] + "...", str(p["tokens"]), p["top_expert"],
+                           *[f"{p['top1_share'][n]:.2f}" for n in names])
+    out.print(per_prompt)
+    load = Table(title=f"per layer: top-{data['experts_per_token']} expert load "
+                       f"(entropy in bits, balanced = {data['max_entropy_bits']:.2f})")
+    for col in ("layer", *names, "entropy"):
+        load.add_column(col)
+    for row in data["layers"]:
+        load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
+    out.print(load)
+    if score is not None:
+        from moe_upcycle.cli.tables import routing_tables
+
+        for table in routing_tables(score):
+            out.print(table)
+    if plot is not None:
+        out.print(f"saved {plot}", highlight=False)
+
+
+def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[str]) -> list[str]:
+    """Labels for `route --labeled`, missing ones filled by embedding from the build's recorded config."""
+    from moe_upcycle.check.route_eval import labels_for
+    from moe_upcycle.check.verify import read_recipe
+
+    recipe = read_recipe(Path(model_dir)) if label_by else None
+    experts = None
+    if recipe:
+        from moe_upcycle.recipe.resolve import expert_prompts
+        from moe_upcycle.recipe.schema import load_config
+
+        experts = expert_prompts(load_config(recipe["config"]).expert_list())
+    return labels_for(texts, labels, experts, label_by or "")
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=console, transient=True, disable=not sys.stderr.isatty())
+

@@ -1,0 +1,106 @@
+"""Commands about prompt sets: ``lint`` and ``prompts grow``, and the tables they print.
+
+Registered on the main Typer app when `moe_upcycle.cli` is imported. Each command is a
+thin shell over `lint`, `grow` and `embed`; rich tables go to stdout, warnings to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from moe_upcycle.cli.app import app, cli_errors, console, out
+from moe_upcycle.cli.tables import lint_tables
+
+prompts_app = typer.Typer(no_args_is_help=True, help="Work on expert prompt sets.")
+app.add_typer(prompts_app, name="prompts")
+
+EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cache (default: packaged all-MiniLM-L6-v2)."
+
+
+@app.command()
+@cli_errors
+def lint(
+    config: Path = typer.Argument(..., help="The YAML recipe whose expert prompts are checked."),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a pair of experts is above the threshold."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", min=-1.0, max=1.0,
+                                              help="Centroid cosine above which a pair of experts is flagged (default 0.70)."),
+    duplicate_threshold: Optional[float] = typer.Option(None, "--duplicate-threshold", min=-1.0, max=1.0,
+                                                        help="Prompt cosine from which two prompts are near-duplicates (default 0.90)."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per embedding forward pass."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
+) -> None:
+    """Check that the experts' prompt sets are distinct enough for their routers to tell apart."""
+    from moe_upcycle.recipe.schema import load_config
+    from moe_upcycle.prompts.embed import load_embedder
+    from moe_upcycle.errors import ConfigError
+    from moe_upcycle.prompts.lint import DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, PAIR_THRESHOLD, lint_config
+    from moe_upcycle.recipe.resolve import expert_prompts
+
+    cfg = load_config(config)
+    if not any(e.positive_prompts for e in cfg.experts):
+        raise ConfigError(f"{config}: no expert has positive_prompts, so there is nothing to lint; list experts "
+                          f"with positive_prompts")
+    report = lint_config(expert_prompts(cfg.expert_list()), load_embedder(embedder, batch_size=batch_size),
+                         pair_threshold=PAIR_THRESHOLD if threshold is None else threshold,
+                         duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None else duplicate_threshold)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        for table in lint_tables(report):
+            out.print(table)
+        problems = report.problems(max_offenders=MAX_BUILD_OFFENDERS)  # the table lists more
+        for line in problems:
+            console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+        if not problems:
+            out.print(f"[green]Prompt sets look separable[/] ({len(report.experts)} experts, {report.seconds:.1f}s).")
+    flagged = report.flagged_pairs()
+    if strict and flagged:
+        names = "; ".join(f"{p.first} / {p.second} ({p.centroid_cosine:.2f})" for p in flagged)
+        console.print(f"[bold red]lint failed:[/] {len(flagged)} pair(s) above {report.pair_threshold:.2f}: {names}",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+@prompts_app.command("grow")
+@cli_errors
+def grow(
+    config: Path = typer.Argument(..., help="The YAML recipe whose experts get more prompts."),
+    pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (one per line) or JSONL with \"text\"/\"prompt\"."),
+    per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the new YAML (default CONFIG.grown.yaml)."),
+    in_place: bool = typer.Option(False, "--in-place", help="Replace CONFIG itself."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output file (never CONFIG without --in-place)."),
+    margin: Optional[float] = typer.Option(None, "--margin", help="Least lead over the next most similar expert (default 0.05)."),
+    min_similarity: Optional[float] = typer.Option(None, "--min-similarity", help="Least similarity to the expert's prompts (default 0.20)."),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+) -> None:
+    """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
+    from moe_upcycle.recipe.schema import load_config
+    from moe_upcycle.prompts.embed import load_embedder
+    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, grow_prompts, read_pool
+    from moe_upcycle.recipe.resolve import expert_prompts
+    from moe_upcycle.recipe.rewrite import write_grown_config
+
+    cfg = load_config(config)
+    candidates = read_pool(pool)
+    picks = grow_prompts(expert_prompts(cfg.expert_list()), candidates, load_embedder(embedder), per_expert=per_expert,
+                         margin=MARGIN if margin is None else margin,
+                         min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
+    written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
+                                 output=output, in_place=in_place, force=force)
+    table = Table(title=f"prompts added from {pool.name} ({len(candidates)} candidates)")
+    for col in ("expert", "prompt", "similarity", "margin"):
+        table.add_column(col)
+    for name, chosen in picks.items():
+        for p in chosen:
+            table.add_row(name, p.text, f"{p.similarity:.2f}", f"{p.margin:.2f}")
+    out.print(table)
+    total = sum(len(v) for v in picks.values())
+    out.print(f"[green]Wrote[/] {written}: {total} prompt(s) added "
+              f"({', '.join(f'{k} +{len(v)}' for k, v in picks.items())}).", highlight=False)

@@ -1,0 +1,298 @@
+"""Capture each layer's router input (the output of ``post_attention_layernorm``) from a base model.
+
+Loads the base model once with transformers (GPU when present, accelerate's ``device_map="auto"``
+for models larger than one GPU, optional 4/8-bit through bitsandbytes), tokenizes prompts or
+calibration windows, pads them into batches (position ids from the attention mask, so padding
+never changes a result) and runs forward passes whose hooks fold each batch into per-layer
+running sums over real tokens (no pad, no special tokens). The forward pass stops after the last
+router input. Hidden states of all prompts are never kept.
+
+It computes no gate rows: `hidden_gates` does, and `route` reuses the batching here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import torch
+
+from moe_upcycle.errors import ConfigError, DependencyError, SourceError
+
+ROUTER_INPUT = "post_attention_layernorm"  # the module whose output each layer's router scores
+CALIBRATION_WINDOW = 256  # tokens per calibration sequence
+Reduce = Literal["mean", "last", "tokens"]
+
+
+class _StopForward(Exception):
+    """Raised by the last layer's hook: nothing after the last router input is needed."""
+
+
+@dataclass
+class LoadedModel:
+    """A base model loaded for capturing router inputs."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    norms: list[torch.nn.Module]  # each layer's post_attention_layernorm
+    input_device: torch.device
+    max_length: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenized text; `real` marks tokens that count in averages (not special, not padding)."""
+
+    ids: tuple[int, ...]
+    real: tuple[bool, ...]
+
+
+@dataclass
+class RouterInputs:
+    """Per-layer running sums of router inputs.
+
+    Attributes:
+        sums: (L, G, H) fp32, per group the sum over its texts of each text's reduced router input
+            (masked token mean, last real token) — or, for ``tokens``, unused (empty).
+        counts: (G,) texts per group.
+        token_norm: (L,) mean L2 norm of a real token's router input.
+        points: for ``tokens``: per layer the captured token vectors (N, H), fp32 on CPU.
+    """
+
+    sums: torch.Tensor
+    counts: torch.Tensor
+    token_norm: torch.Tensor
+    points: Optional[list[torch.Tensor]] = None
+
+    def means(self) -> torch.Tensor:
+        """(L, G, H) mean over each group's texts."""
+        return self.sums / self.counts.clamp_min(1)[None, :, None]
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when a GPU is present, else ``cpu``; checks a requested GPU exists.
+
+    Raises:
+        DependencyError: CUDA requested but not available, or GPU index out of range.
+    """
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise DependencyError(f"device: {device!r} asks for a GPU but torch sees no CUDA device; "
+                                  f"use device: cpu (or auto)")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise DependencyError(f"device: {device!r} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                                  f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
+              quantize: Optional[str] = None) -> LoadedModel:
+    """Load the whole base model and its tokenizer once, for router-input capture.
+
+    Args:
+        path: the base model folder.
+        device: ``auto``, ``cpu``, ``cuda`` (all GPUs, CPU offload beyond them) or ``cuda:N``.
+        dtype: compute dtype; default bfloat16 on GPU, float32 on CPU.
+        quantize: ``4bit`` or ``8bit`` through bitsandbytes (GPU only).
+
+    Returns:
+        The model in eval mode, its tokenizer (pad token set in memory only) and its norms.
+
+    Raises:
+        DependencyError: bitsandbytes missing for `quantize`, or the device is not available.
+        SourceError: the model or tokenizer cannot be loaded, or has no post_attention_layernorm.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if quantize and importlib.util.find_spec("bitsandbytes") is None:
+        raise DependencyError(f"quantize: {quantize} loading needs bitsandbytes, which is not installed; "
+                              f"pip install 'moe-upcycle[quant]', or remove quantize:")
+    dev = resolve_device(device)
+    if quantize and dev == "cpu":
+        raise DependencyError(f"quantize: {quantize} needs a CUDA GPU (bitsandbytes); use device: cuda or remove "
+                              f"quantize:")
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
+        dtype or "", torch.bfloat16 if dev != "cpu" else torch.float32)
+    kwargs: dict = {"dtype": torch_dtype}
+    if dev != "cpu":
+        kwargs["device_map"] = "auto"  # one GPU when it fits; else every GPU, then CPU offload
+        if ":" in dev:
+            import psutil
+
+            index = int(dev.split(":")[1])
+            kwargs["max_memory"] = {index: torch.cuda.mem_get_info(index)[0], "cpu": psutil.virtual_memory().available}
+    if quantize:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=quantize == "4bit", load_in_8bit=quantize == "8bit", bnb_4bit_compute_dtype=torch_dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    except Exception as exc:
+        raise SourceError(f"base_model: loading {path} with transformers for hidden-state gates failed "
+                          f"({type(exc).__name__}: {exc}); use gate_mode: random or cheap_embed, or fix the model "
+                          f"folder") from None
+    if tokenizer.pad_token is None:  # in memory only; the saved tokenizer is copied unmodified
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    layers = getattr(model.base_model, "layers", None)
+    norms = [getattr(layer, ROUTER_INPUT, None) for layer in (layers or [])]
+    if not norms or any(n is None for n in norms):
+        raise SourceError(f"base_model: {path} has no {ROUTER_INPUT} in its decoder layers; hidden-state gates "
+                          f"need a Llama-style model")
+    max_length = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+    return LoadedModel(model, tokenizer, norms, model.get_input_embeddings().weight.device, max_length)
+
+
+def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt") -> list[Encoded]:
+    """Tokenize texts with the tokenizer's special tokens; mark real (non-special) tokens.
+
+    Raises:
+        ConfigError: a text has no real token (names it).
+    """
+    special = set(tokenizer.all_special_ids)
+    out = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+        real = tuple(i not in special for i in ids)
+        if not any(real):
+            raise ConfigError(f"{where} {text!r} has no tokens besides special tokens; write a longer prompt")
+        out.append(Encoded(tuple(ids), real))
+    return out
+
+
+def encode_windows(tokenizer, docs: list[str], window: int = CALIBRATION_WINDOW) -> list[Encoded]:
+    """Tokenize documents and cut them into windows of `window` real tokens, each with the leading
+    special tokens (BOS) the tokenizer puts before a text."""
+    special = set(tokenizer.all_special_ids)
+    out = []
+    for doc in docs:
+        ids = tokenizer(doc, add_special_tokens=True, verbose=False)["input_ids"]  # windowed below
+        head = []
+        for i in ids:
+            if i not in special:
+                break
+            head.append(i)
+        body = [i for i in ids[len(head):] if i not in special]
+        for start in range(0, len(body), window):
+            chunk = body[start:start + window]
+            out.append(Encoded(tuple(head + chunk), (False,) * len(head) + (True,) * len(chunk)))
+    return out
+
+
+def pad_batch(rows: list[Encoded], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, real) each (B, T), padded on `side`."""
+    width = max(len(r.ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    real = torch.zeros((len(rows), width), dtype=torch.bool)
+    for b, r in enumerate(rows):
+        n = len(r.ids)
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[b, cols] = torch.tensor(r.ids)
+        attn[b, cols] = 1
+        real[b, cols] = torch.tensor(r.real)
+    return ids, attn, real
+
+
+def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
+                on_output: Callable[[int, torch.Tensor, torch.Tensor, list[int]], None],
+                padding_side: Optional[str] = None) -> None:
+    """Run every text through the base model in batches; call ``on_output(layer, x, real, rows)``
+    with each layer's router input ``x`` (B, T, H), the real-token mask (B, T) on x's device, and
+    the indices of the batch's texts. Texts are batched by length (less padding); the forward pass
+    stops right after the last layer's router input.
+    """
+    tok = loaded.tokenizer
+    side = padding_side or getattr(tok, "padding_side", "right")
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
+    state: dict = {}
+    last = len(loaded.norms) - 1
+
+    def hook_for(layer: int):
+        def hook(module, args, output):
+            x = output[0] if isinstance(output, tuple) else output
+            real = state["real"].get(x.device)
+            if real is None:
+                real = state["real"][x.device] = state["real_cpu"].to(x.device)
+            on_output(layer, x, real, state["rows"])
+            if layer == last:
+                raise _StopForward
+        return hook
+
+    handles = [norm.register_forward_hook(hook_for(i)) for i, norm in enumerate(loaded.norms)]
+    decoder = loaded.model.base_model
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                ids, attn, real = pad_batch([encoded[i] for i in rows], pad_id, side)
+                positions = (attn.cumsum(1) - 1).clamp_min(0)  # same positions whatever the padding
+                state.update(rows=rows, real_cpu=real, real={})
+                dev = loaded.input_device
+                try:
+                    decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
+                            use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: list[int], num_groups: int,
+                          reduce: Reduce = "mean", batch_size: int = 8,
+                          padding_side: Optional[str] = None) -> RouterInputs:
+    """Sum, per layer and group, each text's router input reduced over its real tokens.
+
+    Args:
+        loaded: from `load_base`.
+        encoded: the texts (from `encode` / `encode_windows`).
+        groups: group index of each text (e.g. its expert); ignored for ``tokens``.
+        num_groups: number of groups.
+        reduce: ``mean`` (masked mean over real tokens), ``last`` (last real token) or ``tokens``
+            (keep every real token's vector: only for bounded k-means samples).
+        batch_size: texts per forward pass.
+        padding_side: override the tokenizer's (``left``/``right``).
+
+    Returns:
+        The running sums (moved to CPU), text counts per group and mean token norms.
+    """
+    n_layers = len(loaded.norms)
+    group_of = torch.tensor(groups, dtype=torch.long) if groups else torch.zeros(0, dtype=torch.long)
+    acc: dict[int, torch.Tensor] = {}
+    norm_sum = torch.zeros(n_layers, dtype=torch.float64)
+    points: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+    tokens = {"n": 0}
+
+    def on_output(layer: int, x: torch.Tensor, real: torch.Tensor, rows: list[int]) -> None:
+        # x: (B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply
+        xf = torch.where(real[..., None], x.float(), 0.0)  # (B, T, H) fp32
+        norm_sum[layer] += float(xf.norm(dim=-1).sum())
+        if layer == 0:
+            tokens["n"] += int(real.sum())
+        if reduce == "tokens":
+            points[layer].append(xf[real].cpu())
+            return
+        if reduce == "mean":
+            per = xf.sum(dim=1) / real.sum(dim=1, keepdim=True)  # (B, H)
+        else:  # last real token of each row
+            t = real.shape[1]
+            last = t - 1 - real.flip(1).int().argmax(dim=1)  # (B,)
+            per = xf[torch.arange(x.shape[0], device=x.device), last]
+        if layer not in acc:
+            acc[layer] = torch.zeros(num_groups, x.shape[-1], dtype=torch.float32, device=x.device)
+        acc[layer].index_add_(0, group_of[rows].to(x.device), per)
+
+    run_batches(loaded, encoded, batch_size, on_output, padding_side)
+    counts = torch.bincount(group_of, minlength=num_groups) if reduce != "tokens" else torch.zeros(num_groups)
+    sums = torch.stack([acc[i].cpu() for i in range(n_layers)]) if acc else torch.zeros(0)
+    token_norm = (norm_sum / max(tokens["n"], 1)).float()
+    pts = [torch.cat(p) if p else torch.zeros(0) for p in points] if reduce == "tokens" else None
+    return RouterInputs(sums, counts, token_norm, pts)

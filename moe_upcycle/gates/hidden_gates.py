@@ -1,0 +1,186 @@
+"""Router weights from the base model's own router inputs (``hidden``, ``hidden_last``, ``kmeans``).
+
+A Mixtral router at layer *l* scores the output of layer *l*'s ``post_attention_layernorm`` (the
+MLP input). We capture exactly that tensor with forward hooks on every layer's norm, in one pass
+of the base model per batch of texts. Unlike mergekit-moe we neither average the residual stream
+before attention nor average pad positions.
+
+**This mode needs the whole base model**: it is loaded once with transformers (on the GPU when
+present, with accelerate's ``device_map="auto"`` spreading a model larger than one GPU over all
+GPUs and CPU memory, optionally 4/8-bit through bitsandbytes). Memory is the weights plus one
+batch of activations: hooks fold each batch into per-layer running sums (one (H,) vector per
+expert and layer); hidden states of all prompts are never kept. ``kmeans`` keeps a bounded,
+seeded sample of calibration tokens (at most `KMEANS_MAX_POINTS` per layer and
+`KMEANS_MAX_BYTES` in all).
+
+Averages run over *real* tokens only: pad positions and special tokens (BOS/EOS) are excluded —
+the BOS position sees only itself, so its router input is the same for every prompt and would
+only add a shared component. Position ids are taken from the attention mask, so a prompt gives
+the same vector alone or padded (left or right) in a batch.
+
+Default gate scale (when `gate_scale` is not set), per layer: rows are unit vectors times a
+scale. By linearity, the mean logit that row *f* gives to expert *e*'s prompt tokens is
+``scale · (m_e · r_f)`` where ``m_e`` is the mean router input of *e*'s prompts. We choose the
+scale so that, for the median expert, its own row beats the best other row on its own prompts by
+`DECISIVE_LOGIT_GAP` = 4 nats (softmax ≈ 0.98 against one rival): decisive, yet far from a
+saturated softmax whose gradients vanish when the router is trained. Only logit *differences*
+matter to a softmax, so the cap is on those: the scale is limited so that a token of the layer's
+measured mean router-input norm can get at most `MAX_TOKEN_LOGIT_GAP` = 16 nats between two
+experts (reached only by a token parallel to the difference of their rows). Without the cap,
+near-identical experts (tiny gaps) would get huge rows that saturate on noise.
+
+Loading, batching and the hooks live in `capture`. It does not write anything;
+`gates.compute_gates` calls `compute_hidden_gates`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from moe_upcycle.recipe.calibration import read_documents
+from moe_upcycle.recipe.params import ExpertPrompts, GateParams
+from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode, encode_windows,
+                      load_base)
+from moe_upcycle.errors import ConfigError, SourceError
+from moe_upcycle.gates.kmeans import spherical_kmeans
+
+DECISIVE_LOGIT_GAP = 4.0
+MAX_TOKEN_LOGIT_GAP = 16.0
+KMEANS_MAX_POINTS = 16384
+KMEANS_MAX_BYTES = 2 * 2**30
+
+
+def default_scales(unit: torch.Tensor, own_means: torch.Tensor, token_norm: torch.Tensor) -> torch.Tensor:
+    """Per-layer length of the gate rows (see the module docstring).
+
+    Args:
+        unit: (L, E, H) unit rows.
+        own_means: (L, E, H) mean router input of each expert's own prompts (or cluster).
+        token_norm: (L,) mean router-input norm of a token.
+
+    Returns:
+        (L,) scales.
+    """
+    n_experts = unit.shape[1]
+    if n_experts < 2:  # one expert: routing is moot; give rows a moderate length
+        return DECISIVE_LOGIT_GAP / token_norm.clamp_min(1e-6)
+    spread = torch.cdist(unit, unit).amax(dim=(1, 2))  # (L,) largest |r_e - r_f| between unit rows
+    cap = MAX_TOKEN_LOGIT_GAP / (token_norm * spread).clamp_min(1e-6)
+    logits = torch.einsum("leh,lfh->lef", own_means, unit)  # mean logit of e's tokens under row f
+    own = logits.diagonal(dim1=1, dim2=2)  # (L, E)
+    rivals = logits.masked_fill(torch.eye(n_experts, dtype=torch.bool), float("-inf")).amax(dim=2)
+    gap = (own - rivals).median(dim=1).values  # (L,)
+    wanted = DECISIVE_LOGIT_GAP / gap.clamp_min(1e-12)
+    return torch.where(gap > 0, torch.minimum(wanted, cap), cap)
+
+
+def gate_rows(direction: torch.Tensor, own_means: torch.Tensor, token_norm: torch.Tensor, *,
+              center: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+    """Turn per-expert directions into router weights.
+
+    Args:
+        direction: (L, E, H) where each row should point (positive minus negative mean, centroid).
+        own_means: (L, E, H) mean router input of each expert's own prompts, for the default scale.
+        token_norm: (L,) mean router-input norm.
+        center: subtract the mean over experts first (removes the component all prompts share).
+        scale: fixed row length; default per layer from `default_scales`.
+
+    Returns:
+        (L, E, H) fp32 rows.
+    """
+    if center:
+        direction = direction - direction.mean(dim=1, keepdim=True)
+    unit = torch.nn.functional.normalize(direction.float(), dim=-1)
+    scales = torch.full((unit.shape[0],), float(scale)) if scale else default_scales(unit, own_means, token_norm)
+    return unit * scales[:, None, None]
+
+
+def prompt_router_inputs(loaded: LoadedModel, experts: Sequence[ExpertPrompts], reduce: Reduce,
+                         batch_size: int, padding_side: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       RouterInputs]:
+    """Mean router input of each expert's positive and negative prompts: ((L, E, H), (L, E, H) or
+    zeros where an expert has no negatives, the raw `RouterInputs`)."""
+    texts, groups, n = [], [], len(experts)
+    for e, expert in enumerate(experts):
+        texts += expert.positive
+        groups += [e] * len(expert.positive)
+        texts += expert.negative
+        groups += [n + e] * len(expert.negative)
+    encoded = encode(loaded.tokenizer, texts, loaded.max_length)
+    inputs = capture_router_inputs(loaded, encoded, groups, 2 * n, reduce, batch_size, padding_side)
+    means = inputs.means()
+    return means[:, :n], means[:, n:], inputs
+
+
+def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts: int, seed: int,
+                         batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cluster the calibration tokens' router inputs of each layer into `num_experts` clusters.
+
+    Returns:
+        (centroids (L, E, H) unit, cluster means (L, E, H), mean token norm (L,)).
+
+    Raises:
+        ConfigError: too little calibration text for the number of experts.
+    """
+    encoded = encode_windows(loaded.tokenizer, read_documents(calibration_text))
+    n_layers, hidden = len(loaded.norms), int(loaded.model.config.hidden_size)
+    total = sum(sum(e.real) for e in encoded)
+    budget = max(num_experts, min(KMEANS_MAX_POINTS, KMEANS_MAX_BYTES // (4 * n_layers * hidden)))
+    if total > budget:  # a seeded sample of token positions, fixed before the forward pass
+        gen = torch.Generator().manual_seed(seed)
+        keep = torch.zeros(total, dtype=torch.bool)
+        keep[torch.randperm(total, generator=gen)[:budget]] = True
+        out, pos = [], 0
+        for e in encoded:
+            flags = list(e.real)
+            for i, r in enumerate(flags):
+                if r:
+                    flags[i] = bool(keep[pos])
+                    pos += 1
+            if any(flags):
+                out.append(Encoded(e.ids, tuple(flags)))
+        encoded = out
+    inputs = capture_router_inputs(loaded, encoded, [], num_experts, "tokens", batch_size)
+    centroids, means = [], []
+    for layer, points in enumerate(inputs.points or []):
+        try:
+            clusters = spherical_kmeans(points, num_experts, seed)
+        except ValueError as exc:
+            raise ConfigError(f"calibration_text: {calibration_text} gives {points.shape[0]} tokens; layer {layer}: "
+                              f"{exc}; add more text") from None
+        sums = torch.nn.functional.one_hot(clusters.assignment, num_experts).T.float() @ points  # (E, H)
+        centroids.append(clusters.centroids)
+        means.append(sums / clusters.sizes[:, None].float())
+    return torch.stack(centroids), torch.stack(means), inputs.token_norm
+
+
+def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path) -> dict[int, torch.Tensor]:
+    """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``.
+
+    Loads the whole base model (see module docstring) on `params.device`.
+
+    Returns:
+        layer -> (num_experts, hidden) fp32 rows.
+
+    Raises:
+        UpcycleError: the model cannot be loaded, the device or an extra is missing, or the
+            prompts/calibration text are unusable.
+    """
+    loaded = load_base(base_path, params.device, params.dtype, params.quantize)
+    if len(loaded.norms) != num_layers:
+        raise SourceError(f"base_model: transformers built {len(loaded.norms)} layers but config.json says {num_layers}")
+    if params.mode == "kmeans":
+        direction, own, token_norm = kmeans_router_inputs(loaded, str(params.calibration_text), len(params.experts),
+                                                          params.seed, params.batch_size)
+    else:
+        experts = params.experts
+        reduce: Reduce = "last" if params.mode == "hidden_last" else "mean"
+        own, negative, inputs = prompt_router_inputs(loaded, experts, reduce, params.batch_size)
+        has_negative = torch.tensor([bool(e.negative) for e in experts])
+        direction = own - negative * has_negative[None, :, None]
+        token_norm = inputs.token_norm
+    rows = gate_rows(direction, own, token_norm, center=params.center, scale=params.scale)
+    return {layer: rows[layer].contiguous() for layer in range(num_layers)}

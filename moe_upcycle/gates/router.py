@@ -1,0 +1,146 @@
+"""Router (gate) weights: one (num_experts, hidden) matrix per layer.
+
+Modes handled here need at most one tensor of the base (the embedding matrix):
+
+- ``random``: normal with std `router_init_std` (default 0.02, the usual init of a linear layer
+  in these models — mergekit uses 1.0, which saturates the softmax).
+- ``uniform_random``: what ``nn.Linear`` does by default, U(-1/sqrt(H), 1/sqrt(H)).
+- ``uniform``: zeros, so every expert gets exactly the same score (uniform routing).
+- ``cheap_embed``: masked mean of each prompt's token embeddings, averaged over the expert's
+  positive prompts, minus the mean of its negative prompts; normalised and scaled.
+
+With ``expert_init: split`` the rows are tied within each virtual group of G experts
+(`inits.tie_router_rows`), which is what keeps a split model function-preserving at init.
+
+Hidden-state modes (``hidden``, ``hidden_avg``, ``hidden_last``, ``kmeans``) run the base model
+and live in `hidden_gates`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.errors import ConfigError
+from moe_upcycle.planning import inits
+from moe_upcycle.planning.steps import Plan
+from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
+
+__all__ = ["PROMPT_MODES", "compute_gates", "shared_gate_rows", "cheap_embed_rows", "default_gate_scale",
+           "normalise_rows", "check_prompts"]
+
+
+def default_gate_scale(hidden_size: int) -> float:
+    """Length given to each unit gate row when `gate_scale` is not set.
+
+    The router input is an RMS-normalised hidden state, whose length is about sqrt(H) (times
+    the norm weights). With rows of length 16/sqrt(H), a cosine gap of 0.25 between the best
+    and second-best expert gives a logit gap of about 4 — decisive (softmax ≈ 0.98 for two
+    experts) without saturating it for inputs that match no expert well.
+    """
+    return 16.0 / math.sqrt(hidden_size)
+
+
+def compute_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+    """Router weights for every layer, fp32, shape (num_experts, hidden).
+
+    Raises:
+        ConfigError: prompts missing for a prompt-based mode, or a mode not available.
+    """
+    experts = params.experts
+    num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
+    mode = params.mode
+    check_prompts(params)
+    gen = torch.Generator().manual_seed(params.seed)
+    group_size = params.group_size  # > 1 for expert_init: split
+    gates: dict[int, torch.Tensor] = {}
+    if mode == "cheap_embed":
+        rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
+        shared = normalise_rows(rows, params.scale or default_gate_scale(hidden))
+        return {layer: shared.clone() for layer in range(plan.num_layers)}
+    if mode in HIDDEN_MODES:
+        from moe_upcycle.gates.hidden_gates import compute_hidden_gates
+
+        if base.path is None:
+            raise ConfigError(f"gate_mode: {mode} runs the base model, which needs a checkpoint folder")
+        return compute_hidden_gates(params, plan.num_layers, base.path)
+    for layer in range(plan.num_layers):
+        if mode == "random":
+            g = torch.randn(num_experts, hidden, generator=gen) * params.init_std
+        elif mode == "uniform_random":
+            bound = 1.0 / math.sqrt(hidden)
+            g = torch.rand(num_experts, hidden, generator=gen) * (2 * bound) - bound
+        else:  # uniform
+            g = torch.zeros(num_experts, hidden)
+        gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
+    return gates
+
+
+def check_prompts(params: GateParams) -> None:
+    """Prompt-based gate modes need positive prompts for every expert."""
+    if params.mode not in PROMPT_MODES:
+        return
+    if params.copies:
+        raise ConfigError(f"gate_mode: {params.mode} needs prompts, but num_experts gives copies without "
+                          f"prompts; use gate_mode: random (or uniform, uniform_random), or list experts with prompts")
+    missing = [f"experts[{i}].positive_prompts: gate_mode {params.mode} needs at least one prompt "
+               f"(or positive_prompts_from: a prompt set)"
+               for i, e in enumerate(params.experts) if not e.positive]
+    if missing:
+        raise ConfigError(*missing)
+
+
+def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torch.Tensor:
+    """Mean token embedding of each expert's prompts (positive minus negative), (E, H) fp32."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(base.path))
+    except Exception as exc:
+        raise ConfigError(f"gate_mode: cheap_embed needs the base model's tokenizer, which failed to load from "
+                          f"{base.path} ({exc}); use gate_mode: random or add tokenizer files") from None
+    embed = base.read(names.EMBED).float()  # (V, H)
+
+    def mean_embedding(prompts: Sequence[str]) -> Optional[torch.Tensor]:
+        if not prompts:
+            return None
+        vecs = []
+        for prompt in prompts:
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ConfigError(f"prompt {prompt!r} has no tokens")
+            vecs.append(embed[torch.tensor(ids)].mean(dim=0))  # masked mean: real tokens only
+        return torch.stack(vecs).mean(dim=0)
+
+    rows = []
+    for expert in experts:
+        row = mean_embedding(expert.positive)
+        negative = mean_embedding(expert.negative)
+        rows.append(row - negative if negative is not None else row)
+    return torch.stack(rows)
+
+
+def normalise_rows(rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """L2-normalise each row and multiply by `scale`."""
+    return rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-12) * scale
+
+
+def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+    """Prompt-initialised shared-expert gates, layer -> (1, H) fp32; empty unless the plan has ``shared_gate`` steps.
+
+    The gate is the normalised mean token embedding of the shared experts' positive prompts (as
+    `cheap_embed` does for routers); see `planning.shared_experts` for what the gate does.
+
+    Raises:
+        ConfigError: the base tokenizer does not load, or a prompt has no tokens.
+    """
+    if not any(s.kind == "shared_gate" for s in plan.steps):
+        return {}
+    hidden = int(plan.base_config["hidden_size"])
+    rows = cheap_embed_rows(params.shared_experts, base)  # (n, H)
+    row = normalise_rows(rows.mean(dim=0, keepdim=True), params.scale or default_gate_scale(hidden))
+    return {layer: row.clone() for layer in range(plan.num_layers)}

@@ -1,0 +1,133 @@
+"""Choose the output MoE architecture for a base model, and the config.json fields it needs.
+
+Which output can hold which dense tensors is data in `names` (`OutputLayout.holds`, its required
+layer tensors, whether it has a shared expert); this module only reads that table. Given
+`architecture:` it checks that one; otherwise it tries the base family's natural output first
+(Llama/Mistral → Mixtral, Qwen2 → Qwen2-MoE, Qwen3 → Qwen3-MoE), then the others. When nothing
+fits, the error says why for every candidate and what to use instead, e.g.::
+
+    mixtral: the base has attention biases (self_attn.q_proj.bias), which Mixtral cannot hold
+    → use architecture: qwen2_moe
+
+It reads config.json and tensor names only; it plans and writes nothing.
+"""
+
+from __future__ import annotations
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.errors import PlanError
+from moe_upcycle.planning.steps import Plan
+from moe_upcycle.recipe.schema import UpcycleConfig
+
+# mergekit-moe's names for outputs, mapped onto ours
+ALIASES = {"qwen": "qwen2_moe"}
+
+
+def layer_suffixes(model: Checkpoint) -> list[str]:
+    """Distinct per-layer tensor suffixes (after ``model.layers.{layer}.``), in file order."""
+    found: dict[str, None] = {}
+    for key in model.tensors:
+        template, layer = names.split_layer(key)
+        if layer is not None:
+            found[template.removeprefix("model.layers.{layer}.")] = None
+    return list(found)
+
+
+def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint) -> list[tuple[str, str]]:
+    """Why `layout` cannot hold this build: a list of (reason, what the reason is about).
+
+    The second item identifies the problem (a tensor suffix, or "shared_experts") so a
+    suggestion can name the outputs that do not share it.
+    """
+    out: list[tuple[str, str]] = []
+    suffixes = [s for s in layer_suffixes(base) if not s.endswith(("rotary_emb.inv_freq",))]
+    order = list(names.TENSOR_GROUPS)  # name a group by its first member (q_proj before k_proj), not file order
+    suffixes.sort(key=lambda s: order.index(s) if s in order else len(order))
+    seen_groups: set[str] = set()
+    for suffix in suffixes:
+        if suffix.startswith("mlp."):
+            if suffix not in {f"mlp.{p}.weight" for p in names.PROJS} and "mlp-bias" not in seen_groups:
+                seen_groups.add("mlp-bias")
+                out.append((f"the base has MLP biases ({suffix}), which {layout.label} experts cannot hold", suffix))
+            continue
+        if not layout.holds(suffix):
+            group = names.TENSOR_GROUPS.get(suffix, "the tensor")
+            if group not in seen_groups:
+                seen_groups.add(group)
+                out.append((f"the base has {group} ({suffix}), which {layout.label} cannot hold", suffix))
+    missing = [s for s in layout.layer_tensors if s not in suffixes]
+    if missing:
+        group = names.TENSOR_GROUPS.get(missing[0], "the tensor")
+        out.append((f"the base has no {group} ({missing[0]}), which {layout.label} needs", "missing:" + missing[0]))
+    if config.shared_experts and not layout.shared_expert:
+        out.append((f"{layout.label} has no shared expert, but shared_experts lists {len(config.shared_experts)}",
+                    "shared_experts"))
+    return out
+
+
+def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout:
+    """The output layout for this build: `architecture:` if given and it fits, else the first that fits.
+
+    Raises:
+        PlanError: the named architecture cannot hold the base (every reason), or none can
+            (every candidate with its reasons and a suggestion).
+    """
+    where = f"base_model ({config.base_model})"
+    family = names.input_family(base.model_type, where)
+    if config.architecture:
+        name = ALIASES.get(config.architecture, config.architecture)
+        layout = names.output_layout(name)
+        reasons = misfits(layout, config, base)
+        if reasons:
+            raise PlanError(*[f"architecture: {name}: {text}{_suggest(config, base, key, name)}"
+                              for text, key in reasons])
+        return layout
+    order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output]
+    report = []
+    for name in order:
+        reasons = misfits(names.OUTPUT_LAYOUTS[name], config, base)
+        if not reasons:
+            return names.OUTPUT_LAYOUTS[name]
+        report += [f"{name}: {text}{_suggest(config, base, key, name)}" for text, key in reasons]
+    raise PlanError(f"{where}: no output architecture can hold this {family.class_name} "
+                    f"(tried {', '.join(order)}):", *report)
+
+
+def _suggest(config: UpcycleConfig, base: Checkpoint, key: str, current: str) -> str:
+    """" → use architecture: X" naming the outputs that fit; else those that at least avoid this problem."""
+    problems = {n: misfits(layout, config, base) for n, layout in names.OUTPUT_LAYOUTS.items() if n != current}
+    fits = [n for n, reasons in problems.items() if not reasons]
+    if fits:
+        return " → use architecture: " + " or ".join(fits)
+    partial = [n for n, reasons in problems.items() if key not in {k for _, k in reasons}]
+    if partial:
+        return f" (only {' and '.join(partial)} can, and {'it does' if len(partial) == 1 else 'they do'} not fit either)"
+    return " → no supported output architecture can hold it"
+
+
+def config_fields(plan: "Plan") -> dict:
+    """The architecture-specific config.json fields of a planned output.
+
+    Sizes are read from the planned tensors (not the base config), so experts whose shape was
+    changed by the plan are described as written.
+    """
+    layout = names.output_layout(plan.architecture)
+    base = plan.base_config
+    leaves = {s.name: s for s in plan.leaf_steps()}
+    gate0 = leaves.get(names.fill(layout.expert["gate_proj"], layer=0, expert=0))
+    fields = dict(layout.config)
+    fields[layout.experts_key] = len(plan.expert_names)
+    fields[layout.expert_size_key] = gate0.shape[0] if gate0 else base["intermediate_size"]
+    if layout.shared_expert:
+        top = {s.name: s for s in plan.steps}  # several shared experts are one step made of parts
+        shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=0))
+        fields["shared_expert_intermediate_size"] = shared.shape[0] if shared else 0
+    if layout.bias_config_key:
+        fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
+    fields.update({k: base[k] for k in layout.inherit if k in base})
+    if "layer_types" in layout.inherit and "layer_types" not in base and base.get("sliding_window"):
+        # Mistral slides every layer; Qwen MoE configs say so per layer
+        fields.update(use_sliding_window=True, max_window_layers=base["num_hidden_layers"],
+                      layer_types=["sliding_attention"] * base["num_hidden_layers"])
+    return fields

@@ -1,0 +1,142 @@
+"""Check every source model against the base before planning (frankenMoE and shared experts).
+
+An MoE built from several dense models takes each expert's FFN from its `source_model` and the
+rest (attention, norms, embeddings) from `base_model`, or the mean over all sources
+(`attention_from: average`). That only works when the pieces fit, so each source is compared
+with the base field by field, and every problem names the model (with its YAML path) and the
+field, e.g. ``experts[1] (./math-ft): vocab_size is 32002 but base_model ./base has 32000``.
+
+An expert's `layers: [start, end)` takes its FFNs from a slice of a deeper (or shallower) model;
+the slice must be exactly as long as the base is deep, and the message says both counts instead
+of failing later with "all inputs to a slice must have the same number of layers".
+
+It reads config.json values and tensor headers only.
+"""
+
+from __future__ import annotations
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
+from moe_upcycle.checkpoint.source import Checkpoint
+
+# fields an FFN must share with the base to sit in its MoE layers
+FFN_FIELDS = ("hidden_size", "intermediate_size", "vocab_size")
+# extra fields that must match when attention and embeddings are averaged over sources
+ATTENTION_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def average_sources(config: UpcycleConfig) -> list[str]:
+    """The models averaged by `attention_from: average`: every distinct expert source (routed, then shared).
+
+    The base is included only when it is also an expert's source: in Branch-Train-MiX the
+    averaged models are the branches, and the base is only the seed they were trained from.
+    """
+    refs = [e.source_model for e in config.expert_list()] + [e.source_model for e in config.shared_experts]
+    return list(dict.fromkeys(refs))
+
+
+def source_problems(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> list[str]:
+    """Every way an expert or shared-expert source does not fit the base (empty when all fit).
+
+    Args:
+        config: the validated recipe.
+        sources: the opened checkpoints, keyed by reference.
+
+    Returns:
+        One message per problem, each naming the model, its YAML path and the field.
+    """
+    base = sources[config.base_model]
+    problems: list[str] = []
+    used = [(f"experts[{i}]", e) for i, e in enumerate(config.expert_list())]
+    used += [(f"shared_experts[{i}]", e) for i, e in enumerate(config.shared_experts)]
+    for path, expert in used:
+        src = sources[expert.source_model]
+        if src is base and expert.layers is None:
+            continue
+        problems += _ffn_problems(path, expert, src, base, config.base_model)
+    if config.attention_from == "average":
+        for ref in average_sources(config):
+            if sources[ref] is not base:
+                problems += _attention_problems(_label(config, ref), sources[ref], base, config.base_model)
+    return list(dict.fromkeys(problems))
+
+
+def _label(config: UpcycleConfig, ref: str) -> str:
+    for i, e in enumerate(config.expert_list()):
+        if e.source_model == ref:
+            return f"experts[{i}] ({ref})"
+    i = next(i for i, e in enumerate(config.shared_experts) if e.source_model == ref)
+    return f"shared_experts[{i}] ({ref})"
+
+
+def _ffn_problems(path: str, expert: ExpertConfig, src: Checkpoint, base: Checkpoint, base_ref: str) -> list[str]:
+    label = f"{path} ({expert.source_model})"
+    out = []
+    if src.model_type not in names.INPUT_FAMILIES:
+        supported = ", ".join(f"{f.class_name} ({k})" for k, f in names.INPUT_FAMILIES.items())
+        out.append(f"{label}: model_type {src.model_type!r} is not supported as input; supported: {supported}")
+    elif src.model_type != base.model_type:
+        out.append(f"{label}: model_type {src.model_type!r} differs from base_model's {base.model_type!r}; "
+                   f"experts must be fine-tunes of the same family as base_model")
+    for key in FFN_FIELDS:
+        if src.config.get(key) != base.config.get(key):
+            out.append(f"{label}: {key} is {src.config.get(key)} but base_model {base_ref} has "
+                       f"{base.config.get(key)}; experts must have the base's shape")
+    n_base, n_src = int(base.config["num_hidden_layers"]), int(src.config["num_hidden_layers"])
+    if expert.layers is not None:
+        start, end = expert.layers
+        if end - start != n_base:
+            out.append(f"{path}.layers ({expert.source_model}): [{start}, {end}] selects {end - start} layers but "
+                       f"base_model {base_ref} has {n_base} (num_hidden_layers); each MoE layer takes one FFN per "
+                       f"expert, so the range must span {n_base} layers, e.g. [{start}, {start + n_base}]")
+        if end > n_src:
+            out.append(f"{path}.layers ({expert.source_model}): [{start}, {end}] goes past the {n_src} layers of "
+                       f"{expert.source_model} (num_hidden_layers); use a range within [0, {n_src}]")
+    elif n_src != n_base:
+        hint = f"; take {n_base} of its layers with layers: [0, {n_base}]" if n_src > n_base else ""
+        out.append(f"{label}: num_hidden_layers is {n_src} but base_model {base_ref} has {n_base}; "
+                   f"experts must have the base's layer count{hint}")
+    mlp_bias = next((k for k in src.tensors if names.split_layer(k)[0].startswith("model.layers.{layer}.mlp.")
+                     and k.endswith(".bias")), None)
+    if mlp_bias:
+        out.append(f"{label}: tensor {mlp_bias!r} is an MLP bias, which MoE experts cannot hold; "
+                   f"it would be silently dropped, so the build stops")
+    return out
+
+
+def _attention_problems(label: str, src: Checkpoint, base: Checkpoint, base_ref: str) -> list[str]:
+    out = []
+    for key in ("num_hidden_layers",) + ATTENTION_FIELDS:
+        mine, theirs = _field(src.config, key), _field(base.config, key)
+        if mine != theirs:
+            out.append(f"{label}: {key} is {mine} but base_model {base_ref} has {theirs}; attention_from: average "
+                       f"needs every source to match the base (or use attention_from: base)")
+    ffn = tuple(f".mlp.{p}.weight" for p in names.PROJS)
+    for key, info in base.tensors.items():
+        if key.endswith(ffn) or key.endswith("rotary_emb.inv_freq"):
+            continue
+        theirs = src.tensors.get(key)
+        if theirs is None:
+            if not (key == names.LM_HEAD and base.config.get("tie_word_embeddings")):
+                out.append(f"{label}: tensor {key!r} is missing, but attention_from: average needs it in every source")
+        elif theirs.shape != info.shape:
+            out.append(f"{label}: tensor {key!r} has shape {list(theirs.shape)} but base_model {base_ref} has "
+                       f"{list(info.shape)}; attention_from: average needs equal shapes")
+    extra = [k for k in src.tensors if k not in base.tensors and not k.endswith(ffn) and ".mlp." not in k
+             and not (k == names.LM_HEAD and base.config.get("tie_word_embeddings"))]
+    if extra:
+        suffix = names.split_layer(extra[0])[0].removeprefix("model.layers.{layer}.")
+        group = names.TENSOR_GROUPS.get(suffix, "tensors")
+        out.append(f"{label}: has {group} ({extra[0]}) that base_model {base_ref} lacks; attention_from: average "
+                   f"would drop them, so the build stops (use attention_from: base, or a base with them)")
+    return out
+
+
+def _field(config: dict, key: str):
+    if key == "head_dim":
+        return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if key == "num_key_value_heads":
+        return config.get(key) or config.get("num_attention_heads")
+    if key == "tie_word_embeddings":
+        return bool(config.get(key, False))
+    return config.get(key)

@@ -1,0 +1,121 @@
+"""Execute a plan: read each source tensor once, place it in its slots, hand tensors to a writer.
+
+The executor is the only place that touches tensor bytes. Storage policy:
+
+- ``share``: every slot fed by the same source tensor receives the *same* tensor object, so
+  memory does not grow with the number of experts (the source is read once and dropped after its
+  last use; the plan orders its slots next to each other).
+- ``clone``: every slot gets its own copy.
+
+A slot with transforms (noise, residual scale, the `inits` methods) is always an independent copy,
+whatever the policy. Each source tensor is checked for NaN/Inf once, as it passes (a warning
+naming it; see `guards`).
+
+Steps made of parts: "average" is the fp32 mean of its parts; parts concatenated along dim 0
+(fused experts) are handed to the writer as a lazy `TensorParts`, read and written one part at a
+time, so a stacked (E, 2I, H) tensor is never held; other concatenations (several shared
+experts' down_proj columns) are built with ``torch.cat``. "zeros" steps are zeros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator, Literal, Optional, Union
+
+import torch
+
+from moe_upcycle.planning import inits
+from moe_upcycle.planning.guards import warn_nonfinite
+from moe_upcycle.planning.steps import Plan, Step
+from moe_upcycle.planning.shared_experts import shared_gate
+from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.checkpoint.writer import TensorParts
+
+
+def slot_generator(seed: int, step: Step) -> torch.Generator:
+    """A generator seeded from (seed, tensor name): stable whatever order slots are made in."""
+    digest = hashlib.sha256(f"{seed}:{step.name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def apply_transforms(tensor: torch.Tensor, step: Step, seed: int) -> torch.Tensor:
+    """Apply a slot's transforms in fp32 (always on a fresh copy)."""
+    out = tensor.float().clone()
+    for name, value in step.transforms:
+        if name == "noise":  # mergekit's noise_scale: absolute Gaussian noise
+            out += torch.randn(out.shape, generator=slot_generator(seed, step)) * value
+        elif name == "scale":
+            out *= value
+        elif name in inits.TRANSFORMS:
+            out = inits.apply_transform(out, name, value, step.layer, step.expert, seed, slot_generator(seed, step))
+        else:
+            raise ValueError(f"unknown transform {name!r}")
+    return out
+
+
+def iter_tensors(
+    plan: Plan,
+    sources: dict[str, Checkpoint],
+    gates: dict[int, torch.Tensor],
+    policy: Literal["share", "clone"] = "share",
+    seed: int = 0,
+    shared_gates: Optional[dict[int, torch.Tensor]] = None,
+) -> Iterator[tuple[Step, Union[torch.Tensor, TensorParts]]]:
+    """Yield (step, tensor) for every planned output tensor, in plan order.
+
+    A fused step yields a `TensorParts`, which reads its parts as it is consumed: consume it
+    (``writer.write`` or ``.materialize()``) before advancing the iterator.
+
+    Args:
+        plan: from `make_plan`.
+        sources: the opened checkpoints, keyed by reference.
+        gates: layer -> router weights (num_experts, hidden).
+        policy: "share" or "clone" (see module doc).
+        seed: seeds per-slot transforms.
+        shared_gates: layer -> shared-expert gate (1, hidden), for "shared_gate" steps.
+    """
+    remaining = plan.source_uses()
+    cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    def slot(step: Step) -> torch.Tensor:
+        src = step.source
+        base = cache.get(src)
+        if base is None:
+            raw = sources[src[0]].read(src[1])
+            base = raw.to(step.dtype)
+            warn_nonfinite(base, raw, src[1], sources[src[0]])  # once per source tensor, no extra read
+            del raw
+            cache[src] = base
+        remaining[src] -= 1
+        if remaining[src] == 0:
+            del cache[src]
+        if step.transforms:
+            return apply_transforms(base, step, seed).to(step.dtype)
+        if policy == "clone" and step.kind in ("expert", "shared"):
+            return base.clone()
+        return base
+
+    def streamed(parts: tuple[Step, ...]) -> Iterator[torch.Tensor]:
+        for part in parts:
+            yield slot(part)
+
+    with torch.inference_mode():
+        for step in plan.steps:
+            if step.kind == "router":
+                tensor = gates[step.layer].to(step.dtype)
+            elif step.kind == "shared_gate":
+                tensor = shared_gate(shared_gates, step).to(step.dtype)
+            elif step.kind == "zeros":
+                tensor = torch.zeros(step.shape, dtype=step.dtype)
+            elif step.kind == "average":  # fp32 mean, one part in memory at a time
+                total = torch.zeros(step.shape, dtype=torch.float32)
+                for part in step.parts:
+                    total += slot(part).float()
+                tensor = (total / len(step.parts)).to(step.dtype)
+            elif step.parts and step.part_dim == 0:
+                tensor = TensorParts(step.shape, step.dtype, streamed(step.parts))
+            elif step.parts:
+                tensor = torch.cat([slot(part) for part in step.parts], dim=step.part_dim)
+            else:
+                tensor = slot(step)
+            yield step, tensor

@@ -1,0 +1,165 @@
+"""Plan a build: which output tensors exist, where each comes from, what is done to it.
+
+`make_plan(config, sources)` is pure: it reads only checkpoint headers (shapes, dtypes) and the
+sources' config.json, checks every source against the base, and reports **all** problems at once
+as one `PlanError`. It runs on meta checkpoints too, so a Mixtral-8x7B plan costs milliseconds.
+Only `execute` touches tensor bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, TensorInfo
+from moe_upcycle.errors import PlanError
+from moe_upcycle.planning import arch, compat, fused, inits, shared_experts
+from moe_upcycle.planning.steps import Plan, Step, source_layer
+from moe_upcycle.recipe.resolve import expert_inits
+from moe_upcycle.recipe.schema import UpcycleConfig
+
+__all__ = ["Plan", "Step", "make_plan", "STR_DTYPES"]
+
+# buffers some old .bin checkpoints carry; transformers recomputes them
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
+    """Plan the output tensors of a build.
+
+    Args:
+        config: the validated recipe.
+        sources: every model the config names (base and experts), keyed by its reference.
+
+    Returns:
+        The plan, steps ordered layer by layer; within a layer each dense matrix's expert slots
+        follow each other, so a shared source tensor is read once and dropped right after.
+
+    Raises:
+        PlanError: every incompatibility found, all at once.
+    """
+    problems: list[str] = []
+    base = sources[config.base_model]
+    experts = config.expert_list()
+    layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
+    arch_name = layout.model_type
+    problems += compat.source_problems(config, sources)
+    if problems:  # per-tensor checks of sources that do not fit would only repeat these
+        raise PlanError(*problems)
+    bcfg = base.config
+
+    g = inits.granularity(config)
+    init_of = expert_inits(config)
+    dense_i = int(bcfg["intermediate_size"])
+    if dense_i % g:
+        problems.append(f"expert_init.granularity: {g} does not divide intermediate_size {dense_i} of "
+                        f"{config.base_model}; use a divisor of {dense_i}")
+    dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base)
+    tied = bool(bcfg.get("tie_word_embeddings", False))
+    n_layers = int(bcfg["num_hidden_layers"])
+    steps: list[Step] = []
+    notes: list[str] = []
+
+    def need(model: Checkpoint, key: str, label: str) -> Optional[TensorInfo]:
+        info = model.tensors.get(key)
+        if info is None:
+            problems.append(f"{label}: tensor {key!r} is missing from {model.path or model.ref}")
+        return info
+
+    def copy(key: str) -> None:
+        info = need(base, key, f"base_model ({config.base_model})")
+        if info and config.attention_from == "average":  # Branch-Train-MiX: mean over the expert sources
+            refs = compat.average_sources(config)
+            parts = tuple(Step(key, info.shape, dtype, "copy", (ref, key), names.split_layer(key)[1]) for ref in refs
+                          if key in sources[ref].tensors)  # a missing one is reported by compat
+            steps.append(Step(key, info.shape, dtype, "average", None, names.split_layer(key)[1], parts=parts))
+        elif info:
+            steps.append(Step(key, info.shape, dtype, "copy", (config.base_model, key), names.split_layer(key)[1]))
+
+    # Sort base tensors into top-level, per-layer allowed, MLP, and ones the output cannot hold.
+    per_layer: dict[int, list[str]] = {i: [] for i in range(n_layers)}
+    for key in base.tensors:
+        template, layer = names.split_layer(key)
+        if key.endswith(IGNORED_SUFFIXES):
+            notes.append(f"skipped buffer {key} (recomputed by transformers)")
+            continue
+        if layer is None:
+            continue
+        if layer >= n_layers:
+            problems.append(f"base_model: tensor {key!r} is beyond num_hidden_layers={n_layers} in config.json")
+            continue
+        suffix = template.removeprefix("model.layers.{layer}.")
+        if suffix.startswith("mlp."):
+            if not any(suffix == f"mlp.{p}.weight" for p in names.PROJS):
+                problems.append(f"base_model: tensor {key!r} ({suffix}) cannot be placed in {arch_name} experts, "
+                                f"which have no MLP biases; it would be silently dropped, so the build stops")
+            continue
+        if not layout.holds(suffix):
+            problems.append(f"base_model: tensor {key!r} has no place in the {arch_name} architecture "
+                            f"(it holds only {', '.join(layout.layer_tensors)}); it would be dropped, so the build stops")
+            continue
+        per_layer[layer].append(key)
+
+    has_bias = any(f"model.layers.{layer}.{b}" in base.tensors for layer in per_layer for b in layout.bias_tensors)
+    copy(names.EMBED)
+    for layer in range(n_layers):
+        for suffix in layout.layer_tensors:
+            key = f"model.layers.{layer}.{suffix}"
+            if key not in per_layer[layer]:
+                need(base, key, f"base_model ({config.base_model})")
+        for key in per_layer[layer]:
+            copy(key)
+        for bias in layout.bias_tensors:  # zero biases where the output has them and the base does not
+            key, weight = f"model.layers.{layer}.{bias}", f"model.layers.{layer}.{bias[:-len('bias')]}weight"
+            if (layout.biases_always or has_bias) and key not in base.tensors and weight in base.tensors:
+                steps.append(Step(key, base.tensors[weight].shape[:1], dtype, "zeros", layer=layer))
+        hidden = int(bcfg["hidden_size"])
+        steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), hidden), dtype, "router",
+                          layer=layer))
+        for proj in names.PROJS:
+            for e, expert in enumerate(experts):
+                src = sources[expert.source_model]
+                key = names.fill(names.DENSE_MLP, layer=source_layer(expert, layer), proj=proj)
+                info = need(src, key, f"experts[{e}] ({expert.source_model})")
+                if info is None:
+                    continue
+                transforms = inits.slot_transforms(init_of[e], proj, e)
+                if expert.residual_scale is not None and proj == "down_proj" and expert.residual_scale != 1.0:
+                    transforms.append(("scale", float(expert.residual_scale)))
+                shape = inits.sliced_shape(info.shape, proj, g)
+                steps.append(Step(names.fill(layout.expert[proj], layer=layer, expert=e), shape, dtype,
+                                  "expert", (expert.source_model, key), layer, e, tuple(transforms)))
+        steps += shared_experts.plan_steps(config, sources, layout, layer, dtype, problems)
+    copy("model.norm.weight")
+    if not tied:
+        copy(names.LM_HEAD)
+    elif names.LM_HEAD in base.tensors:
+        notes.append("lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written once")
+
+    if g > 1:
+        groups = [{x.source_model for x in experts[i:i + g]} for i in range(0, len(experts), g)]
+        notes += inits.split_notes(len(experts), config.experts_per_token, g, groups, dense_i, config.gate_mode,
+                                   dtype.itemsize)
+    notes += inits.describe(init_of, dense_i)
+    if config.layout == "fused" and not problems:
+        steps = fused.fuse_experts(steps, layout, len(experts))
+    notes += shared_experts.exactness_notes(config, layout)
+    if problems:
+        raise PlanError(*_dedupe(problems))
+    return Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
+                dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
+                layout=config.layout)
+
+
+def _base_dtype(base: Checkpoint) -> torch.dtype:
+    name = base.config.get("torch_dtype") or base.config.get("dtype")
+    if name in STR_DTYPES:
+        return STR_DTYPES[name]
+    info = base.tensors.get(names.EMBED)
+    return info.dtype if info and info.dtype.is_floating_point else torch.float32
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))

@@ -1,0 +1,237 @@
+"""What a plan will cost before anything is spent: parameters, bytes, shards, memory, disk.
+
+`summarize` turns a plan into a `PlanSummary` (numbers only, no tensors read); `print_summary`
+shows it with rich (``moe-upcycle plan`` / ``build --dry-run``); `disk_space.check_free_space` stops a real
+build that would not fit on the output's filesystem before a byte is written. Memory figures are
+estimates of tensor memory only (the Python/torch runtime adds a few hundred MB); everything
+else here is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.recipe.schema import UpcycleConfig
+from moe_upcycle.checkpoint.disk_space import free_bytes, human_bytes
+from moe_upcycle.checkpoint.names import TOKENIZER_FILES
+from moe_upcycle.planning.steps import Plan, Step
+from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
+
+HIDDEN_GATE_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
+SMALL_FILES_BYTES = 2**20  # config.json, README.md, moe_upcycle.json: far below 1 MiB
+
+
+@dataclass(frozen=True)
+class Component:
+    """One row of the tensor table: every output tensor matching one name template."""
+
+    template: str
+    count: int
+    shape: tuple[int, ...]
+    kind: str
+    source: str
+    params: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """The numbers ``moe-upcycle plan`` prints."""
+
+    architecture: str
+    experts: tuple[str, ...]
+    experts_per_token: int
+    gate_mode: str
+    dtype: str
+    tensor_policy: str
+    num_tensors: int
+    total_params: int
+    active_params: int
+    tied_embeddings: bool
+    output_bytes: int
+    num_shards: int
+    max_shard_bytes: int
+    build_peak_bytes: int
+    gate_peak_bytes: int
+    components: tuple[Component, ...]
+    sharing: tuple[str, ...]
+    notes: tuple[str, ...]
+    output: Optional[str] = None
+    disk_needed_bytes: int = 0
+    disk_free_bytes: Optional[int] = None
+
+    @property
+    def fits_on_disk(self) -> Optional[bool]:
+        return None if self.disk_free_bytes is None else self.disk_needed_bytes <= self.disk_free_bytes
+
+
+def parameter_counts(plan: Plan) -> tuple[int, int]:
+    """(total, active per token) parameters of the output model, exact.
+
+    Total counts every stored tensor once (tied embeddings are one tensor, stored once). Active
+    counts every non-expert tensor plus, in each layer, the `experts_per_token` largest experts.
+
+    Example:
+        >>> parameter_counts(mixtral_8x7b_plan)  # doctest: +SKIP
+        (46702792704, 12879925248)
+    """
+    total = shared = 0
+    per_expert: dict[tuple[int, int], int] = {}  # (layer, expert) -> parameters of that expert
+    for step in plan.steps:
+        n = math.prod(step.shape)
+        total += n
+        if step.kind == "expert":
+            per_expert[(step.layer, step.expert)] = per_expert.get((step.layer, step.expert), 0) + n
+        else:
+            shared += n
+    active = shared
+    for layer in sorted({layer for layer, _ in per_expert}):
+        sizes = sorted((n for (lyr, _), n in per_expert.items() if lyr == layer), reverse=True)
+        active += sum(sizes[:plan.experts_per_token])
+    return total, active
+
+
+
+def components(plan: Plan) -> list[Component]:
+    """Group output tensors by name template (layer and expert indices pulled out)."""
+    groups: dict[str, list] = {}
+    for step in plan.steps:
+        template = names.split_layer(step.name)[0]
+        if step.expert is not None:
+            template = template.replace(f".{step.expert}.", ".{expert}.")
+        groups.setdefault(template, []).append(step)
+    rows = []
+    for template, steps in groups.items():
+        s = steps[0]
+        rows.append(Component(template, len(steps), s.shape, s.kind, source_label(s),
+                              sum(math.prod(x.shape) for x in steps), sum(x.nbytes for x in steps)))
+    return rows
+
+
+def source_label(step: Step) -> str:
+    """What a plan row is made from: a source key template, its parts (fused, averaged), zeros or gates."""
+    if step.source:
+        return names.split_layer(step.source[1])[0]
+    if step.kind == "average":
+        return f"mean of {len(step.parts)} models"
+    if step.parts:
+        return f"{len(step.parts)} slots"
+    return "zeros" if step.kind == "zeros" else "gates"
+
+
+def gate_bytes(plan: Plan) -> int:
+    """The router matrices held (fp32) from gate computation until they are written."""
+    return plan.num_layers * len(plan.expert_names) * int(plan.base_config["hidden_size"]) * 4
+
+
+def estimate_gate_peak(plan: Plan, config: UpcycleConfig, base: Checkpoint) -> int:
+    """Peak tensor memory of computing the routers, in bytes (estimate).
+
+    ``random``/``uniform*`` hold only the routers; ``cheap_embed`` also reads the embedding
+    matrix and makes an fp32 copy; hidden-state modes load the whole base model in fp32
+    (activations of the short prompts are ignored).
+    """
+    routers = gate_bytes(plan)
+    if config.gate_mode == "cheap_embed":
+        info = base.tensors[names.EMBED]
+        fp32 = math.prod(info.shape) * 4 if info.dtype != torch.float32 else 0
+        return routers + info.nbytes + fp32
+    if config.gate_mode in HIDDEN_GATE_MODES:
+        return routers + sum(math.prod(t.shape) * 4 for t in base.tensors.values())
+    return routers
+
+
+def estimate_build_peak(plan: Plan, config: UpcycleConfig, sources: dict[str, Checkpoint]) -> int:
+    """Peak tensor memory of a build, in bytes (estimate; the larger of gates and writing).
+
+    While writing, the routers stay in memory and the executor holds one source tensor (as read),
+    its conversion to the output dtype when that differs, and for a modified slot an fp32 working
+    copy plus the result, or for ``tensor_policy: clone`` one more copy.
+    """
+    worst = 0
+    for step in plan.leaf_steps():
+        if step.source is None:
+            continue
+        info = sources[step.source[0]].tensors[step.source[1]]
+        held = info.nbytes + (step.nbytes if info.dtype != step.dtype else 0)
+        if step.transforms:
+            held += math.prod(step.shape) * 4 + step.nbytes
+        elif config.tensor_policy == "clone" and step.kind == "expert":
+            held += step.nbytes
+        worst = max(worst, held)
+    base = sources[config.base_model]
+    return max(estimate_gate_peak(plan, config, base), gate_bytes(plan) + worst)
+
+
+def disk_needed(plan: Plan, base: Checkpoint) -> int:
+    """Bytes the output folder will take: tensors, headers and index, tokenizer files, small files."""
+    # a safetensors header entry and an index line cost about the key plus ~64 bytes each
+    metadata = sum(2 * len(s.name) + 128 for s in plan.steps)
+    tokenizer = sum((base.path / n).stat().st_size for n in TOKENIZER_FILES
+                    if base.path is not None and (base.path / n).is_file())
+    return plan.total_bytes + metadata + tokenizer + SMALL_FILES_BYTES
+
+
+def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint], sharing: list[str],
+              output: Optional[Path] = None) -> PlanSummary:
+    """Everything ``moe-upcycle plan`` reports, computed from the plan and headers only."""
+    specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
+    total, active = parameter_counts(plan)
+    base = sources[config.base_model]
+    needed = disk_needed(plan, base)
+    free = free_bytes(output) if output is not None else None
+    return PlanSummary(
+        architecture=plan.architecture, experts=plan.expert_names, experts_per_token=plan.experts_per_token,
+        gate_mode=config.gate_mode, dtype=str(plan.dtype).removeprefix("torch."),
+        tensor_policy=config.tensor_policy, num_tensors=len(plan.steps), total_params=total,
+        active_params=active, tied_embeddings=plan.tied_embeddings, output_bytes=plan.total_bytes,
+        num_shards=len(assign_shards(specs, config.max_shard_size)), max_shard_bytes=config.max_shard_size,
+        build_peak_bytes=estimate_build_peak(plan, config, sources),
+        gate_peak_bytes=estimate_gate_peak(plan, config, base), components=tuple(components(plan)),
+        sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
+        disk_needed_bytes=needed, disk_free_bytes=free,
+    )
+
+
+def print_summary(summary: PlanSummary, console: Console) -> None:
+    """Show a plan summary: overview, per-component table, sharing report, disk check."""
+    s = summary
+    table = Table(title="moe-upcycle plan", show_header=False)
+    table.add_row("architecture", s.architecture)
+    table.add_row("experts", f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}")
+    table.add_row("gate mode", s.gate_mode)
+    table.add_row("dtype", s.dtype)
+    table.add_row("parameters", f"{s.total_params:,} total ({s.total_params / 1e9:.2f}B), {s.active_params:,} "
+                                f"active per token ({s.active_params / 1e9:.2f}B)"
+                  + ("; tied embeddings stored once" if s.tied_embeddings else ""))
+    table.add_row("tensors", str(s.num_tensors))
+    table.add_row("output size", f"{human_bytes(s.output_bytes)} ({s.output_bytes:,} bytes) in {s.num_shards} "
+                                 f"shard(s) of at most {human_bytes(s.max_shard_bytes)}")
+    table.add_row("peak memory", f"~{human_bytes(s.build_peak_bytes)} to build, ~{human_bytes(s.gate_peak_bytes)} "
+                                 f"for gates ({s.gate_mode}); tensors only")
+    table.add_row("tensor policy", s.tensor_policy)
+    console.print(table)
+    comp = Table(title="output tensors")
+    for col in ("name template", "count", "shape", "kind", "source", "params", "bytes"):
+        comp.add_column(col)
+    for c in s.components:
+        comp.add_row(c.template, str(c.count), "x".join(map(str, c.shape)), c.kind, c.source, f"{c.params:,}",
+                     human_bytes(c.nbytes))
+    console.print(comp)
+    for line in s.sharing + s.notes:
+        console.print(line, highlight=False)
+    if s.disk_free_bytes is None:
+        console.print("Disk: no output folder given, free space not checked.", highlight=False)
+    else:
+        verdict = "[green]fits[/]" if s.fits_on_disk else "[bold red]does NOT fit[/]"
+        console.print(f"Disk: needs {human_bytes(s.disk_needed_bytes)}, {human_bytes(s.disk_free_bytes)} free on the "
+                      f"filesystem of {s.output} — {verdict}", highlight=False)

@@ -1,0 +1,51 @@
+"""Human-readable summaries of a plan: the duplicate-tensor (sharing) report.
+
+Replaces mergekit's cryptic "tensors share memory" warning with one summary that says which
+slots share which source tensors, what sharing saves, and how the files are written.
+"""
+
+from __future__ import annotations
+
+from moe_upcycle.checkpoint.disk_space import human_bytes  # noqa: F401  (re-exported)
+from moe_upcycle.planning.steps import Plan
+from moe_upcycle.checkpoint.source import Checkpoint
+
+
+def sharing_report(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> list[str]:
+    """Lines describing shared tensors in the plan and in the inputs.
+
+    Returns:
+        Lines for the console (empty when nothing is shared).
+    """
+    lines: list[str] = []
+    slots = [s for s in plan.leaf_steps() if s.kind == "expert"]
+    modified = [s for s in slots if s.transforms]
+    plain = [s for s in slots if not s.transforms]
+    groups: dict[tuple[str, str], list] = {}
+    for s in plain:
+        groups.setdefault(s.source, []).append(s)
+    shared = {src: g for src, g in groups.items() if len(g) > 1}
+    if shared:
+        n_slots = sum(len(g) for g in shared.values())
+        saved = sum((len(g) - 1) * g[0].nbytes for g in shared.values())
+        example_src, example = next(iter(shared.items()))
+        verb = "share one storage each" if policy == "share" else "are cloned (tensor_policy: clone)"
+        lines.append(
+            f"Duplicate tensors: {n_slots} expert slots are fed by {len(shared)} source tensors and {verb}; "
+            f"e.g. {example_src[1]} of {example_src[0]} -> {', '.join(s.name for s in example[:2])}"
+            + (f" and {len(example) - 2} more" if len(example) > 2 else "") + "."
+        )
+        if policy == "share":
+            lines.append(f"  Sharing saves {human_bytes(saved)} of copies in memory. On disk every slot is still "
+                         f"written as its own tensor (safetensors has no aliasing). Use --clone-tensors "
+                         f"(tensor_policy: clone) to give every slot its own copy.")
+        else:
+            lines.append(f"  Cloning costs {human_bytes(saved)} of extra copies in memory (transiently, one "
+                         f"tensor at a time). Use --share-tensors (tensor_policy: share) to share them.")
+    if modified:
+        lines.append(f"  {len(modified)} expert slots are modified (expert_init, noise_scale, residual_scale) and always get their own copy.")
+    for ref, ckpt in sources.items():
+        for group in ckpt.shared_groups:
+            lines.append(f"Input {ref}: tensors {', '.join(group)} share one storage (tied or repeated weights); "
+                         f"each output tensor is written from it explicitly.")
+    return lines

@@ -1,0 +1,105 @@
+"""The plan's data types: `Step` (one output tensor) and `Plan` (all of them, decided up front).
+
+They sit below everything that makes or reads a plan (planner, architectures, fused layout,
+shared experts, gates, executor, checks), so those modules import them from here and never from
+each other. Also here: the two small rules of where a slot reads from and what mergekit's
+per-expert knobs do to it, shared by the routed and shared-expert planners.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from moe_upcycle.checkpoint.source import tensor_nbytes
+from moe_upcycle.recipe.schema import ExpertConfig
+
+
+@dataclass(frozen=True)
+class Step:
+    """One output tensor.
+
+    Attributes:
+        name: output key.
+        shape, dtype: as written.
+        kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot), "router",
+            "shared" (shared-expert matrix), "shared_gate" (computed by `shared_experts`),
+            "zeros" (written as zeros) or "average" (mean of its parts).
+        source: (model ref, key) read for it; None for routers, zeros and steps made of parts.
+        layer, expert: indices where meaningful.
+        transforms: per-slot modifications, e.g. (("noise", 0.01),) or `inits` ones such as
+            ("slice", inits.Slice(...)); a slot with any is cloned.
+        parts: the steps this tensor is made of: averaged ("average"), or concatenated along
+            `part_dim` and reshaped to `shape` (fused experts, several shared experts).
+        part_dim: the concatenation dimension of `parts`; 0 means each part's bytes simply follow
+            the previous part's, so the writer can stream them one at a time.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str
+    source: Optional[tuple[str, str]] = None
+    layer: Optional[int] = None
+    expert: Optional[int] = None
+    transforms: tuple[tuple[str, Any], ...] = ()
+    parts: tuple["Step", ...] = ()
+    part_dim: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.shape, self.dtype)
+
+    def leaves(self) -> tuple["Step", ...]:
+        """The steps that read sources: itself, or its parts."""
+        return tuple(leaf for part in self.parts for leaf in part.leaves()) if self.parts else (self,)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything needed to write the output, decided before any tensor is read."""
+
+    architecture: str
+    steps: tuple[Step, ...]
+    expert_names: tuple[str, ...]
+    experts_per_token: int
+    dtype: torch.dtype
+    base_config: dict
+    tied_embeddings: bool
+    notes: tuple[str, ...] = field(default=())
+    expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
+    layout: str = "per_expert"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.steps)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.base_config["num_hidden_layers"])
+
+    def leaf_steps(self) -> list[Step]:
+        """Every step that reads a source or is computed, with fused/averaged steps expanded into their parts."""
+        return [leaf for s in self.steps for leaf in s.leaves()]
+
+    def source_uses(self) -> Counter:
+        """How many output tensors (or parts of them) each (model, key) feeds."""
+        return Counter(s.source for s in self.leaf_steps() if s.source is not None)
+
+
+def source_layer(expert: ExpertConfig, layer: int) -> int:
+    """The source layer feeding output `layer` (shifted by the expert's `layers: [start, end)`)."""
+    return layer + (expert.layers[0] if expert.layers else 0)
+
+
+def mergekit_transforms(expert: ExpertConfig, proj: str) -> tuple[tuple[str, float], ...]:
+    """A shared expert's modifications: mergekit's noise_scale and residual_scale (down_proj only)."""
+    transforms: list[tuple[str, float]] = []
+    if expert.noise_scale:
+        transforms.append(("noise", float(expert.noise_scale)))
+    if expert.residual_scale is not None and proj == "down_proj" and expert.residual_scale != 1.0:
+        transforms.append(("scale", float(expert.residual_scale)))
+    return tuple(transforms)

@@ -1,0 +1,1 @@
+"""Prompt-set intelligence: semantic lint, growing prompt sets, the sentence embedder."""

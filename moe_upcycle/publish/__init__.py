@@ -1,0 +1,1 @@
+"""What is published beside the tensors: config.json, tokenizer files, model card, manifest."""

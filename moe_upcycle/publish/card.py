@@ -1,0 +1,160 @@
+"""The output's README.md model card, with Hugging Face hub front matter.
+
+Written from the config and plan only (plus verification results when given, and the source
+models' README.md/config.json for their license); it reads no tensors. The parameter counts come
+from `planning.plan_report.parameter_counts`, as in ``moe-upcycle plan``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+import yaml
+
+from moe_upcycle import __version__
+from moe_upcycle.planning.plan_report import parameter_counts
+from moe_upcycle.planning.steps import Plan
+from moe_upcycle.recipe.schema import UpcycleConfig
+
+LICENSE_KEYS = ("license", "license_name", "license_link")
+
+
+def read_license(folder: Path) -> Optional[dict]:
+    """A model folder's license: its README.md front matter, else its config.json; None if neither says.
+
+    Returns:
+        ``{"license": ...}`` plus ``license_name``/``license_link`` when the card gives them.
+    """
+    card = folder / "README.md"
+    if card.is_file():
+        text = card.read_text(encoding="utf-8", errors="replace")
+        if text.startswith("---"):
+            end = text.find("\n---", 3)
+            try:
+                front = yaml.safe_load(text[3:end]) if end > 0 else None
+            except yaml.YAMLError:
+                front = None
+            if isinstance(front, dict) and front.get("license"):
+                return {k: front[k] for k in LICENSE_KEYS if front.get(k)}
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            value = json.loads(config.read_text(encoding="utf-8")).get("license")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            value = None
+        if isinstance(value, str) and value:
+            return {"license": value}
+    return None
+
+
+def choose_license(source_paths: Sequence[Path]) -> tuple[Optional[dict], str]:
+    """The license of the output: the base's (first path) when every source that states one agrees.
+
+    Returns:
+        (front matter keys or None, a note for the card when the user must set it).
+    """
+    found = {str(p): read_license(p) for p in source_paths}
+    stated = {p: lic for p, lic in found.items() if lic}
+    base = found.get(str(source_paths[0])) if source_paths else None
+    if base and all(lic["license"] == base["license"] for lic in stated.values()):
+        return base, ""
+    if not stated:
+        return None, ("No license was found in the base model's README.md or config.json: set `license:` in the "
+                      "front matter to the base model's license before publishing.")
+    listed = ", ".join(f"{p}: {lic['license']}" for p, lic in stated.items())
+    return None, (f"The source models state different licenses ({listed}): set `license:` in the front matter "
+                  f"to one that satisfies all of them before publishing.")
+
+
+def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
+               source_paths: Sequence[Path] = ()) -> str:
+    """The model card text.
+
+    Args:
+        config: the recipe as used.
+        plan: the build plan (architecture, experts, parameter counts).
+        verify_lines: markdown from `verify.VerifyResult.lines`, when verification ran.
+        source_paths: folders of the base (first) and expert models, read for their license.
+    """
+    bases = list(dict.fromkeys([config.base_model] + [e.source_model for e in config.experts]))
+    license_keys, license_note = choose_license(list(source_paths))
+    front = {
+        "base_model": bases,
+        "base_model_relation": "merge",
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        **(license_keys or {}),
+        "tags": ["moe", plan.architecture, "upcycling", "moe-upcycle"],
+    }
+    front_text = yaml.safe_dump(front, sort_keys=False, allow_unicode=True).strip()
+    if license_keys is None:
+        front_text += "\n# license: (set the base model's license here; see the note below)"
+    total, active = parameter_counts(plan)
+    experts = config.expert_list()
+    rows = "\n".join(f"| {i} | {e.name} | {e.source_model} | {len(e.positive_prompts)} | {_changes(e)} |"
+                     for i, e in enumerate(experts))
+    recipe = yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), sort_keys=False, allow_unicode=True)
+    verify = "\n".join(verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
+    tied = " The input and output embeddings are tied (stored once)." if plan.tied_embeddings else ""
+    note = f"\n> **License:** {license_note}\n" if license_note else ""
+    return f"""---
+{front_text}
+---
+
+# {plan.architecture} MoE upcycled from {config.base_model}
+{note}
+Built with [moe-upcycle](https://pypi.org/project/moe-upcycle/) {__version__}: {len(experts)} experts,
+{plan.experts_per_token} active per token, gate mode `{config.gate_mode}`, dtype `{str(plan.dtype).removeprefix("torch.")}`.
+
+| parameters | count |
+|---|---|
+| total | {total:,} ({_short(total)}) |
+| active per token | {active:,} ({_short(active)}) |
+{tied}
+## Experts
+
+| # | name | source model | positive prompts | changes |
+|---|------|--------------|------------------|---------|
+{rows}
+
+## Recipe
+
+```yaml
+{recipe.strip()}
+```
+
+## Verification
+
+{verify}
+
+## Usage
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
+model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")
+inputs = tokenizer("Once upon a time", return_tensors="pt")
+print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))
+```
+"""
+
+
+def _changes(expert) -> str:
+    parts = []
+    if expert.noise_scale:
+        parts.append(f"noise {expert.noise_scale:g}")
+    if expert.residual_scale is not None and expert.residual_scale != 1.0:
+        parts.append(f"down_proj x{expert.residual_scale:g}")
+    return ", ".join(parts) or "none"
+
+
+def _short(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def write_model_card(folder: Path, config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
+                     source_paths: Sequence[Path] = ()) -> None:
+    (folder / "README.md").write_text(model_card(config, plan, verify_lines, source_paths), encoding="utf-8")

@@ -1,0 +1,39 @@
+"""Our manifest, ``moe_upcycle.json``: tool version, recipe, seed, verification and every file's sha256.
+
+It is also how the tool recognises a folder it wrote (`checkpoint.output_dir.RECIPE_NAME`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from moe_upcycle import __version__
+from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
+from moe_upcycle.recipe.schema import UpcycleConfig
+
+
+def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],
+                 skip: Sequence[str] = (), verification: Optional[dict] = None) -> None:
+    """Record tool version, resolved config, seed, verification and the sha256 of every output file.
+
+    Args:
+        shard_hashes: digests computed while writing (not computed again here).
+        skip: files left unhashed (the shards with ``checksums: false``).
+    """
+    hashes = dict(shard_hashes)
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name not in hashes and path.name not in skip:
+            hashes[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    recipe = {
+        "tool": "moe-upcycle",
+        "version": __version__,
+        "config": config.model_dump(mode="json"),
+        "seed": config.seed,
+        "sha256": dict(sorted(hashes.items())),
+    }
+    if verification is not None:
+        recipe["verify"] = verification
+    (folder / RECIPE_NAME).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")

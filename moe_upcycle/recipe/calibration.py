@@ -1,0 +1,77 @@
+"""Calibration text for ``gate_mode: kmeans``: read documents from a file or a folder.
+
+Accepted: ``.txt``/``.md`` (documents separated by blank lines), ``.jsonl`` (one JSON string or
+object with a ``text`` field per line), or a folder, read recursively in sorted path order so the
+result is deterministic. This module reads text; tokenizing and windowing happen in `hidden_gates`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from moe_upcycle.errors import ConfigError
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIXES = (".jsonl",)
+
+
+def read_documents(path: str | Path) -> list[str]:
+    """All documents of a calibration file or folder, in a deterministic order.
+
+    Args:
+        path: a .txt/.md/.jsonl file, or a folder searched recursively for them.
+
+    Returns:
+        Non-empty document strings.
+
+    Raises:
+        ConfigError: the path is missing, holds no usable file, a JSONL line is malformed, or no
+            text was found. Messages name the file and line.
+    """
+    root = Path(path).expanduser()
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
+        if not files:
+            raise ConfigError(f"calibration_text: folder {root} has no .txt, .md or .jsonl files")
+    elif root.is_file():
+        files = [root]
+    else:
+        raise ConfigError(f"calibration_text: {root} does not exist; give a .txt/.jsonl file or a folder")
+    docs: list[str] = []
+    for file in files:
+        docs += _read_jsonl(file) if file.suffix.lower() in JSONL_SUFFIXES else _read_text(file)
+    if not docs:
+        raise ConfigError(f"calibration_text: {root} contains no text")
+    return docs
+
+
+def _read_text(file: Path) -> list[str]:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"calibration_text: cannot read {file} as UTF-8 text ({exc})") from None
+    return [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
+
+
+def _read_jsonl(file: Path) -> list[str]:
+    docs = []
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"calibration_text: cannot read {file} as UTF-8 text ({exc})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"calibration_text: {file}:{number}: not valid JSON ({exc.msg})") from None
+        text = item.get("text") if isinstance(item, dict) else item
+        if not isinstance(text, str):
+            raise ConfigError(f"calibration_text: {file}:{number}: expected a JSON string or an object with a "
+                              f"\"text\" string field")
+        if text.strip():
+            docs.append(text.strip())
+    return docs

@@ -1,0 +1,98 @@
+"""The recipe resolved once, per concern: small frozen dataclasses each stage takes instead of the recipe.
+
+`resolve.py` makes them from a validated `UpcycleConfig`. The stages below the entry points —
+gates, checks, prompt tools, writers — see only these, never the whole recipe: a stage can read
+only the parameters it was given, and a test can build one by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# gate modes whose routers come from prompts (every expert needs positive prompts)
+PROMPT_MODES = ("cheap_embed", "hidden", "hidden_avg", "hidden_last")
+# gate modes that run the base model (see gates/hidden_gates.py)
+HIDDEN_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
+
+
+@dataclass(frozen=True)
+class ExpertPrompts:
+    """One expert's name and prompts (``*_prompts_from`` sets already merged in)."""
+
+    name: str
+    positive: tuple[str, ...] = ()
+    negative: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GateParams:
+    """How to make the routers (and a prompt-initialised shared-expert gate).
+
+    Attributes:
+        mode: the recipe's ``gate_mode``.
+        experts: the routed experts' prompts, in slot order.
+        shared_experts: the shared experts' prompts (qwen2_moe), in recipe order.
+        copies: True for ``num_experts: N`` (copies of the base, no prompts).
+        seed: seeds the random modes and k-means.
+        scale: ``gate_scale`` (None: `router.default_gate_scale`).
+        init_std: ``router_init_std`` for ``random``.
+        group_size: G of ``expert_init: split`` (rows tied within each group of G), else 1.
+        center, calibration_text, batch_size, device, dtype, quantize: hidden-state modes only.
+    """
+
+    mode: str
+    experts: tuple[ExpertPrompts, ...]
+    shared_experts: tuple[ExpertPrompts, ...] = ()
+    copies: bool = False
+    seed: int = 0
+    scale: Optional[float] = None
+    init_std: float = 0.02
+    group_size: int = 1
+    center: bool = False
+    calibration_text: Optional[str] = None
+    batch_size: int = 8
+    device: str = "auto"
+    dtype: Optional[str] = None
+    quantize: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class WriteParams:
+    """How tensors are written: storage policy, shard size, checksums, the seed of random inits."""
+
+    tensor_policy: str = "share"
+    max_shard_bytes: int = 5 * 10**9
+    checksums: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RouterFields:
+    """Router settings written into the output's config.json."""
+
+    aux_loss_coef: Optional[float] = None
+    jitter_noise: float = 0.0
+    output_router_logits: bool = False
+
+
+@dataclass(frozen=True)
+class CheckParams:
+    """What the checks of a build need to know about its recipe.
+
+    Attributes:
+        base_model: the dense reference (folder or hub id).
+        function_preserving: the recipe makes copies of the base FFN with nothing changed, so the
+            MoE must compute what the dense model does (verify then applies identity thresholds).
+        routing_prompts: each expert's first positive prompt (verify routes through every expert).
+        experts: every routed expert's prompts (routing evaluation labels by them).
+        report_init_drift: the recipe's ``report_init_drift`` (None: decided by size).
+        inits_changed: some expert init is not ``copy`` (so init drift is worth measuring).
+    """
+
+    base_model: str
+    function_preserving: bool = False
+    routing_prompts: tuple[str, ...] = ()
+    experts: tuple[ExpertPrompts, ...] = ()
+    report_init_drift: Optional[bool] = None
+    inits_changed: bool = False

@@ -1,0 +1,135 @@
+"""Named prompt sets (``positive_prompts_from: code``) and prompt files.
+
+A prompt set is a YAML file with ``name``, ``description`` and ``prompts`` (at least
+`MIN_SET_PROMPTS` varied prompts). The shipped sets live in ``gate_configs/prompts/`` of the
+source tree; the package reaches them as package data through ``moe_upcycle/data/prompts``, a
+symlink to that folder that setuptools resolves into real files when it builds a wheel, so set
+names resolve the same way from a source checkout and from an installed package. Where the
+symlink is not honoured (e.g. a Windows checkout) the source tree's folder is used directly.
+
+An expert may instead name a file: a prompt-set YAML, a YAML/JSON list of strings, or a text file
+with one prompt per line. This module reads prompts; it does not tokenize or run models.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from moe_upcycle.errors import ConfigError
+
+MIN_SET_PROMPTS = 20
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # moe_upcycle/
+_SET_DIRS = (_PACKAGE_DIR / "data" / "prompts", _PACKAGE_DIR.parent / "gate_configs" / "prompts")
+
+
+def set_dir() -> Optional[Path]:
+    """The folder holding the shipped prompt sets (package data first, then the source tree)."""
+    for folder in _SET_DIRS:
+        if folder.is_dir() and any(folder.glob("*.yaml")):
+            return folder
+    return None
+
+
+def set_names() -> list[str]:
+    """Names of the shipped prompt sets, sorted."""
+    folder = set_dir()
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder else []
+
+
+def check_set_file(path: Path) -> list[str]:
+    """Problems with one prompt-set YAML (empty list when it is valid).
+
+    A valid set has exactly the keys ``name`` (equal to the file stem), ``description`` and
+    ``prompts`` (at least `MIN_SET_PROMPTS` distinct, non-blank strings).
+    """
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        return [f"{path}: not a readable YAML file ({exc})"]
+    if not isinstance(data, dict):
+        return [f"{path}: a prompt set is a mapping with name, description and prompts"]
+    problems = []
+    extra = sorted(set(data) - {"name", "description", "prompts"})
+    if extra:
+        problems.append(f"{path}: unknown key(s) {extra}; a prompt set has name, description and prompts")
+    if data.get("name") != path.stem:
+        problems.append(f"{path}: name is {data.get('name')!r}; it must equal the file name {path.stem!r}")
+    if not isinstance(data.get("description"), str) or not data["description"].strip():
+        problems.append(f"{path}: description: write one sentence saying what the prompts are for")
+    prompts = data.get("prompts")
+    if not isinstance(prompts, list) or not all(isinstance(p, str) and p.strip() for p in prompts):
+        problems.append(f"{path}: prompts must be a list of non-empty strings")
+    elif len(set(prompts)) < MIN_SET_PROMPTS:
+        problems.append(f"{path}: prompts has {len(set(prompts))} distinct prompts; a set needs at least "
+                        f"{MIN_SET_PROMPTS} varied ones")
+    return problems
+
+
+def resolve_reference(ref: str) -> Path:
+    """The file a ``*_prompts_from`` value names: a shipped set name, else a file path.
+
+    Raises:
+        ValueError: neither a known set nor an existing file (lists the known sets).
+    """
+    folder = set_dir()
+    if folder is not None and (folder / f"{ref}.yaml").is_file() and "/" not in ref:
+        return folder / f"{ref}.yaml"
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path
+    raise ValueError(f"{ref!r} is neither a prompt set ({', '.join(set_names()) or 'none found'}) nor an "
+                     f"existing file; name a set or give the path of a YAML/JSON/text prompt file")
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """Prompts from a file: prompt-set YAML (``prompts:``), YAML/JSON list, or text (one per line).
+
+    Raises:
+        ConfigError: unreadable file, wrong shape, or no prompts.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the prompt file ({exc})") from None
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        try:
+            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()} ({exc})") from None
+        if isinstance(data, dict) and "prompts" in data:
+            data = data["prompts"]
+        if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+            raise ConfigError(f"{path}: expected a list of prompt strings, or a mapping with a prompts: list")
+        prompts = [p for p in data if p.strip()]
+    else:
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError(f"{path}: contains no prompts")
+    return prompts
+
+
+@lru_cache(maxsize=64)
+def _cached(path: str, mtime: float) -> tuple[str, ...]:
+    return tuple(read_prompt_file(Path(path)))
+
+
+def load_prompts(ref: str, where: str) -> list[str]:
+    """The prompts a ``*_prompts_from`` value names.
+
+    Args:
+        ref: a shipped set name (``code``) or a file path.
+        where: the YAML path that gave it, for messages.
+
+    Raises:
+        ConfigError: the reference cannot be resolved or read.
+    """
+    try:
+        path = resolve_reference(ref)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return list(_cached(str(path.resolve()), path.stat().st_mtime))

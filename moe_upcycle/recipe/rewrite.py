@@ -1,0 +1,62 @@
+"""Write a recipe back with grown prompt sets (``moe-upcycle prompts grow``).
+
+The YAML is read again, so keys the user wrote stay as written; the result is validated before it
+replaces anything, and it is written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence, Union
+
+import yaml
+
+from moe_upcycle.errors import OutputError
+from moe_upcycle.recipe.schema import load_config
+
+
+def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
+                       output: Union[str, Path, None] = None, in_place: bool = False,
+                       force: bool = False) -> Path:
+    """Write the config with the picks appended to each expert's `positive_prompts`.
+
+    Args:
+        config_path: the input YAML (read again, so keys the user wrote stay as written).
+        picks: expert name -> prompts to append (the texts of `prompts.grow.grow_prompts`' picks).
+        output: where to write; default ``<name>.grown.yaml`` beside the input.
+        in_place: replace the input file (atomically). Without it the input is never written.
+        force: replace an existing output file other than the input.
+
+    Returns:
+        The path written.
+
+    Raises:
+        OutputError: the output is the input without `in_place`, or exists without `force`.
+    """
+    src = Path(config_path)
+    if in_place:
+        if output is not None and Path(output).resolve() != src.resolve():
+            raise OutputError(f"-o {output}: --in-place writes {src}; give one of -o and --in-place")
+        target = src
+    else:
+        target = Path(output) if output is not None else src.with_name(f"{src.stem}.grown.yaml")
+        if target.resolve() == src.resolve():
+            raise OutputError(f"-o {target}: that is the input config; it is never overwritten unless you pass "
+                              f"--in-place (or choose another -o)")
+        if not target.parent.is_dir():
+            raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
+        if target.exists() and not force:
+            raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
+    data = yaml.safe_load(src.read_text(encoding="utf-8"))
+    config = load_config(dict(data))
+    for raw, expert in zip(data.get("experts") or [], config.expert_list()):
+        added = list(picks.get(expert.name, []))
+        if added:
+            raw["positive_prompts"] = list(raw.get("positive_prompts") or []) + added
+    load_config(dict(data))  # the result must still be a valid config
+    text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
+    return target

@@ -1,0 +1,363 @@
+"""The YAML config schema (pydantic) and its loader.
+
+Accepts mergekit-moe configs unchanged (`base_model`, `architecture`, `gate_mode`, `dtype`,
+`experts_per_token`, `experts[]`, `shared_experts`) plus moe-upcycle's own keys (`num_experts`,
+`tensor_policy`, `seed`, `output`, `max_shard_size`, ...). Every problem is reported at once with
+its YAML path, e.g. ``experts[2].positve_prompts: unknown key — did you mean positive_prompts?``.
+
+This module checks the config on its own; checks against the checkpoints live in `plan`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moe_upcycle.recipe import prompt_sets
+from moe_upcycle.errors import ConfigError
+
+GateMode = Literal[
+    "hidden", "hidden_avg", "hidden_last", "kmeans", "cheap_embed", "random", "uniform_random", "uniform"
+]
+DType = Literal["float32", "float16", "bfloat16"]
+TensorPolicy = Literal["share", "clone"]
+InitMethod = Literal["copy", "noise", "drop", "split"]
+Quantize = Literal["4bit", "8bit"]
+# mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `plan` says what it supports.
+Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek"]
+Layout = Literal["per_expert", "fused"]
+AttentionFrom = Literal["base", "average"]
+SharedExpertGate = Literal["constant", "prompts"]
+
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+MAX_SHARD_BYTES_LIMIT = 2**40  # 1 TiB: anything larger is certainly a typo
+
+
+def parse_size(value: Union[int, str]) -> int:
+    """Parse a byte size such as ``5GB``, ``500MiB`` or ``1000000``.
+
+    Example:
+        >>> parse_size("5GB")
+        5000000000
+
+    Raises:
+        ValueError: the value is not a positive size within 1 TiB.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 5GB or a number of bytes")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
+        if not m:
+            raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+        size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    if size <= 0:
+        raise ValueError(f"must be positive, got {value!r}")
+    if size > MAX_SHARD_BYTES_LIMIT:
+        raise ValueError(f"{value!r} is larger than 1 TiB; write e.g. 5GB")
+    return size
+
+
+class _Strict(BaseModel):
+    # inf/nan in a scale or std would silently fill the output with inf/nan
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class ExpertInit(_Strict):
+    """How an expert's FFN is initialised from its source (`expert_init:`; the math is in `inits`).
+
+    ``expert_init: copy`` is shorthand for ``{method: copy}``. Fields that a method does not use
+    are rejected, so ``{method: drop, scale: 0.1}`` fails instead of being silently ignored.
+    """
+
+    method: InitMethod = "copy"
+    scale: Optional[float] = Field(default=None, gt=0)  # noise: std relative to the matrix's std
+    absolute: bool = False  # noise: `scale` is the absolute std (mergekit's noise_scale)
+    ratio: Optional[float] = Field(default=None, gt=0, le=1)  # drop: fraction of neurons re-initialised
+    granularity: Optional[int] = Field(default=None, ge=2, le=64)  # split: slices per FFN
+    shuffle: bool = False  # split: seeded permutation of the intermediate dimension first
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"method": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _fields_fit_method(self) -> "ExpertInit":
+        used = {"noise": {"scale", "absolute"}, "drop": {"ratio"}, "split": {"granularity", "shuffle"}}
+        # a key at its default value (as in a recorded recipe) is harmless; a set value is not
+        given = {k for k in self.model_fields_set
+                 if k != "method" and getattr(self, k) != type(self).model_fields[k].default}
+        problems = [f"{k} is not used by method {self.method}; remove it" for k in sorted(given - used.get(self.method, set()))]
+        if self.method == "noise" and self.scale is None:
+            problems.append("method noise needs scale (e.g. scale: 0.01, relative to each matrix's std)")
+        if self.method == "split" and self.granularity is None:
+            problems.append("method split needs granularity (e.g. granularity: 2)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class ExpertConfig(_Strict):
+    """One expert slot: whose FFN it gets and the prompts that route to it."""
+
+    source_model: str
+    name: Optional[str] = None
+    positive_prompts: list[str] = Field(default_factory=list)
+    negative_prompts: list[str] = Field(default_factory=list)
+    noise_scale: Optional[float] = Field(default=None, ge=0)
+    residual_scale: Optional[float] = None
+    expert_init: Optional[ExpertInit] = None  # overrides the config's expert_init for this expert
+    # [start, end): this expert's FFN for output layer l is the source's layer start + l
+    layers: Optional[tuple[int, int]] = None
+
+    @field_validator("layers")
+    @classmethod
+    def _layer_range(cls, layers: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise ValueError(f"{list(layers)} is not a layer range; write [start, end) with 0 <= start < end, "
+                             f"e.g. [0, 24]")
+        return layers
+    # a shipped prompt-set name (gate_configs/prompts) or a prompt file, added to the listed prompts
+    positive_prompts_from: Optional[str] = None
+    negative_prompts_from: Optional[str] = None
+
+    @field_validator("positive_prompts", "negative_prompts")
+    @classmethod
+    def _no_blank_prompts(cls, prompts: list[str]) -> list[str]:
+        for i, p in enumerate(prompts):
+            if not p.strip():
+                raise ValueError(f"prompt {i} is empty; remove it or write a prompt")
+        return prompts
+
+    @field_validator("positive_prompts_from", "negative_prompts_from")
+    @classmethod
+    def _known_prompt_source(cls, ref: Optional[str]) -> Optional[str]:
+        if ref is not None:
+            prompt_sets.resolve_reference(ref)
+        return ref
+
+    def with_prompt_sets(self, where: str) -> "ExpertConfig":
+        """A copy whose prompt lists include the prompts of `*_prompts_from` (listed ones first)."""
+        update = {}
+        for kind in ("positive", "negative"):
+            ref = getattr(self, f"{kind}_prompts_from")
+            if ref is not None:
+                extra = prompt_sets.load_prompts(ref, f"{where}.{kind}_prompts_from")
+                update[f"{kind}_prompts"] = list(getattr(self, f"{kind}_prompts")) + extra
+        return self.model_copy(update=update) if update else self
+
+
+class SharedExpertConfig(ExpertConfig):
+    """A shared (always active) expert, as in mergekit-moe's `shared_experts` (qwen2_moe)."""
+
+
+class UpcycleConfig(_Strict):
+    """The whole build recipe. See README "Config reference" for every key."""
+
+    base_model: str
+    experts: list[ExpertConfig] = Field(default_factory=list)
+    num_experts: Optional[int] = Field(default=None, ge=1, le=1024)
+    architecture: Optional[Architecture] = None
+    gate_mode: GateMode = "hidden"
+    dtype: Optional[DType] = None
+    experts_per_token: int = Field(default=2, ge=1)
+    shared_experts: list[SharedExpertConfig] = Field(default_factory=list)
+    tensor_policy: TensorPolicy = "share"
+    seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch generators take unsigned 64-bit seeds
+    output: Optional[str] = None
+    max_shard_size: int = 5 * 10**9
+    checksums: bool = True  # sha256 of every output file in moe_upcycle.json (shards hashed while written)
+    router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
+    router_init_std: float = Field(default=0.02, gt=0)
+    gate_scale: Optional[float] = Field(default=None, gt=0)
+    expert_init: ExpertInit = Field(default_factory=ExpertInit)
+    router_jitter_noise: float = Field(default=0.0, ge=0, lt=1)
+    output_router_logits: bool = False
+    report_init_drift: Optional[bool] = None  # None: measure for non-copy inits of outputs up to 2 GB (drift.py)
+    layout: Layout = "per_expert"
+    attention_from: AttentionFrom = "base"
+    shared_expert_gate: Optional[SharedExpertGate] = None
+    # hidden-state gate modes (see hidden_gates)
+    gate_center: bool = False
+    calibration_text: Optional[str] = None
+    batch_size: int = Field(default=8, ge=1)
+    device: str = "auto"
+    gate_dtype: Optional[DType] = None
+    quantize: Optional[Quantize] = None
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("dtype", "gate_dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, value: Any) -> Any:
+        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int:
+        return parse_size(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "UpcycleConfig":
+        problems = []
+        if self.num_experts is not None and self.experts:
+            problems.append("num_experts and experts are both given; use num_experts for N copies of "
+                            "base_model, or list experts, not both")
+        if self.num_experts is None and not self.experts:
+            problems.append("no experts: give num_experts: N (N copies of base_model) or an experts: list")
+        n = self.expert_count
+        if n and self.experts_per_token > n:
+            problems.append(f"experts_per_token is {self.experts_per_token} but there are only {n} experts; "
+                            f"use a value from 1 to {n}")
+        names = [e.name for e in self.experts if e.name]
+        dupes = sorted({x for x in names if names.count(x) > 1})
+        if dupes:
+            problems.append(f"experts: duplicate expert names {dupes}; give each expert its own name")
+        for i, e in enumerate(self.experts):
+            if e.expert_init is not None and e.expert_init.method == "split":
+                problems.append(f"experts[{i}].expert_init: split changes every expert's shape, so it is set once "
+                                f"for the whole model; move it to the top-level expert_init")
+            elif (e.expert_init is not None or e.noise_scale) and self.expert_init.method == "split":
+                key = "expert_init" if e.expert_init is not None else "noise_scale"
+                problems.append(f"experts[{i}].{key}: cannot be combined with the top-level "
+                                f"expert_init: split; remove one of them")
+            if e.expert_init is not None and e.noise_scale:
+                problems.append(f"experts[{i}]: noise_scale and expert_init are both given; noise_scale: s is "
+                                f"expert_init: {{method: noise, scale: s, absolute: true}}, keep one")
+        if self.shared_expert_gate == "prompts":
+            problems += [f"shared_experts[{i}].positive_prompts: shared_expert_gate: prompts needs at least one "
+                         f"prompt; add prompts or use shared_expert_gate: constant"
+                         for i, e in enumerate(self.shared_experts) if not e.positive_prompts]
+        if self.gate_mode == "kmeans" and self.calibration_text is None:
+            problems.append("gate_mode kmeans needs calibration_text: a .txt/.jsonl file or a folder of them")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def expert_count(self) -> int:
+        """Number of routed experts, whichever way they are given."""
+        return self.num_experts if self.num_experts is not None else len(self.experts)
+
+    def expert_list(self) -> list[ExpertConfig]:
+        """The routed experts, expanding `num_experts: N` into N copies of `base_model`."""
+        if self.num_experts is not None:
+            return [ExpertConfig(source_model=self.base_model, name=f"expert_{i}") for i in range(self.num_experts)]
+        return [(e if e.name else e.model_copy(update={"name": f"expert_{i}"})).with_prompt_sets(f"experts[{i}]")
+                for i, e in enumerate(self.experts)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and error formatting
+
+
+def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = None) -> UpcycleConfig:
+    """Read and validate a config from a YAML file path or a dict.
+
+    Args:
+        source: path to a YAML file, or the already-parsed mapping.
+        overrides: keys that replace the file's (CLI options); ``None`` values are ignored.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: with every problem, each prefixed by its YAML path.
+    """
+    where = "config"
+    if isinstance(source, dict):
+        data = dict(source)
+    else:
+        path = Path(source)
+        where = str(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark
+            pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path}{pos}: YAML syntax error: {exc.problem or exc}") from None
+        except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as exc:
+            raise ConfigError(f"{path}: not a readable YAML file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...), "
+                          f"got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    try:
+        return UpcycleConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(*[f"{where}: {line}" for line in _format_errors(exc)]) from None
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        kind = err["type"]
+        # drop pydantic's own location tags ("function-after[...]"); an unknown key is the user's, kept as is
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+        if kind == "extra_forbidden":
+            loc = [p for p in err["loc"][:-1] if p in loc] + [err["loc"][-1]]
+        path = _yaml_path(loc)
+        if kind == "extra_forbidden":
+            valid = _fields_at(loc[:-1])
+            hint = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+            suggestion = f" — did you mean {hint[0]}?" if hint else f" — valid keys: {', '.join(sorted(valid))}"
+            lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
+                         f"unknown key{suggestion}")
+        elif kind == "literal_error":
+            lines.append(f"{path}: {err['input']!r} is not allowed; expected {err['ctx']['expected']}")
+        elif kind == "missing":
+            lines.append(f"{path}: required key is missing")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines += [f"{path}: {m}" if path else m for m in msg.split("\n")]
+    return lines
+
+
+def _yaml_path(loc: list) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _fields_at(loc: list) -> list[str]:
+    """Names of the fields valid at a YAML path (used for did-you-mean)."""
+    model: Any = UpcycleConfig
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        model = _model_in(field.annotation) if field else None
+    return list(model.model_fields) if model else []
+
+
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found:
+            return found
+    return None
