@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pickle
 import struct
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -56,6 +57,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     file: str  # file name inside the checkpoint folder ("" for meta checkpoints)
+    offset: int = -1  # safetensors: the data's byte offset in `file` (-1: not known)
 
     @property
     def nbytes(self) -> int:
@@ -79,23 +81,31 @@ class Checkpoint:
     config: dict
     tensors: dict[str, TensorInfo]
     shared_groups: list[list[str]] = field(default_factory=list)
-    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    _handles: dict[Any, Any] = field(default_factory=dict, repr=False)  # file -> open handle or mmap
 
     @property
     def model_type(self) -> str:
         return self.config.get("model_type", "")
 
     def read(self, key: str) -> torch.Tensor:
-        """Read one tensor from disk (safetensors: a copy; .bin: a memory-mapped view)."""
+        """Read one tensor from disk as a memory-mapped view of the file's own bytes (no copy).
+
+        safetensors files are mapped copy-on-write (``MAP_PRIVATE``): the view reads the page cache
+        directly, and writing to it (nobody should) could never reach the file. Its bytes are
+        exactly the ones the header validated by `read_safetensors_header` describes; a tensor
+        whose offset is not a multiple of its element size is copied instead.
+        """
         info = self.tensors[key]
         if self.path is None:
             return torch.empty(info.shape, dtype=info.dtype, device="meta")
+        if info.file.endswith(".safetensors") and info.offset >= 0 and info.offset % info.dtype.itemsize == 0:
+            return self._mapped(info)
         handle = self._handles.get(info.file)
         if handle is None:
             handle = self._open(info.file)
             if info.file.endswith(".safetensors"):
                 # keep one shard open at a time: reads are ordered by shard
-                for name in [n for n in self._handles if n.endswith(".safetensors")]:
+                for name in [n for n in self._handles if isinstance(n, str) and n.endswith(".safetensors")]:
                     del self._handles[name]
             self._handles[info.file] = handle
         try:
@@ -103,6 +113,20 @@ class Checkpoint:
         except Exception as exc:  # a damaged file: name it
             raise SourceError(f"{self.path / info.file}: cannot read tensor {key!r} ({exc}); "
                               f"the file is damaged or truncated — re-download it") from None
+
+    def _mapped(self, info: TensorInfo) -> torch.Tensor:
+        mapping = self._handles.get(("mmap", info.file))
+        if mapping is None:
+            # keep one shard mapped at a time: reads are ordered by shard (views keep theirs alive)
+            for name in [n for n in self._handles if isinstance(n, tuple)]:
+                del self._handles[name]
+            with open(self.path / info.file, "rb") as fh:
+                mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._handles[("mmap", info.file)] = mapping
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        return raw.view(info.dtype).view(info.shape)
 
     def _open(self, file: str) -> Any:
         full = self.path / file
@@ -259,7 +283,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
                               f"{entry['dtype']} needs {info.nbytes} bytes but its offsets {start}..{end} give "
                               f"{end - start}; the file is corrupt")
         spans.append((start, end, key))
-        out[key] = info
+        out[key] = replace(info, offset=8 + n + start)
     spans.sort()
     # safetensors requires the tensors to tile the data section: no overlap, no gap, nothing after
     position, previous = 0, None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional
 
 import torch
@@ -73,8 +74,9 @@ class Plan:
     expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
     layout: str = "per_expert"
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
+        # cached: progress reporting asks for it after every written tensor
         return sum(s.nbytes for s in self.steps)
 
     @property
