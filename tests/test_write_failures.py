@@ -53,6 +53,9 @@ class _FillingFile:
     def flush(self) -> None:
         self._real.flush()
 
+    def fileno(self) -> int:
+        return self._real.fileno()
+
     def close(self) -> None:
         self._real.close()
 

@@ -5,6 +5,11 @@ written first and tensor bytes are appended as they arrive: memory stays near on
 OS write buffer, never a whole shard. Every tensor is written as its own bytes, so tensors that
 share memory (or are non-contiguous views) can never trip safetensors' "share memory" error.
 
+Each finished shard is flushed to disk (``fsync``) on a background thread while the next shard
+is written, and `close` waits for every flush: when the folder is renamed into place its shards
+are on disk, not only in the page cache, and the disk is kept busy instead of throttling the
+writer once the page cache fills up.
+
 It does not decide where the folder goes or how it is made atomic: see `output_dir`.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -156,6 +162,8 @@ class ShardedWriter:
         self._fh: Optional[BinaryIO] = None
         self._shard = -1
         self._hash = None
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="fsync")
+        self._flushes: list[Future] = []
         self.bytes_written = 0
         self.checksums = checksums  # sha256 of each shard while writing (costs more CPU than the write)
         self.sha256: dict[str, str] = {}  # file name -> hex digest, computed while writing
@@ -209,9 +217,9 @@ class ShardedWriter:
         if self._fh is not None:
             try:
                 self._fh.flush()
-                self._fh.close()
             except OSError as exc:
                 raise OutputError(f"closing {self._fh.name} failed: {exc.strerror or exc}") from None
+            self._flushes.append(self._flusher.submit(_sync_and_close, self._fh))
             if self._hash is not None:
                 self.sha256[self.files[self._shard]] = self._hash.hexdigest()
             self._fh = None
@@ -227,10 +235,19 @@ class ShardedWriter:
             missing = self._order[self._pos][1].name
             raise RuntimeError(f"writer closed with {len(self._order) - self._pos} tensors unwritten (next: {missing})")
         self._finish_file()
+        self._wait_for_flushes()
         index = {"metadata": {"total_size": self.total_bytes},
                  "weight_map": {spec.name: self.files[k] for k, spec in self._order}}
         (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return index
+
+    def _wait_for_flushes(self) -> None:
+        flushes, self._flushes = self._flushes, []
+        try:
+            for flush in flushes:
+                flush.result()
+        finally:
+            self._flusher.shutdown(wait=True)
 
     def abort(self) -> None:
         """Close any open file without finishing (the caller discards the folder)."""
@@ -240,6 +257,23 @@ class ShardedWriter:
             except OSError:
                 pass
             self._fh = None
+        try:
+            self._wait_for_flushes()
+        except Exception:  # noqa: BLE001 - the folder is discarded; the error that stopped the build is the one to report
+            pass
         if self._hash is not None:
             self._hash.close()
             self._hash = None
+
+
+def _sync_and_close(fh: BinaryIO) -> None:
+    """Flush a written shard to disk and close it (runs on the writer's fsync thread)."""
+    try:
+        os.fsync(fh.fileno())
+        fh.close()
+    except OSError as exc:
+        try:
+            fh.close()
+        except OSError:
+            pass
+        raise OutputError(f"flushing {fh.name} to disk failed: {exc.strerror or exc}") from None
