@@ -24,6 +24,7 @@ from .execute import iter_tensors
 from .gate_checks import parallel_experts
 from .gates import compute_gates
 from .guards import check_free_space, check_source_dtypes
+from .mergekit_names import semantics_note
 from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
 from .plan import Plan, Step, make_plan
@@ -51,6 +52,7 @@ class BuildResult:
     verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
     gate_warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. a mergekit config built with our router semantics
 
 
 def open_sources(config: UpcycleConfig,
@@ -89,13 +91,13 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
 
 
 def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = False,
-            **overrides) -> tuple[UpcycleConfig, dict, Plan]:
+            allow_unknown_keys: bool = False, **overrides) -> tuple[UpcycleConfig, dict, Plan]:
     """Validate the config, open the sources and plan; nothing is written.
 
     With `from_config`, sources are described from their config.json alone (`meta_model`).
     """
     if not isinstance(config, UpcycleConfig):
-        config = load_config(config, overrides=overrides)
+        config = load_config(config, overrides=overrides, allow_unknown_keys=allow_unknown_keys)
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
     if from_config:
@@ -123,6 +125,8 @@ def upcycle(
     on_step: Callable[[Step, Plan], None] = lambda step, plan: None,
     verify: bool = False,
     from_config: bool = False,
+    allow_unknown_keys: bool = False,
+    gate_source: Optional[str] = None,
 ) -> BuildResult:
     """Build an MoE checkpoint from dense checkpoint(s) — the library form of ``moe-upcycle build``.
 
@@ -142,6 +146,9 @@ def upcycle(
             put its results in the model card and ``moe_upcycle.json``. A failed verification
             does not stop the build: check ``result.verify.ok`` (the CLI exits 1).
         from_config: plan from the sources' config.json alone, no weights needed (`dry_run` only).
+        allow_unknown_keys: ignore genuinely unknown keys with a warning, as mergekit-moe does
+            (misspelt keys are errors either way).
+        gate_source: "native" or "mergekit" (mergekit-moe 0.1.5's router computation; overrides the config).
 
     Returns:
         The plan, its summary, the sharing report and, unless `dry_run`, the written files with
@@ -156,8 +163,9 @@ def upcycle(
     start = time.perf_counter()
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
-    config, sources, plan = prepare(config, from_config, tensor_policy=tensor_policy, max_shard_size=max_shard_size,
-                                    device=device, batch_size=batch_size, checksums=checksums)
+    config, sources, plan = prepare(config, from_config, allow_unknown_keys, tensor_policy=tensor_policy,
+                                    max_shard_size=max_shard_size, device=device, batch_size=batch_size,
+                                    checksums=checksums, gate_source=gate_source)
     sharing = sharing_report(plan, sources, config.tensor_policy)
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)
@@ -199,8 +207,9 @@ def upcycle(
         checked.folder = str(target)
     for ckpt in sources.values():
         ckpt.close()
+    note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift, gate_warnings)
+                       summary, checked, drift, gate_warnings, [note] if note else [])
 
 
 def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],

@@ -160,6 +160,9 @@ def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt") 
     for text in texts:
         ids = tokenizer(text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
         real = tuple(i not in special for i in ids)
+        if not any(real) and not text.strip():  # mergekit's empty "default expert" prompt: the BOS token alone
+            ids = ids or ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else [])
+            real = (True,) * len(ids)
         if not any(real):
             raise ConfigError(f"{where} {text!r} has no tokens besides special tokens; write a longer prompt")
         out.append(Encoded(tuple(ids), real))

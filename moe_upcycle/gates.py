@@ -53,6 +53,10 @@ def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[i
     num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
     mode = config.gate_mode
     check_prompts(config)
+    if config.gate_source == "mergekit":
+        from .mergekit_gates import compute_mergekit_gates
+
+        return compute_mergekit_gates(config, plan, base)
     gen = torch.Generator().manual_seed(config.seed)
     group_size = inits.granularity(config)  # > 1 for expert_init: split
     gates: dict[int, torch.Tensor] = {}
@@ -109,6 +113,8 @@ def cheap_embed_rows(experts: list[ExpertConfig], base: Checkpoint) -> torch.Ten
         vecs = []
         for prompt in prompts:
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not ids and not prompt.strip() and tokenizer.bos_token_id is not None:
+                ids = [tokenizer.bos_token_id]  # mergekit's empty "default expert" prompt: the BOS token alone
             if not ids:
                 raise ConfigError(f"prompt {prompt!r} has no tokens")
             vecs.append(embed[torch.tensor(ids)].mean(dim=0))  # masked mean: real tokens only
