@@ -214,6 +214,8 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
     tok = loaded.tokenizer
     side = padding_side or getattr(tok, "padding_side", "right")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    if pad_id >= loaded.model.get_input_embeddings().num_embeddings:
+        pad_id = 0  # a pad token added past the embedding; pad positions are masked, any row will do
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
     state: dict = {}
     last = len(loaded.norms) - 1
