@@ -13,6 +13,25 @@ from pathlib import Path
 
 import torch
 
+from routing_prompts import CODE, STORY
+
+# a 4-expert config in the shape of a published frankenMoE card (keyword prompts as in
+# Beyonder-4x7B-v2, a negative prompt, and an empty "default expert" prompt)
+PUBLISHED_4X = [
+    {"positive_prompts": ["chat", "assistant", "tell me", "explain", "I want"]},
+    {"positive_prompts": ["code", "python", "javascript", "programming", "algorithm"],
+     "negative_prompts": ["Once upon a time"]},
+    {"positive_prompts": ["storywriting", "write", "scene", "story", "character"]},
+    {"positive_prompts": [""]},
+]
+CHAT = ["Hi! How are you today?", "Can you tell me what to do?", "Please explain why the sky is blue.",
+        "I want to know more about dogs."]
+# held-out texts (none is a prompt above) and the expert each should go to
+HELD_OUT = [(t, 0) for t in CHAT] + [(t, 1) for t in CODE[6:]] + [(t, 2) for t in STORY[6:]]
+# a 2-expert config with whole example sentences as prompts (code vs stories), held out: the rest
+SENTENCES_2X = [{"positive_prompts": CODE[:6]}, {"positive_prompts": STORY[:6]}]
+HELD_OUT_2X = [(t, 0) for t in CODE[6:]] + [(t, 1) for t in STORY[6:]]
+
 
 def mergekit_tokenizer(path: Path):
     from transformers import AutoTokenizer
@@ -76,3 +95,41 @@ def gate_params(path: Path, experts: list[dict], mode: str = "hidden") -> torch.
         hidden_states /= hidden_states.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8)
         gate_vecs.append(hidden_states)
     return torch.stack(gate_vecs, dim=0).permute(1, 0, 2)  # (L, E, H)
+
+
+def router_inputs(path: Path, texts: list[str]) -> list[torch.Tensor]:
+    """Per layer, (N, H) fp32: the router's input (post_attention_layernorm output) at every token of
+    `texts`, each text run alone through the dense model — what the routers of an MoE made of
+    copies of this model score."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    layers = model.model.layers
+    captured: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = [layer.post_attention_layernorm.register_forward_hook(
+        lambda mod, args, out, i=i: captured[i].append(out[0].float())) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for text in texts:
+                model(**tokenizer(text, return_tensors="pt"))
+    finally:
+        for h in handles:
+            h.remove()
+    return [torch.cat(c) for c in captured]
+
+
+def top1_agreement(rows_a: torch.Tensor, rows_b: torch.Tensor, inputs: list[torch.Tensor]) -> float:
+    """Fraction of (layer, token) pairs whose top-1 expert is the same under both routers.
+
+    Args:
+        rows_a, rows_b: (L, E, H) router weights.
+        inputs: per layer (N, H) router inputs.
+    """
+    same = total = 0
+    for layer, x in enumerate(inputs):
+        a = (x @ rows_a[layer].float().T).argmax(dim=-1)
+        b = (x @ rows_b[layer].float().T).argmax(dim=-1)
+        same += int((a == b).sum())
+        total += a.numel()
+    return same / total
