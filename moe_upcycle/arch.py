@@ -111,7 +111,7 @@ def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
         instead = f"architecture: {natural} (or leave architecture: out), which transformers loads natively"
     return (f"architecture: deepseek: mergekit-moe writes DeepSeek-MoE (v1) checkpoints, which transformers can only "
             f"load with trust_remote_code and code from deepseek-ai/deepseek-moe-16b-base; moe-upcycle writes only "
-            f"architectures transformers ships → use {instead}")
+            f"architectures transformers ships ({', '.join(names.OUTPUT_LAYOUTS)}) → use {instead}")
 
 
 def _suggest(config: UpcycleConfig, base: Checkpoint, key: str, current: str) -> str:
