@@ -13,7 +13,8 @@ With ``expert_init: split`` the rows are tied within each virtual group of G exp
 (`inits.tie_router_rows`), which is what keeps a split model function-preserving at init.
 
 Hidden-state modes (``hidden``, ``hidden_avg``, ``hidden_last``, ``kmeans``) run the base model
-and live in `hidden_gates`.
+and live in `hidden_gates`. With ``gate_source: mergekit`` every mode is computed as mergekit-moe
+0.1.5 computes it, in `mergekit_gates`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ rounding. Our default (`hidden_gates`, ``gate_source: native``) instead scores t
 input (each layer's ``post_attention_layernorm`` output), takes a masked mean over real tokens
 (``hidden``/``hidden_avg``) or the last real token (``hidden_last``), and scales the rows.
 
-Shared-expert gates are not covered here (`shared_experts` computes them the native way).
+Shared-expert gates (qwen2_moe, one shared expert with prompts): mergekit computes the shared
+expert's row like a routed expert's and writes it as ``shared_expert_gate``; `shared_gate_rows`
+does the same (for ``hidden*`` modes this loads the base model a second time). With several
+shared experts (mergekit allows one) the native gate is kept.
 This module needs the whole base model for the ``hidden*`` modes; it writes nothing.
 """
 
@@ -159,3 +162,17 @@ def compute_mergekit_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) 
     if config.gate_scale:
         stacked = stacked * config.gate_scale
     return {layer: stacked[layer].contiguous() for layer in range(plan.num_layers)}
+
+
+def shared_gate_rows(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+    """mergekit's gate for the one shared expert: its row computed as for a routed expert, layer -> (1, H) fp32."""
+    shared = list(config.shared_experts)
+    if config.gate_mode == "cheap_embed":
+        row = cheap_embed_rows(shared, base)
+        return {layer: row.clone() for layer in range(plan.num_layers)}
+    if config.gate_mode not in ("hidden", "hidden_avg", "hidden_last"):
+        raise ConfigError(f"shared_experts[0]: gate_source: mergekit computes a prompt gate for gate_mode hidden, "
+                          f"hidden_avg, hidden_last or cheap_embed, not {config.gate_mode}; set "
+                          f"shared_expert_gate: constant")
+    rows = hidden_rows(config, shared, plan.num_layers, base.path).float()  # (L, 1, H)
+    return {layer: rows[layer].contiguous() for layer in range(plan.num_layers)}

@@ -130,6 +130,10 @@ def shared_gate_rows(config: UpcycleConfig, plan: "Plan", base: Checkpoint) -> d
 
     if not any(s.kind == "shared_gate" for s in plan.steps):
         return {}
+    if config.gate_source == "mergekit" and len(config.shared_experts) == 1:
+        from .mergekit_gates import shared_gate_rows as mergekit_rows
+
+        return mergekit_rows(config, plan, base)
     hidden = int(plan.base_config["hidden_size"])
     rows = cheap_embed_rows(list(config.shared_experts), base)  # (n, H)
     row = normalise_rows(rows.mean(dim=0, keepdim=True), config.gate_scale or default_gate_scale(hidden))

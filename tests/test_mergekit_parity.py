@@ -48,3 +48,21 @@ def test_top1_agreement_with_mergekit_routers(stories, tmp_path):
     native = reference.top1_agreement(built_rows(stories, tmp_path, "hidden", "native"), theirs, inputs)
     assert mergekit_mode >= 0.99
     assert native < mergekit_mode  # the difference the build note warns about
+
+
+def test_mergekit_source_shared_expert_gate(tiny_qwen2, tmp_path):
+    """qwen2_moe with one prompted shared expert: its gate row is mergekit's, like a routed expert's."""
+    experts = [{"positive_prompts": ["def add(a, b):", "import numpy as np"]},
+               {"positive_prompts": ["Once upon a time there was a little dragon."]}]
+    shared = {"positive_prompts": ["Hello! How are you today?"], "residual_scale": 0.5}
+    config = {"base_model": str(tiny_qwen2), "architecture": "qwen", "gate_mode": "hidden", "gate_source": "mergekit",
+              "dtype": "float32", "experts": [{"source_model": str(tiny_qwen2), **e} for e in experts],
+              "shared_experts": [{"source_model": str(tiny_qwen2), **shared}]}
+    out = upcycle(config, tmp_path / "out", checksums=False).output
+    state = load_file(str(next(out.glob("*.safetensors"))))
+    theirs = reference.gate_params(tiny_qwen2, experts + [shared], "hidden").float()  # mergekit's need_gates
+    for layer in range(2):
+        got = torch.cat([state[f"model.layers.{layer}.mlp.gate.weight"],
+                         state[f"model.layers.{layer}.mlp.shared_expert_gate.weight"]])
+        cos = torch.nn.functional.cosine_similarity(got, theirs[layer], dim=-1)
+        assert cos.min() >= 0.999, (layer, cos)
