@@ -48,7 +48,8 @@ def routers(folder: Path) -> torch.Tensor:
     state = {}
     for shard in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(shard)))
-    keys = sorted((k for k in state if k.endswith(("block_sparse_moe.gate.weight", ".mlp.gate.weight"))), key=lambda k: int(k.split(".")[2]))
+    keys = sorted((k for k in state if k.endswith(("block_sparse_moe.gate.weight", ".mlp.gate.weight"))),
+                  key=lambda k: int(k.split(".")[2]))
     return torch.stack([state[k].float() for k in keys])
 
 
