@@ -180,6 +180,9 @@ def test_unknown_keys_cli_flag(cache, tmp_path):
     assert built.exit_code == 0, built.output
     text = " ".join(built.output.split())
     assert text.count("warning: tokenizer_source: unknown key ignored") == 1  # once, not again by the lint pass
+    planned = runner.invoke(app, ["plan", str(config), "--allow-unknown-keys"])
+    assert planned.exit_code == 0, planned.output
+    assert "warning: merge_method: unknown key ignored" in " ".join(planned.output.split())
 
 
 @pytest.mark.parametrize("spelling, ours", [
