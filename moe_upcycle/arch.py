@@ -87,8 +87,10 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
             name = "qwen3_moe"  # mergekit's "qwen" is whichever Qwen output fits: Qwen3 MoE for Qwen3 models
         layout = names.output_layout(name)
         reasons = misfits(layout, config, base)
+        # mergekit's "qwen" names two outputs: say which one it was read as
+        label = name if config.architecture == name else f"{config.architecture} (read as {name})"
         if reasons:
-            raise PlanError(*[f"architecture: {name}: {text}{_suggest(config, base, key, name)}"
+            raise PlanError(*[f"architecture: {label}: {text}{_suggest(config, base, key, name)}"
                               for text, key in reasons])
         return layout
     order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output]

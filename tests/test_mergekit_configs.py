@@ -228,3 +228,14 @@ def test_empty_and_null_prompts_are_accepted():
         {"source_model": "m", "positive_prompts": ["  "]}], "shared_experts": None})
     assert [e.positive_prompts for e in config.experts] == [[""], ["  "]]
     assert config.experts[0].negative_prompts == [] and config.shared_experts == []
+
+
+def test_qwen_on_qwen3_with_a_shared_expert_says_which_output_it_read(tiny_qwen3):
+    """mergekit's Qwen3 MoE has no shared expert, so "qwen" means qwen2_moe, which cannot hold Qwen3's q/k norms."""
+    base = str(tiny_qwen3)
+    with pytest.raises(UpcycleError) as info:
+        upcycle({"base_model": base, "architecture": "qwen", "gate_mode": "random",
+                 "experts": [{"source_model": base}, {"source_model": base}], "shared_experts": [{"source_model": base}]},
+                dry_run=True)
+    assert str(info.value).startswith("architecture: qwen (read as qwen2_moe): the base has q/k norms "
+                                      "(self_attn.q_norm.weight), which Qwen2-MoE cannot hold")
