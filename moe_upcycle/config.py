@@ -4,6 +4,8 @@ Accepts mergekit-moe configs unchanged (`base_model`, `architecture`, `gate_mode
 `experts_per_token`, `experts[]`, `shared_experts`) plus moe-upcycle's own keys (`num_experts`,
 `tensor_policy`, `seed`, `output`, `max_shard_size`, ...). Every problem is reported at once with
 its YAML path, e.g. ``experts[2].positve_prompts: unknown key — did you mean positive_prompts?``.
+mergekit's spellings (null or empty prompts, ``Mixtral``/``qwen``/``Qwen3 MoE``, ``torch.bfloat16``)
+are normalised here; which unknown keys are errors and which may be ignored is `unknown_keys`' rule.
 
 This module checks the config on its own; checks against the checkpoints live in `plan`.
 """
