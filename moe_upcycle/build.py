@@ -29,6 +29,7 @@ from moe_upcycle.planning.report import sharing_report
 from moe_upcycle.publish.card import write_model_card
 from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.publish.model_files import copy_tokenizer_files, moe_config, write_config
+from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 
@@ -48,6 +49,7 @@ class BuildResult:
     verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
     gate_warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. a mergekit config built with our router semantics
 
 
 def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Path:
@@ -59,13 +61,13 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
 
 
 def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = False,
-            **overrides) -> tuple[UpcycleConfig, dict, Plan]:
+            allow_unknown_keys: bool = False, **overrides) -> tuple[UpcycleConfig, dict, Plan]:
     """Validate the config, open the sources and plan; nothing is written.
 
     With `from_config`, sources are described from their config.json alone (`meta_model`).
     """
     if not isinstance(config, UpcycleConfig):
-        config = load_config(config, overrides=overrides)
+        config = load_config(config, overrides=overrides, allow_unknown_keys=allow_unknown_keys)
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
     if from_config:
@@ -93,6 +95,8 @@ def upcycle(
     on_step: Callable[[Step, Plan], None] = lambda step, plan: None,
     verify: bool = False,
     from_config: bool = False,
+    allow_unknown_keys: bool = False,
+    gate_source: Optional[str] = None,
 ) -> BuildResult:
     """Build an MoE checkpoint from dense checkpoint(s) — the library form of ``moe-upcycle build``.
 
@@ -112,6 +116,9 @@ def upcycle(
             put its results in the model card and ``moe_upcycle.json``. A failed verification
             does not stop the build: check ``result.verify.ok`` (the CLI exits 1).
         from_config: plan from the sources' config.json alone, no weights needed (`dry_run` only).
+        allow_unknown_keys: ignore genuinely unknown keys with a warning, as mergekit-moe does
+            (misspelt keys are errors either way).
+        gate_source: "native" or "mergekit" (mergekit-moe 0.1.5's router computation; overrides the config).
 
     Returns:
         The plan, its summary, the sharing report and, unless `dry_run`, the written files with
@@ -126,8 +133,9 @@ def upcycle(
     start = time.perf_counter()
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
-    config, sources, plan = prepare(config, from_config, tensor_policy=tensor_policy, max_shard_size=max_shard_size,
-                                    device=device, batch_size=batch_size, checksums=checksums)
+    config, sources, plan = prepare(config, from_config, allow_unknown_keys, tensor_policy=tensor_policy,
+                                    max_shard_size=max_shard_size, device=device, batch_size=batch_size,
+                                    checksums=checksums, gate_source=gate_source)
     sharing = sharing_report(plan, sources, config.tensor_policy)
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)
@@ -170,5 +178,6 @@ def upcycle(
         checked.folder = str(target)
     for ckpt in sources.values():
         ckpt.close()
+    note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift, gate_warnings)
+                       summary, checked, drift, gate_warnings, [note] if note else [])

@@ -115,8 +115,10 @@ def test_shared_experts_need_qwen2_moe():
 def test_unsupported_architecture_lists_supported():
     got = problems({"base_model": "llama", "num_experts": 2, "gate_mode": "random", "architecture": "deepseek"},
                    meta("llama"))
-    assert got == ["architecture: 'deepseek' is not a supported output architecture; supported: mixtral, qwen2_moe, "
-                   "qwen3_moe"]
+    assert got == ["architecture: deepseek: mergekit-moe writes DeepSeek-MoE (v1) checkpoints, which transformers can "
+                   "only load with trust_remote_code and code from deepseek-ai/deepseek-moe-16b-base; moe-upcycle "
+                   "writes only architectures transformers ships (mixtral, qwen2_moe, qwen3_moe) → use architecture: "
+                   "mixtral (or leave architecture: out), which transformers loads natively"]
 
 
 # ---- unsupported families

@@ -42,10 +42,7 @@ CONFIG_CASES = [
     ("unknown-key-odd", GOOD + "'[x]': 1\n", [], ["[x]: unknown key", "valid keys:"]),
     ("missing-base-model", "num_experts: 2\n", [], ["base_model: required key is missing"]),
     ("empty-experts", "base_model: {base}\nexperts: []\n", [], ["no experts", "num_experts"]),
-    ("empty-prompt", EXPERTS.replace("name: a", "name: a\n    positive_prompts: ['']"), [],
-     ["experts[0].positive_prompts", "prompt 0 is empty"]),
-    ("whitespace-prompt", EXPERTS.replace("name: b", "name: b\n    negative_prompts: [ok, '  \t ']"), [],
-     ["experts[1].negative_prompts", "prompt 1 is empty"]),
+    # empty prompts ([""], mergekit's "default expert") are accepted: tests/test_mergekit_configs.py
     ("duplicate-names", EXPERTS.replace("name: b", "name: a"), [], ["experts:", "duplicate expert names ['a']"]),
     ("experts-per-token-0", GOOD + "experts_per_token: 0\n", [], ["experts_per_token:", "greater than or equal to 1"]),
     ("experts-per-token-too-many", GOOD + "experts_per_token: 3\n", [],

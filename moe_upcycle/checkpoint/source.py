@@ -142,7 +142,8 @@ def resolve_model(ref: str, field_name: str) -> Path:
     """Resolve a model reference to a local folder.
 
     Args:
-        ref: a folder path, or a hub id (``org/name``) present in the local Hugging Face cache.
+        ref: a folder path, or a hub id (``org/name``, or mergekit's ``org/name@revision``) present
+            in the local Hugging Face cache.
         field_name: the YAML field that named it, for messages.
 
     Raises:
@@ -152,15 +153,19 @@ def resolve_model(ref: str, field_name: str) -> Path:
     if path.is_dir():
         return path.resolve()
     looked = [str(path.resolve())]
-    if "/" in ref and not ref.startswith((".", "/", "~")) and ref.count("/") == 1:
+    # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
+    repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    if "/" in repo and not repo.startswith((".", "/", "~")) and repo.count("/") == 1:
         from huggingface_hub import constants, snapshot_download
 
         try:
-            return Path(snapshot_download(ref, local_files_only=True))
+            return Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
         except Exception:
-            looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}")
+            at = f" at revision {revision!r}" if revision else ""
+            looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
+    download = f"huggingface-cli download {repo}" + (f" --revision {revision}" if revision else "")
     raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
-                      f"give a local folder, or download the hub model first (huggingface-cli download {ref})")
+                      f"give a local folder, or download the hub model first ({download})")
 
 
 def open_sources(refs: dict[str, str],

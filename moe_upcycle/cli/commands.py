@@ -7,6 +7,7 @@ arguments.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from moe_upcycle.errors import UpcycleError
+from moe_upcycle.errors import UpcycleError, UpcycleWarning
 
 from moe_upcycle.cli.app import DEBUG, app, cli_errors, console, out  # noqa: F401
 
@@ -45,16 +46,22 @@ def build(
                                              help="Record the sha256 of every shard (default on; costs more CPU than writing)."),
     device: Optional[str] = typer.Option(None, help="Where hidden-state gates run the base model: auto, cpu, cuda, cuda:N."),
     batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
+    mergekit: bool = typer.Option(False, "--mergekit", help="Compute routers exactly as mergekit-moe 0.1.5 does "
+                                                            "(same as gate_source: mergekit)."),
+    allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
+                                            "warning, as mergekit-moe does (misspelt keys stay errors)."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
 
     if not no_lint:
-        _warn_prompt_lint(config)
+        _warn_prompt_lint(config, allow_unknown_keys)
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
+    gate_source = "mergekit" if mergekit else None
     if dry_run:
-        print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size))
+        print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
+                           allow_unknown_keys=allow_unknown_keys, gate_source=gate_source))
         return
     if verify:
         console.print("verify: the output will be loaded with transformers and compared with the base after writing",
@@ -66,7 +73,10 @@ def build(
             progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
 
         result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
-                         device=device, batch_size=batch_size, checksums=checksums, on_step=on_step, verify=verify)
+                         device=device, batch_size=batch_size, checksums=checksums, on_step=on_step, verify=verify,
+                         allow_unknown_keys=allow_unknown_keys, gate_source=gate_source)
+    for line in result.notes:
+        console.print(f"[bold cyan]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
     for line in result.sharing:
         console.print(line, highlight=False)
     for line in result.gate_warnings:
@@ -91,11 +101,13 @@ def plan(
                                                                        "(else output: in the YAML)."),
     from_config: bool = typer.Option(False, "--from-config", help="Describe the models from their config.json "
                                                                   "alone: plan before downloading any weights."),
+    allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
+                                            "warning, as mergekit-moe does (misspelt keys stay errors)."),
 ) -> None:
     """Print the build plan of CONFIG and write nothing (same as build --dry-run)."""
     from moe_upcycle.build import upcycle
 
-    print_plan(upcycle(config, output, dry_run=True, from_config=from_config))
+    print_plan(upcycle(config, output, dry_run=True, from_config=from_config, allow_unknown_keys=allow_unknown_keys))
 
 
 @app.command("verify")
@@ -144,14 +156,16 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), help="Scratch folder fo
         raise typer.Exit(1)
 
 
-def _warn_prompt_lint(config: Path) -> None:
+def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False) -> None:
     """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build."""
     from moe_upcycle.prompts.lint import quick_lint
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.schema import load_config
 
     try:
-        cfg = load_config(config)
+        with warnings.catch_warnings():  # the build prints the config's warnings, once
+            warnings.simplefilter("ignore", UpcycleWarning)
+            cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     except UpcycleError:
         return  # the build reports it, with every problem
     if not any(e.positive_prompts for e in cfg.experts):  # only prompts listed in the YAML are linted here

@@ -160,6 +160,9 @@ def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt") 
     for text in texts:
         ids = tokenizer(text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
         real = tuple(i not in special for i in ids)
+        if not any(real) and not text.strip():  # mergekit's empty "default expert" prompt: the BOS token alone
+            ids = ids or ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else [])
+            real = (True,) * len(ids)
         if not any(real):
             raise ConfigError(f"{where} {text!r} has no tokens besides special tokens; write a longer prompt")
         out.append(Encoded(tuple(ids), real))
@@ -211,6 +214,8 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
     tok = loaded.tokenizer
     side = padding_side or getattr(tok, "padding_side", "right")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    if pad_id >= loaded.model.get_input_embeddings().num_embeddings:
+        pad_id = 0  # a pad token added past the embedding; pad positions are masked, any row will do
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
     state: dict = {}
     last = len(loaded.norms) - 1

@@ -2,8 +2,9 @@
 
 A Mixtral router at layer *l* scores the output of layer *l*'s ``post_attention_layernorm`` (the
 MLP input). We capture exactly that tensor with forward hooks on every layer's norm, in one pass
-of the base model per batch of texts. Unlike mergekit-moe we neither average the residual stream
-before attention nor average pad positions.
+of the base model per batch of texts. This is not mergekit-moe 0.1.5's computation (the last token,
+or for ``hidden_avg`` a mean including pad positions, of each layer's input residual stream):
+that one is `mergekit_gates`, chosen with ``gate_source: mergekit``.
 
 **This mode needs the whole base model**: it is loaded once with transformers (on the GPU when
 present, with accelerate's ``device_map="auto"`` spreading a model larger than one GPU over all

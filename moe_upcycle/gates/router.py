@@ -13,7 +13,8 @@ With ``expert_init: split`` the rows are tied within each virtual group of G exp
 (`inits.tie_router_rows`), which is what keeps a split model function-preserving at init.
 
 Hidden-state modes (``hidden``, ``hidden_avg``, ``hidden_last``, ``kmeans``) run the base model
-and live in `hidden_gates`.
+and live in `hidden_gates`. With ``gate_source: mergekit`` every mode is computed as mergekit-moe
+0.1.5 computes it, in `mergekit_gates`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int,
     check_prompts(params)
     gen = torch.Generator().manual_seed(params.seed)
     group_size = params.group_size  # > 1 for expert_init: split
+    if params.source == "mergekit":
+        from moe_upcycle.gates.mergekit_gates import compute_mergekit_gates
+
+        return compute_mergekit_gates(params, plan, base)
     gates: dict[int, torch.Tensor] = {}
     if mode == "cheap_embed":
         rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
@@ -111,6 +116,8 @@ def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torc
         vecs = []
         for prompt in prompts:
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not ids and not prompt.strip() and tokenizer.bos_token_id is not None:
+                ids = [tokenizer.bos_token_id]  # mergekit's empty "default expert" prompt: the BOS token alone
             if not ids:
                 raise ConfigError(f"prompt {prompt!r} has no tokens")
             vecs.append(embed[torch.tensor(ids)].mean(dim=0))  # masked mean: real tokens only
@@ -140,6 +147,10 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
     """
     if not any(s.kind == "shared_gate" for s in plan.steps):
         return {}
+    if params.source == "mergekit" and len(params.shared_experts) == 1:
+        from moe_upcycle.gates.mergekit_gates import shared_gate_rows as mergekit_rows
+
+        return mergekit_rows(params, plan, base)
     hidden = int(plan.base_config["hidden_size"])
     rows = cheap_embed_rows(params.shared_experts, base)  # (n, H)
     row = normalise_rows(rows.mean(dim=0, keepdim=True), params.scale or default_gate_scale(hidden))

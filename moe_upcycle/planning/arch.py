@@ -75,12 +75,18 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
     """
     where = f"base_model ({config.base_model})"
     family = names.input_family(base.model_type, where)
+    if config.architecture == "deepseek":
+        raise PlanError(deepseek_refusal(config, family.default_output))
     if config.architecture:
         name = ALIASES.get(config.architecture, config.architecture)
+        if config.architecture == "qwen" and base.model_type == "qwen3" and not config.shared_experts:
+            name = "qwen3_moe"  # mergekit's "qwen" is whichever Qwen output fits: Qwen3 MoE for Qwen3 models
         layout = names.output_layout(name)
         reasons = misfits(layout, config, base)
+        # mergekit's "qwen" names two outputs: say which one it was read as
+        label = name if config.architecture == name else f"{config.architecture} (read as {name})"
         if reasons:
-            raise PlanError(*[f"architecture: {name}: {text}{_suggest(config, base, key, name)}"
+            raise PlanError(*[f"architecture: {label}: {text}{_suggest(config, base, key, name)}"
                               for text, key in reasons])
         return layout
     order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output]
@@ -92,6 +98,18 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
         report += [f"{name}: {text}{_suggest(config, base, key, name)}" for text, key in reasons]
     raise PlanError(f"{where}: no output architecture can hold this {family.class_name} "
                     f"(tried {', '.join(order)}):", *report)
+
+
+def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
+    """Why `architecture: deepseek` is refused, and what to write instead."""
+    if config.shared_experts:
+        instead = ("architecture: qwen2_moe, which has a shared expert (add shared_expert_gate: constant for "
+                   "DeepSeek's always-on, ungated shared expert)")
+    else:
+        instead = f"architecture: {natural} (or leave architecture: out), which transformers loads natively"
+    return (f"architecture: deepseek: mergekit-moe writes DeepSeek-MoE (v1) checkpoints, which transformers can only "
+            f"load with trust_remote_code and code from deepseek-ai/deepseek-moe-16b-base; moe-upcycle writes only "
+            f"architectures transformers ships ({', '.join(names.OUTPUT_LAYOUTS)}) → use {instead}")
 
 
 def _suggest(config: UpcycleConfig, base: Checkpoint, key: str, current: str) -> str:

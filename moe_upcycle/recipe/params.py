@@ -31,6 +31,7 @@ class GateParams:
 
     Attributes:
         mode: the recipe's ``gate_mode``.
+        source: ``gate_source``: ``native`` (our router-input semantics) or ``mergekit`` (mergekit-moe 0.1.5's).
         experts: the routed experts' prompts, in slot order.
         shared_experts: the shared experts' prompts (qwen2_moe), in recipe order.
         copies: True for ``num_experts: N`` (copies of the base, no prompts).
@@ -43,6 +44,7 @@ class GateParams:
 
     mode: str
     experts: tuple[ExpertPrompts, ...]
+    source: str = "native"
     shared_experts: tuple[ExpertPrompts, ...] = ()
     copies: bool = False
     seed: int = 0

@@ -44,7 +44,7 @@ def gate_params(config: UpcycleConfig) -> GateParams:
     init = config.expert_init
     group = int(init.granularity) if init.method == "split" and init.granularity else 1
     return GateParams(
-        mode=config.gate_mode, experts=expert_prompts(config.expert_list()),
+        mode=config.gate_mode, experts=expert_prompts(config.expert_list()), source=config.gate_source,
         shared_experts=expert_prompts(list(config.shared_experts)), copies=config.num_experts is not None,
         seed=config.seed, scale=config.gate_scale, init_std=config.router_init_std, group_size=group,
         center=config.gate_center, calibration_text=config.calibration_text, batch_size=config.batch_size,

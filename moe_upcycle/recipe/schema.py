@@ -4,13 +4,14 @@ Accepts mergekit-moe configs unchanged (`base_model`, `architecture`, `gate_mode
 `experts_per_token`, `experts[]`, `shared_experts`) plus moe-upcycle's own keys (`num_experts`,
 `tensor_policy`, `seed`, `output`, `max_shard_size`, ...). Every problem is reported at once with
 its YAML path, e.g. ``experts[2].positve_prompts: unknown key — did you mean positive_prompts?``.
+mergekit's spellings (null or empty prompts, ``Mixtral``/``qwen``/``Qwen3 MoE``, ``torch.bfloat16``)
+are normalised here; which unknown keys are errors and which may be ignored is `unknown_keys`' rule.
 
 This module checks the config on its own; checks against the checkpoints live in `plan`.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 import typing
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key
 
 GateMode = Literal[
     "hidden", "hidden_avg", "hidden_last", "kmeans", "cheap_embed", "random", "uniform_random", "uniform"
@@ -30,13 +32,17 @@ DType = Literal["float32", "float16", "bfloat16"]
 TensorPolicy = Literal["share", "clone"]
 InitMethod = Literal["copy", "noise", "drop", "split"]
 Quantize = Literal["4bit", "8bit"]
-# mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `plan` says what it supports.
+# mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `arch` says what it supports.
+# Spellings (any case, "Qwen MoE", "qwen3", ...) are mapped onto these by `mergekit_names.architecture_name`.
 Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek"]
+# "native": our router inputs (hidden_gates); "mergekit": mergekit-moe 0.1.5's computation (mergekit_gates)
+GateSource = Literal["native", "mergekit"]
 Layout = Literal["per_expert", "fused"]
 AttentionFrom = Literal["base", "average"]
 SharedExpertGate = Literal["constant", "prompts"]
 
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+                  "single": "float32"}
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 MAX_SHARD_BYTES_LIMIT = 2**40  # 1 TiB: anything larger is certainly a typo
@@ -115,6 +121,7 @@ class ExpertConfig(_Strict):
 
     source_model: str
     name: Optional[str] = None
+    # mergekit accepts `positive_prompts:` left empty (null) and [""] (the empty prompt: the BOS token alone)
     positive_prompts: list[str] = Field(default_factory=list)
     negative_prompts: list[str] = Field(default_factory=list)
     noise_scale: Optional[float] = Field(default=None, ge=0)
@@ -134,13 +141,10 @@ class ExpertConfig(_Strict):
     positive_prompts_from: Optional[str] = None
     negative_prompts_from: Optional[str] = None
 
-    @field_validator("positive_prompts", "negative_prompts")
+    @field_validator("positive_prompts", "negative_prompts", mode="before")
     @classmethod
-    def _no_blank_prompts(cls, prompts: list[str]) -> list[str]:
-        for i, p in enumerate(prompts):
-            if not p.strip():
-                raise ValueError(f"prompt {i} is empty; remove it or write a prompt")
-        return prompts
+    def _null_is_empty(cls, prompts: Any) -> Any:
+        return [] if prompts is None else prompts
 
     @field_validator("positive_prompts_from", "negative_prompts_from")
     @classmethod
@@ -172,6 +176,7 @@ class UpcycleConfig(_Strict):
     num_experts: Optional[int] = Field(default=None, ge=1, le=1024)
     architecture: Optional[Architecture] = None
     gate_mode: GateMode = "hidden"
+    gate_source: GateSource = "native"
     dtype: Optional[DType] = None
     experts_per_token: int = Field(default=2, ge=1)
     shared_experts: list[SharedExpertConfig] = Field(default_factory=list)
@@ -208,7 +213,22 @@ class UpcycleConfig(_Strict):
     @field_validator("dtype", "gate_dtype", mode="before")
     @classmethod
     def _dtype_name(cls, value: Any) -> Any:
-        return _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        name = value.strip().lower().removeprefix("torch.")  # mergekit also reads "torch.bfloat16"
+        return _DTYPE_ALIASES.get(name, name) if name else None
+
+    @field_validator("architecture", mode="before")
+    @classmethod
+    def _architecture_name(cls, value: Any) -> Any:
+        from .mergekit_names import architecture_name
+
+        return architecture_name(value) if isinstance(value, str) else value
+
+    @field_validator("shared_experts", mode="before")
+    @classmethod
+    def _null_is_no_shared(cls, value: Any) -> Any:
+        return [] if value is None else value
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -246,6 +266,10 @@ class UpcycleConfig(_Strict):
             problems += [f"shared_experts[{i}].positive_prompts: shared_expert_gate: prompts needs at least one "
                          f"prompt; add prompts or use shared_expert_gate: constant"
                          for i, e in enumerate(self.shared_experts) if not e.positive_prompts]
+        if self.gate_source == "mergekit" and self.gate_mode in ("kmeans", "uniform"):
+            problems.append(f"gate_source: mergekit reproduces mergekit-moe's gate modes, and gate_mode "
+                            f"{self.gate_mode} is not one of them; use gate_source: native, or gate_mode hidden, "
+                            f"hidden_avg, hidden_last, cheap_embed, random or uniform_random")
         if self.gate_mode == "kmeans" and self.calibration_text is None:
             problems.append("gate_mode kmeans needs calibration_text: a .txt/.jsonl file or a folder of them")
         if problems:
@@ -269,12 +293,15 @@ class UpcycleConfig(_Strict):
 # Loading and error formatting
 
 
-def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = None) -> UpcycleConfig:
+def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = None,
+                allow_unknown_keys: bool = False) -> UpcycleConfig:
     """Read and validate a config from a YAML file path or a dict.
 
     Args:
         source: path to a YAML file, or the already-parsed mapping.
         overrides: keys that replace the file's (CLI options); ``None`` values are ignored.
+        allow_unknown_keys: ignore genuinely unknown keys with a warning instead of refusing
+            them (misspelt keys are errors either way; see `unknown_keys`).
 
     Returns:
         The validated config.
@@ -304,6 +331,8 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value
+    if allow_unknown_keys:
+        data = drop_unknown_keys(data, UpcycleConfig)
     try:
         return UpcycleConfig.model_validate(data)
     except ValidationError as exc:
@@ -321,8 +350,10 @@ def _format_errors(exc: ValidationError) -> list[str]:
         path = _yaml_path(loc)
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
-            hint = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-            suggestion = f" — did you mean {hint[0]}?" if hint else f" — valid keys: {', '.join(sorted(valid))}"
+            hint = intended_key(loc[-1], valid)
+            suggestion = (f" — did you mean {hint}?" if hint else
+                          f" — remove it, or build with --allow-unknown-keys to ignore it with a warning as "
+                          f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
         elif kind == "literal_error":

@@ -1,0 +1,180 @@
+"""Router rows computed exactly as mergekit-moe 0.1.5 computes them (``gate_source: mergekit``).
+
+Restated from mergekit's ``get_gate_params`` / ``get_hidden_states`` / ``get_cheap_embedding``
+(mergekit/moe/router.py) and its tokenizer set-up (mergekit/scripts/moe.py):
+
+- Tokenizer: left padding, the pad id is BOS (EOS when there is none); each prompt is
+  ``bos_token + prompt`` tokenized without special tokens; each expert's positive prompts form one
+  padded batch, its negative prompts another. Batches are mergekit's, because with left padding
+  and default position ids the padding shifts positions, so a prompt's vector depends on its batch.
+- ``hidden`` and ``hidden_last``: the base model in bfloat16 (or `gate_dtype`),
+  ``output.hidden_states[:-1]`` — each layer's **input** residual stream, before its attention
+  block and norms — at the **last position** of each row (the prompt's last token, thanks to the
+  left padding), averaged over the prompts.
+- ``hidden_avg``: the mean over **all** positions of the padded batch, pads included (sum / T).
+- Negative prompts: their vector is subtracted; then each layer's row is scaled to unit length and
+  nothing else (no logit scale). ``gate_scale``, when set, multiplies the unit rows.
+- ``cheap_embed``: the masked sum of token embeddings over every token (BOS included) of every
+  prompt, unit length, minus the negatives' (unit) sum, unit length again; the same in every layer.
+- ``random``: standard normal rows (std 1.0); ``uniform_random``: U(-1/sqrt(H), 1/sqrt(H)).
+
+Arithmetic runs in the model dtype, as in mergekit, so rows agree with mergekit's to bf16
+rounding. Our default (`hidden_gates`, ``gate_source: native``) instead scores the router's true
+input (each layer's ``post_attention_layernorm`` output), takes a masked mean over real tokens
+(``hidden``/``hidden_avg``) or the last real token (``hidden_last``), and scales the rows.
+
+Shared-expert gates (qwen2_moe, one shared expert with prompts): mergekit computes the shared
+expert's row like a routed expert's and writes it as ``shared_expert_gate``; `shared_gate_rows`
+does the same (for ``hidden*`` modes this loads the base model a second time). With several
+shared experts (mergekit allows one) the native gate is kept.
+This module needs the whole base model for the ``hidden*`` modes; it writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.planning import inits
+from moe_upcycle.gates.capture import load_base
+from moe_upcycle.recipe.params import ExpertPrompts, GateParams
+from moe_upcycle.errors import ConfigError
+from moe_upcycle.planning.steps import Plan
+from moe_upcycle.checkpoint.source import Checkpoint
+
+MERGEKIT_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed", "random", "uniform_random")
+
+
+def mergekit_tokenizer(path: Path):
+    """The base tokenizer set up as mergekit-moe does: left padding, BOS as the pad token."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ConfigError(f"gate_source: mergekit needs the base model's tokenizer, which failed to load from {path} "
+                          f"({exc}); add tokenizer files or use gate_mode: random") from None
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token_id = tokenizer.bos_token_id
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenize_prompts(prompts: Sequence[str], tokenizer) -> dict[str, torch.Tensor]:
+    """One left-padded batch of ``bos_token + prompt`` (input_ids, attention_mask), as mergekit does.
+
+    Raises:
+        ConfigError: the batch has no token at all (empty prompts and no BOS token).
+    """
+    batch = tokenizer([(tokenizer.bos_token or "") + p for p in prompts], return_tensors="pt", padding=True,
+                      add_special_tokens=False)
+    if batch["input_ids"].shape[-1] == 0:
+        raise ConfigError(f"prompts {prompts!r} give no tokens: they are empty and the tokenizer has no BOS token; "
+                          f"write a prompt")
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def _unit(rows: torch.Tensor) -> torch.Tensor:
+    return rows / rows.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8)
+
+
+def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers: int, base_path: Path) -> torch.Tensor:
+    """(L, E, H) unit rows for ``hidden``, ``hidden_avg`` and ``hidden_last``, in the model dtype.
+
+    Loads the whole base model (bfloat16 unless `gate_dtype` is set) on `params.device`.
+    """
+    loaded = load_base(base_path, params.device, params.dtype or "bfloat16", params.quantize)
+    tokenizer = mergekit_tokenizer(base_path)
+    average = params.mode == "hidden_avg"
+
+    def prompt_vector(prompts: Sequence[str]) -> torch.Tensor:  # (L, H)
+        batch = {k: v.to(loaded.input_device) for k, v in tokenize_prompts(prompts, tokenizer).items()}
+        with torch.inference_mode():
+            output = loaded.model(**batch, output_hidden_states=True, return_dict=True, use_cache=False)
+        states = torch.stack([h.to(loaded.input_device) for h in output.hidden_states[:-1]])  # (L, B, T, H)
+        if len(states) != num_layers:
+            raise ConfigError(f"base_model: transformers returned {len(states)} layer inputs, config.json says "
+                              f"{num_layers} layers")
+        per_prompt = states.sum(dim=2) / states.shape[2] if average else states[:, :, -1, :]  # (L, B, H)
+        return per_prompt.sum(dim=1) / per_prompt.shape[1]
+
+    rows = []
+    for expert in experts:
+        vec = prompt_vector(expert.positive)
+        if expert.negative:
+            vec = vec - prompt_vector(expert.negative)
+        rows.append(_unit(vec))
+    return torch.stack(rows, dim=1).cpu()  # (L, E, H)
+
+
+def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torch.Tensor:
+    """(E, H) fp32 unit rows: mergekit's cheap_embed (summed embeddings of every token, BOS included)."""
+    tokenizer = mergekit_tokenizer(base.path)
+    embed = base.read(names.EMBED).float()  # (V, H)
+
+    def summed(prompts: Sequence[str]) -> torch.Tensor:  # (H,)
+        batch = tokenize_prompts(prompts, tokenizer)
+        h = embed[batch["input_ids"]]  # (B, T, H): mergekit's one-hot @ embed
+        return _unit((h * batch["attention_mask"].unsqueeze(-1)).sum(dim=1).sum(dim=0))
+
+    rows = []
+    for expert in experts:
+        vec = summed(expert.positive)
+        if expert.negative:
+            vec = vec - summed(expert.negative)
+        rows.append(_unit(vec))
+    return torch.stack(rows)
+
+
+def compute_mergekit_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+    """Router weights for every layer as mergekit-moe 0.1.5 computes them: layer -> (E, H) fp32.
+
+    Raises:
+        ConfigError: the mode has no mergekit counterpart, or the prompts give no tokens.
+        UpcycleError: the base model cannot be loaded (``hidden*`` modes).
+    """
+    mode = params.mode
+    experts = params.experts
+    num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
+    group_size = params.group_size
+    if mode not in MERGEKIT_MODES:
+        raise ConfigError(f"gate_mode: {mode} has no mergekit-moe counterpart; use gate_source: native, or one of "
+                          f"{', '.join(MERGEKIT_MODES)}")
+    if mode in ("random", "uniform_random"):
+        gen = torch.Generator().manual_seed(params.seed)
+        bound = 1.0 / math.sqrt(hidden)
+        gates = {}
+        for layer in range(plan.num_layers):
+            g = (torch.randn(num_experts, hidden, generator=gen) if mode == "random"
+                 else torch.rand(num_experts, hidden, generator=gen) * (2 * bound) - bound)
+            gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
+        return gates
+    if base.path is None:
+        raise ConfigError(f"gate_mode: {mode} reads the base model, which needs a checkpoint folder")
+    if mode == "cheap_embed":
+        rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
+        rows = rows * params.scale if params.scale else rows
+        return {layer: rows.clone() for layer in range(plan.num_layers)}
+    stacked = hidden_rows(params, experts, plan.num_layers, base.path).float()
+    if params.scale:
+        stacked = stacked * params.scale
+    return {layer: stacked[layer].contiguous() for layer in range(plan.num_layers)}
+
+
+def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+    """mergekit's gate for the one shared expert: its row computed as for a routed expert, layer -> (1, H) fp32."""
+    shared = params.shared_experts
+    if params.mode == "cheap_embed":
+        row = cheap_embed_rows(shared, base)
+        return {layer: row.clone() for layer in range(plan.num_layers)}
+    if params.mode not in ("hidden", "hidden_avg", "hidden_last"):
+        raise ConfigError(f"shared_experts[0]: gate_source: mergekit computes a prompt gate for gate_mode hidden, "
+                          f"hidden_avg, hidden_last or cheap_embed, not {params.mode}; set "
+                          f"shared_expert_gate: constant")
+    rows = hidden_rows(params, shared, plan.num_layers, base.path).float()  # (L, 1, H)
+    return {layer: rows[layer].contiguous() for layer in range(plan.num_layers)}

@@ -1,0 +1,93 @@
+"""mergekit-moe 0.1.5's vocabulary: its config keys and the `architecture:` spellings it accepts.
+
+mergekit-moe picks its output with ``name.lower().startswith(architecture.lower())`` over its
+outputs "Mixtral", "DeepSeek MoE", "Qwen MoE" and "Qwen3 MoE", so ``Mixtral``, ``qwen``,
+``Qwen3``, ``deepseek`` and ``qwen moe`` are all valid there. `architecture_name` maps every such
+spelling (and a few obvious others: ``qwen2``, ``qwen3-moe``) onto our names. ``qwen`` is a
+prefix of both Qwen outputs, so it stays ``qwen`` and `arch` picks one from the base model.
+
+`looks_like_mergekit` tells whether a validated config uses mergekit's keys only, so `build`
+can say when such a config is built with our (different) router semantics.
+
+It validates nothing else and reads no checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# mergekit-moe 0.1.5: MoEMergeConfig and Expert (mergekit/moe/config.py)
+MERGEKIT_KEYS = frozenset({"base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts",
+                           "architecture"})
+MERGEKIT_EXPERT_KEYS = frozenset({"source_model", "positive_prompts", "negative_prompts", "noise_scale",
+                                  "residual_scale"})
+# mergekit's output names (MoEOutputArchitecture.name()), lowercased, and ours for each
+_MERGEKIT_OUTPUTS = {"mixtral": "mixtral", "deepseek moe": "deepseek", "qwen moe": "qwen2_moe",
+                     "qwen3 moe": "qwen3_moe"}
+# spellings people write that are not prefixes of mergekit's names
+_EXTRA_SPELLINGS = {"qwen2": "qwen2_moe", "qwen2 moe": "qwen2_moe", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                    "qwen moe": "qwen2_moe", "deepseekmoe": "deepseek", "deepseek v1": "deepseek"}
+OUR_ARCHITECTURES = ("mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek")
+# how and where to run, not what to build: setting these (CLI options) keeps a config mergekit-shaped
+RUN_KEYS = frozenset({"device", "batch_size", "checksums", "tensor_policy", "max_shard_size", "output"})
+
+
+def architecture_name(value: str) -> Optional[str]:
+    """Our name for an `architecture:` value as mergekit-moe would read it.
+
+    Example:
+        >>> [architecture_name(v) for v in ("Mixtral", "qwen", "Qwen3", "QWEN MOE", "deepseek", "qwen2-moe")]
+        ['mixtral', 'qwen', 'qwen3_moe', 'qwen2_moe', 'deepseek', 'qwen2_moe']
+
+    Returns:
+        ``None`` for an empty value (mergekit then chooses, as we do); the value unchanged when it
+        matches nothing, so the schema reports it with the allowed names.
+    """
+    text = " ".join(value.strip().lower().replace("_", " ").replace("-", " ").split())
+    if not text:
+        return None
+    if text.replace(" ", "_") in OUR_ARCHITECTURES:
+        return text.replace(" ", "_")
+    if text in _EXTRA_SPELLINGS:
+        return _EXTRA_SPELLINGS[text]
+    matches = sorted({ours for name, ours in _MERGEKIT_OUTPUTS.items() if name.startswith(text)})
+    if matches == ["qwen2_moe", "qwen3_moe"]:
+        return "qwen"  # mergekit's "qwen": the Qwen output that fits the models
+    if len(matches) == 1:
+        return matches[0]
+    return value
+
+
+def looks_like_mergekit(config: Any) -> bool:
+    """True when every key the config sets is one of mergekit-moe's (so its author expects mergekit's behaviour)."""
+    if not config.experts or not set(config.model_fields_set) <= MERGEKIT_KEYS | RUN_KEYS:
+        return False
+    return all(set(e.model_fields_set) <= MERGEKIT_EXPERT_KEYS for e in [*config.experts, *config.shared_experts])
+
+
+def semantics_note(config: Any) -> Optional[str]:
+    """What `build` says, once, when a mergekit-shaped config is built with our router semantics.
+
+    ``None`` when the config is not mergekit-shaped, already asks for mergekit's computation, or
+    uses a mode whose rows are the same either way (``uniform_random``).
+    """
+    if config.gate_source == "mergekit" or not looks_like_mergekit(config):
+        return None
+    how = "add gate_source: mergekit to the YAML, or build with --mergekit"
+    mode = config.gate_mode
+    if mode in ("hidden", "hidden_avg", "hidden_last"):
+        ours = "the last real token's" if mode == "hidden_last" else "a mean over real tokens (no padding, no BOS) of"
+        theirs = ("the mean over all positions, padding included, of" if mode == "hidden_avg"
+                  else "the last token's")
+        return (f"gate_mode: {mode} was built with moe-upcycle's router inputs: {ours} each layer's "
+                f"post_attention_layernorm output (what the router scores), rows scaled for a decisive softmax. "
+                f"mergekit-moe 0.1.5 uses {theirs} residual stream before each layer (bf16, unit rows), which routes "
+                f"differently; for mergekit's routers, {how}")
+    if mode == "cheap_embed":
+        return (f"gate_mode: cheap_embed was built with moe-upcycle's rows: per-prompt mean embedding of real tokens, "
+                f"scaled to 16/sqrt(hidden). mergekit-moe sums every token's embedding (BOS included) into unit rows; "
+                f"for mergekit's, {how}")
+    if mode == "random":
+        return (f"gate_mode: random was built with std {config.router_init_std} rows (router_init_std); mergekit-moe "
+                f"draws std 1.0, which saturates the softmax; for mergekit's, {how}")
+    return None

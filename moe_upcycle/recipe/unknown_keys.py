@@ -1,0 +1,106 @@
+"""The unknown-key rule: a misspelt key is an error, a genuinely unknown key is refused or ignored.
+
+mergekit-moe ignores every key it does not know, misspellings included (``postive_prompts`` is
+dropped and the build then fails for want of prompts, or routes without them). We tell the two
+apart:
+
+- a key within a small edit distance of a known key at the same place (``gate_mdoe``,
+  ``experts[0].positve_prompts``, ``Base_Model``), or a known synonym (``num_experts_per_tok``),
+  is always an error with "did you mean";
+- any other unknown key (``tokenizer_source``, ``merge_method``) is an error by default, because a
+  setting we do not apply should not pass unnoticed; with ``allow_unknown_keys`` (CLI
+  ``--allow-unknown-keys``) it is removed before validation and reported as a warning, which
+  builds a mergekit config unchanged.
+
+"Small" is an optimal-string-alignment distance (a transposition counts once) of at most 1 for
+keys up to 4 characters, 2 up to 8, 3 beyond, after ignoring case and ``-`` versus ``_``.
+
+It only looks at key names; values are the schema's job.
+"""
+
+from __future__ import annotations
+
+import typing
+import warnings
+from typing import Any, Optional
+
+from pydantic import BaseModel
+
+from moe_upcycle.errors import UpcycleWarning
+
+# names other tools use for our keys
+SYNONYMS = {"num_experts_per_tok": "experts_per_token", "num_experts_per_token": "experts_per_token",
+            "torch_dtype": "dtype", "out_dtype": "dtype", "model": "source_model", "base": "base_model"}
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance (insertions, deletions, substitutions, adjacent swaps).
+
+    Example:
+        >>> edit_distance("gate_mdoe", "gate_mode")
+        1
+    """
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def intended_key(key: Any, valid: list[str]) -> Optional[str]:
+    """The known key a misspelt `key` stands for, or ``None`` when it is genuinely unknown."""
+    text = str(key).strip().lower().replace("-", "_")
+    if text in valid:
+        return text
+    if SYNONYMS.get(text) in valid:
+        return SYNONYMS[text]
+    limit = 1 if len(text) <= 4 else 2 if len(text) <= 8 else 3
+    best = min(valid, key=lambda v: (edit_distance(text, v), v), default=None)
+    return best if best is not None and edit_distance(text, best) <= limit else None
+
+
+def drop_unknown_keys(data: dict, model: type[BaseModel]) -> dict:
+    """A copy of `data` without its genuinely unknown keys, each reported as an `UpcycleWarning`.
+
+    Misspelt keys are kept, so that validation reports them with "did you mean".
+    """
+    dropped: list[str] = []
+    cleaned = _walk(data, model, "", dropped)
+    for path in dropped:
+        warnings.warn(f"{path}: unknown key ignored (mergekit-moe ignores it too); remove it to silence this warning",
+                      UpcycleWarning, stacklevel=3)
+    return cleaned
+
+
+def _walk(value: Any, model: Optional[type[BaseModel]], where: str, dropped: list[str]) -> Any:
+    if model is None:
+        return value
+    if isinstance(value, list):
+        return [_walk(v, model, f"{where}[{i}]", dropped) for i, v in enumerate(value)]
+    if not isinstance(value, dict):
+        return value
+    valid = list(model.model_fields)
+    out = {}
+    for key, item in value.items():
+        path = f"{where}.{key}" if where else str(key)
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None and intended_key(key, valid) is None:
+            dropped.append(path)
+            continue
+        out[key] = _walk(item, _model_in(field.annotation) if field else None, path, dropped)
+    return out
+
+
+def _model_in(annotation: Any) -> Optional[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found:
+            return found
+    return None
