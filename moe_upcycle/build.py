@@ -21,6 +21,7 @@ from .config import UpcycleConfig, load_config
 from .drift import InitDrift, build_drift
 from .errors import ConfigError, SourceError
 from .execute import iter_tensors
+from .fused import SAFETENSORS_METADATA
 from .gate_checks import parallel_experts
 from .gates import compute_gates
 from .guards import check_free_space, check_source_dtypes
@@ -171,7 +172,8 @@ def upcycle(
     gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
-        writer = ShardedWriter(stage, specs, config.max_shard_size, config.checksums)
+        metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it
+        writer = ShardedWriter(stage, specs, config.max_shard_size, config.checksums, metadata)
         try:
             for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed, shared_gates):
                 writer.write(step.name, tensor)

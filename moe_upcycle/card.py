@@ -17,6 +17,7 @@ import yaml
 from . import __version__
 from .config import UpcycleConfig
 from .plan import Plan
+from .runtimes import runtime_section
 
 
 def parameter_counts(plan: Plan) -> tuple[int, int]:
@@ -155,6 +156,8 @@ Built with [moe-upcycle](https://pypi.org/project/moe-upcycle/) {__version__}: {
 ## Verification
 
 {verify}
+
+{runtime_section(plan)}
 
 ## Usage
 

@@ -4,6 +4,13 @@
 4.x and 5.x both read it: legacy `rope_theta`/`torch_dtype` next to `rope_parameters`/`dtype`).
 `copy_tokenizer_files` copies the base's tokenizer, chat template and generation config
 **unmodified**, byte for byte. It does not write tensors.
+
+`experts_implementation` picks the config's ``experts_implementation`` so that transformers 5
+runs the output in its written dtype: its default, ``grouped_mm``, needs every expert matrix row
+(hidden and expert intermediate size times the dtype's bytes) to be a multiple of 16 bytes and
+otherwise fails in ``generate`` with "strides should be multiple of 16 bytes" (bf16
+stories260K: 172 x 2 = 344 bytes); ``eager`` loops over the hit experts and runs any shape on any
+device (transformers 4.x ignores the field).
 """
 
 from __future__ import annotations
@@ -32,6 +39,18 @@ TOKENIZER_FILES = (
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
+GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm: strides must be multiples of 16 bytes
+
+
+def experts_implementation(hidden: int, intermediate: int, dtype: torch.dtype) -> Optional[str]:
+    """``"eager"`` when grouped_mm cannot run these expert shapes, else None (transformers' default).
+
+    Example:
+        >>> experts_implementation(64, 172, torch.bfloat16), experts_implementation(64, 172, torch.float32)
+        ('eager', None)
+    """
+    row_bytes = (hidden * dtype.itemsize, intermediate * dtype.itemsize)
+    return "eager" if any(b % GROUPED_MM_ALIGN_BYTES for b in row_bytes) else None
 
 
 def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0,
@@ -73,6 +92,9 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
         torch_dtype=dtype,
     )
     cfg.update(config_fields(plan))  # per architecture: expert count/size keys, shared expert, biases
+    implementation = experts_implementation(cfg["hidden_size"], cfg[layout.expert_size_key], plan.dtype)
+    if implementation:
+        cfg["experts_implementation"] = implementation
     if "router_jitter_noise" in cfg:
         cfg["router_jitter_noise"] = router_jitter_noise
     return dict(sorted(cfg.items()))

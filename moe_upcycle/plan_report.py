@@ -25,6 +25,7 @@ from .guards import free_bytes
 from .model_files import TOKENIZER_FILES
 from .plan import Plan, Step
 from .report import human_bytes
+from .runtimes import Verdict, compatibility
 from .source import Checkpoint
 from .writer import TensorSpec, assign_shards
 
@@ -70,6 +71,7 @@ class PlanSummary:
     output: Optional[str] = None
     disk_needed_bytes: int = 0
     disk_free_bytes: Optional[int] = None
+    runtimes: tuple[Verdict, ...] = ()  # where the output runs (`runtimes.compatibility`)
 
     @property
     def fits_on_disk(self) -> Optional[bool]:
@@ -173,7 +175,7 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
         build_peak_bytes=estimate_build_peak(plan, config, sources),
         gate_peak_bytes=estimate_gate_peak(plan, config, base), components=tuple(components(plan)),
         sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
-        disk_needed_bytes=needed, disk_free_bytes=free,
+        disk_needed_bytes=needed, disk_free_bytes=free, runtimes=tuple(compatibility(plan)),
     )
 
 
@@ -204,6 +206,14 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     console.print(comp)
     for line in s.sharing + s.notes:
         console.print(line, highlight=False)
+    if s.runtimes:
+        rt = Table(title="runtimes" + (" (fused layout: transformers >= 5 only)" if any(
+            "transformers >= 5 only" in v.why for v in s.runtimes) else ""))
+        for col in ("runtime", "verdict", "why", "basis"):
+            rt.add_column(col, overflow="fold")
+        for v in s.runtimes:
+            rt.add_row(v.runtime, v.status, v.why, v.basis)
+        console.print(rt)
     if s.disk_free_bytes is None:
         console.print("Disk: no output folder given, free space not checked.", highlight=False)
     else:
