@@ -6,12 +6,13 @@ from the recorded recipe, headers only), the router fields of config.json, and l
 ``AutoModelForCausalLM``/``AutoTokenizer`` exactly as a user would (missing, unexpected or
 mismatched keys): in the folder's own dtype and with the experts implementation transformers
 picks for it, so an output that cannot run where it is published (a bf16 build whose experts
-grouped_mm cannot multiply) fails here. Then, against the dense base (the recipe's
-``base_model`` unless given, loaded in the same dtype, so the comparison measures the upcycling,
-not the dtype), it compares logits on sample prompts (max |Δlogit|, top-1 agreement, mean
-KL(dense‖moe)), perplexity on a text and greedy continuations. The prompts are tokenized once,
-by the output's tokenizer, and both models get the same ids. The two models are loaded one
-after the other, so memory peaks at the larger one, not both. Config fields are read under
+grouped_mm cannot multiply) fails here, and so do NaN logits; the greedy continuations shown are
+this run's. Then, against the dense base (the recipe's ``base_model`` unless given), it compares
+logits on sample prompts (max |Δlogit|, top-1 agreement, mean KL(dense‖moe)) and perplexity on a
+text, both models in fp32 (a 16-bit output is loaded a second time, upcast), so the numbers measure
+the upcycling, not the dtype's arithmetic. The prompts are tokenized once, by the output's
+tokenizer, and every model gets the same ids. Models are loaded one after the other, so memory
+peaks at the largest one (fp32), not several. Config fields are read under
 each architecture's own names (`names.OutputLayout.experts_key`: ``num_local_experts`` for
 Mixtral, ``num_experts`` for Qwen MoE).
 
@@ -29,6 +30,8 @@ import json
 from importlib.resources import files
 from pathlib import Path
 from typing import Optional, Union
+
+import torch
 
 from .build import RECIPE_NAME, open_sources
 from .compare import compare_logits, encode_inputs, load_causal_lm, run_model
@@ -255,7 +258,7 @@ def verify(
     max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
     inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
     try:
-        moe_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
+        user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
     except Exception as exc:  # e.g. grouped_mm on unaligned bf16 experts: the output does not run as written
         result.problems.append(f"loads but does not run in transformers ({result.loaded_dtype}, experts: "
                                f"{result.experts_implementation}): {_first_line(exc)}")
@@ -263,6 +266,12 @@ def verify(
     finally:
         del moe
         gc.collect()
+    if not all(bool(t.isfinite().all()) for t in user_run.logits):
+        result.problems.append(f"non-finite logits (NaN/inf) when run as written ({result.loaded_dtype})")
+    # the comparison measures the upcycling, not the dtype: both models in fp32 (the thresholds' calibration)
+    moe_run = user_run if dtype == torch.float32 else run_model(
+        load_causal_lm(folder, device=device), prompt_list, continuation_prompts=0, inputs=inputs)
+    gc.collect()
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
 
     base_path = _resolve_base(base, config, result)
@@ -271,7 +280,7 @@ def verify(
         result.base = str(base if base is not None else config.base_model)
         _check_tokenizer(base_path, folder, result)
         try:
-            dense = load_causal_lm(base_path, dtype=dtype, device=device)
+            dense = load_causal_lm(base_path, device=device)
         except Exception as exc:  # the reference itself is broken: the user must fix --base
             raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
                               f"{exc}); pass a working --base DENSE") from None
@@ -282,7 +291,7 @@ def verify(
         result.comparison = compare_logits(dense_run.logits, moe_run.logits)
         result.perplexity_dense = dense_run.perplexity
     result.continuations = [{"prompt": p, "dense": dense_run.continuations[i] if dense_run else None, "moe": m}
-                            for i, (p, m) in enumerate(zip(prompt_list, moe_run.continuations))]
+                            for i, (p, m) in enumerate(zip(prompt_list, user_run.continuations))]
     _apply_thresholds(result, max_kl, min_agreement, config)
     return result
 

@@ -51,7 +51,7 @@ def test_build_verify_passes_for_every_family_and_architecture(fixture, arch, dt
     assert c.positions > 50 and c.mean_kl <= IDENTITY_MAX_KL and c.top1_agreement >= 0.95
     if dtype == "float32":  # copies are function-preserving: only summation order differs
         assert c.mean_kl < 1e-9 and c.top1_agreement == 1.0
-    assert v.perplexity_moe == pytest.approx(v.perplexity_dense, rel=1e-5 if dtype == "float32" else 2e-2)
+    assert v.perplexity_moe == pytest.approx(v.perplexity_dense, rel=1e-5 if dtype == "float32" else 1e-2)
     card = (result.output / "README.md").read_text()
     assert "## Runtimes" in card and "| transformers 5 | exact |" in card
 
@@ -78,8 +78,8 @@ def test_bf16_stories_generates_and_verify_fails_without_the_written_experts_imp
     cfg_path = result.output / "config.json"
     cfg = json.loads(cfg_path.read_text())
     assert cfg["experts_implementation"] == "eager" and cfg["intermediate_size"] == 172
-    continuation = result.verify.continuations[0]
-    assert continuation["moe"] and continuation["moe"] == continuation["dense"]
+    assert all(c["moe"] for c in result.verify.continuations)  # generated in bf16, as a user runs it
+    assert result.verify.comparison.mean_kl < 1e-3  # compared upcast to fp32: bf16 weights, fp32 arithmetic
     # the output as transformers' default (grouped_mm) would run it: verify must fail, naming the cause
     del cfg["experts_implementation"]
     cfg_path.write_text(json.dumps(cfg))
