@@ -86,7 +86,8 @@ def encode_inputs(tokenizer, prompts: list[str], text: Optional[str] = None,
                   max_positions: int = MAX_TEXT_TOKENS) -> Inputs:
     """Tokenize prompts and text once (the text cut to `max_positions` and `MAX_TEXT_TOKENS`)."""
     ids = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
-    text_ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :min(MAX_TEXT_TOKENS, max_positions)] if text else None
+    limit = min(MAX_TEXT_TOKENS, max_positions)
+    text_ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :limit] if text else None
     return Inputs(ids, text_ids)
 
 

@@ -68,7 +68,8 @@ class OutputFacts:
     @property
     def all_experts_active(self) -> bool:
         """top-k = all experts: the top-k softmax weights already sum to 1, so renormalising is a no-op."""
-        return self.config.get("num_experts_per_tok") == self.config.get(names.output_layout(self.model_type).experts_key)
+        experts_key = names.output_layout(self.model_type).experts_key
+        return self.config.get("num_experts_per_tok") == self.config.get(experts_key)
 
     @property
     def shared_expert(self) -> bool:
@@ -192,6 +193,6 @@ def runtime_section(plan: Plan) -> str:
     """The model card's "Runtimes" section: where this output runs, and how exactly."""
     verdicts = compatibility(plan)
     only = f" The fused expert layout is {FUSED_ONLY}." if plan.layout == "fused" else ""
-    return "\n".join(["## Runtimes", "", f"Where this {plan.architecture} checkpoint runs (moe-upcycle's "
-                      f"compatibility report: *exact* = the function transformers 5 computes, up to rounding).{only}",
-                      "", *markdown(verdicts)])
+    intro = (f"Where this {plan.architecture} checkpoint runs (moe-upcycle's compatibility report: *exact* = "
+             f"the function transformers 5 computes, up to rounding).{only}")
+    return "\n".join(["## Runtimes", "", intro, "", *markdown(verdicts)])

@@ -114,9 +114,9 @@ def _ids(folder: Path) -> list[int]:
 
 
 def _tf4(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(TF4_PYTHON), "-c", TF4_LOGITS, str(folder), json.dumps(_ids(folder))], capture_output=True,
-                          text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                                                       "PATH": "/usr/bin:/bin"})
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([str(TF4_PYTHON), "-c", TF4_LOGITS, str(folder), json.dumps(_ids(folder))],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
 
 
 @pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
@@ -149,7 +149,9 @@ def _statuses(plan) -> dict[str, str]:
 
 
 def test_compatibility_of_each_architecture(tiny_llama, tiny_qwen2, tiny_qwen3_tied_bias):
-    plan = lambda base, arch, **kw: upcycle(_recipe(base, arch, **kw), dry_run=True).plan  # noqa: E731
+    def plan(base, arch, **kw):
+        return upcycle(_recipe(base, arch, **kw), dry_run=True).plan
+
     assert _statuses(plan(tiny_llama, "mixtral")) == dict.fromkeys(
         ["transformers 5", "transformers 4.x", "vLLM", "llama.cpp", "ExLlamaV2"], EXACT)
     # no shared experts: zero-size shared-expert tensors
