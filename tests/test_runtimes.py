@@ -120,13 +120,16 @@ def _tf4(folder: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
-@pytest.mark.parametrize("fixture,arch", [("tiny_llama", "mixtral"), ("tiny_qwen2", "qwen2_moe"),
-                                          ("tiny_qwen3", "qwen3_moe")])
-def test_transformers4_loads_per_expert_exactly_and_refuses_fused(fixture, arch, request, tmp_path):
+@pytest.mark.parametrize("fixture,arch,shared", [("tiny_llama", "mixtral", False), ("tiny_qwen2", "qwen2_moe", False),
+                                                 ("tiny_qwen2", "qwen2_moe", True), ("tiny_qwen3", "qwen3_moe", False)])
+def test_transformers4_loads_per_expert_exactly_and_refuses_fused(fixture, arch, shared, request, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = request.getfixturevalue(fixture)
-    per_expert = upcycle(_recipe(base, arch), tmp_path / "per_expert").output
+    # shared: the README's exact split (routed residual_scale 1/2, one shared expert behind the zero gate)
+    extra = dict(num_experts=None, experts=[{"source_model": str(base), "residual_scale": 0.5}] * 4,
+                 shared_experts=[{"source_model": str(base)}]) if shared else {}
+    per_expert = upcycle(_recipe(base, arch, **extra), tmp_path / "per_expert").output
     run = _tf4(per_expert)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -137,7 +140,7 @@ def test_transformers4_loads_per_expert_exactly_and_refuses_fused(fixture, arch,
     got = torch.tensor(out["logits"])
     torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
 
-    fused = upcycle(_recipe(base, arch, layout="fused"), tmp_path / "fused").output
+    fused = upcycle(_recipe(base, arch, layout="fused", **extra), tmp_path / "fused").output
     run = _tf4(fused)
     assert run.returncode != 0  # loudly, not with random experts
     assert "does not contain the valid metadata" in run.stderr, run.stderr[-2000:]
