@@ -21,6 +21,7 @@ from moe_upcycle.errors import ConfigError
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.router import compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors
+from moe_upcycle.planning.fused import SAFETENSORS_METADATA
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes
 from moe_upcycle.planning.plan import Plan, Step, make_plan
@@ -28,7 +29,8 @@ from moe_upcycle.planning.plan_report import PlanSummary, summarize
 from moe_upcycle.planning.report import sharing_report
 from moe_upcycle.publish.card import write_model_card
 from moe_upcycle.publish.manifest import write_recipe
-from moe_upcycle.publish.model_files import copy_tokenizer_files, moe_config, write_config
+from moe_upcycle.planning.model_config import moe_config
+from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
@@ -150,7 +152,8 @@ def upcycle(
     gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
-        writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums)
+        metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it
+        writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums, metadata)
         try:
             for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed, shared_gates):
                 writer.write(step.name, tensor)

@@ -24,7 +24,7 @@ from moe_upcycle.recipe.schema import ExpertInit, load_config
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.execute import iter_tensors
 from moe_upcycle.gates.router import compute_gates
-from moe_upcycle.publish.model_files import moe_config
+from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.plan import Plan, make_plan
 from moe_upcycle.checkpoint.source import Checkpoint, TensorInfo
 

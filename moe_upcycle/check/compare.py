@@ -1,9 +1,12 @@
 """Run causal LMs on the same inputs and measure how far apart they are.
 
 `load_causal_lm` loads a saved folder exactly as a user would (``AutoModelForCausalLM`` and
-``AutoTokenizer``) and keeps transformers' loading report; `run_model` records one model's logits
-on prompts, its perplexity on a text and its greedy continuations; `compare_logits` gives max
-|Δlogit|, top-1 agreement and mean KL(dense‖moe) between two runs. Used by `verify` and the demo.
+``AutoTokenizer``) and keeps transformers' loading report; `encode_inputs` tokenizes prompts and
+text once, so that every compared model is fed the same ids (two folders' tokenizers can load as
+different classes in transformers 5, e.g. a ``qwen2`` base as ``Qwen2Tokenizer`` and its
+``qwen2_moe`` output as the generic backend); `run_model` records one model's logits on those ids,
+its perplexity on the text and its greedy continuations; `compare_logits` gives max |Δlogit|,
+top-1 agreement and mean KL(dense‖moe) between two runs. Used by `verify` and the demo.
 It decides nothing: thresholds live in `verify`.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -66,8 +69,34 @@ class LogitComparison:
     positions: int
 
 
-def load_causal_lm(folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Loaded:
+@dataclass
+class Inputs:
+    """The token ids every compared model is fed, made once with one tokenizer.
+
+    Attributes:
+        prompts: per prompt, (1, T) ids with the tokenizer's special tokens, as a user's input.
+        text: (1, T) ids of the perplexity text (cut to the context), None without text.
+    """
+
+    prompts: list[torch.Tensor]
+    text: Optional[torch.Tensor] = None
+
+
+def encode_inputs(tokenizer, prompts: list[str], text: Optional[str] = None,
+                  max_positions: int = MAX_TEXT_TOKENS) -> Inputs:
+    """Tokenize prompts and text once (the text cut to `max_positions` and `MAX_TEXT_TOKENS`)."""
+    ids = [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
+    limit = min(MAX_TEXT_TOKENS, max_positions)
+    text_ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :limit] if text else None
+    return Inputs(ids, text_ids)
+
+
+def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32, device: str = "cpu") -> Loaded:
     """Load a model folder with AutoModelForCausalLM/AutoTokenizer (eval mode).
+
+    `dtype` "auto" is the folder's own (config.json ``dtype``); the experts implementation is
+    whatever transformers picks for the folder (config.json ``experts_implementation``, else its
+    default), as for a user who passes nothing.
 
     Raises:
         Exception: whatever transformers raises for a folder it cannot load (callers report it).
@@ -82,7 +111,7 @@ def load_causal_lm(folder: Path, dtype: torch.dtype = torch.float32, device: str
 
 
 def run_model(loaded: Loaded, prompts: list[str], text: Optional[str] = None, continuation_prompts: int = 3,
-              max_new_tokens: int = 16) -> ModelRun:
+              max_new_tokens: int = 16, inputs: Optional[Inputs] = None) -> ModelRun:
     """Logits on every prompt, perplexity on `text`, greedy continuations of the first prompts.
 
     Args:
@@ -91,26 +120,29 @@ def run_model(loaded: Loaded, prompts: list[str], text: Optional[str] = None, co
         text: scored for perplexity (cut to the model's context and `MAX_TEXT_TOKENS`).
         continuation_prompts: how many of the prompts get a greedy continuation.
         max_new_tokens: length of each continuation.
+        inputs: ids from `encode_inputs` (another model's tokenizer); default: this model's own
+            tokenizer on `prompts` and `text`.
     """
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
+    if inputs is None:
+        inputs = encode_inputs(tok, prompts, text, int(getattr(model.config, "max_position_embeddings",
+                                                                MAX_TEXT_TOKENS)))
     run = ModelRun(logits=[])
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt")["input_ids"].to(device)
-            run.logits.append(model(input_ids=ids).logits[0].float().cpu())  # (T, V)
-        if text:
-            limit = min(MAX_TEXT_TOKENS, int(getattr(model.config, "max_position_embeddings", MAX_TEXT_TOKENS)))
-            ids = tok(text, return_tensors="pt")["input_ids"][:, :limit].to(device)
+        for ids in inputs.prompts:
+            run.logits.append(model(input_ids=ids.to(device)).logits[0].float().cpu())  # (T, V)
+        if inputs.text is not None:
+            ids = inputs.text.to(device)
             logits = model(input_ids=ids).logits[0].float()  # (T, V)
             run.text_nll = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:]).item()
             run.text_tokens = ids.shape[1]
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        for prompt in prompts[:continuation_prompts]:
-            enc = tok(prompt, return_tensors="pt").to(device)
-            new = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                 temperature=None, top_p=None, top_k=None)
-            run.continuations.append(tok.decode(new[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+        for ids in inputs.prompts[:continuation_prompts]:
+            ids = ids.to(device)
+            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+            run.continuations.append(tok.decode(new[0, ids.shape[1]:], skip_special_tokens=True))
     return run
 
 

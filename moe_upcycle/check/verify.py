@@ -4,10 +4,17 @@
 shards), the sha256 recorded in ``moe_upcycle.json``, the tensors on disk against the plan (re-made
 from the recorded recipe, headers only), the router fields of config.json, and loading with
 ``AutoModelForCausalLM``/``AutoTokenizer`` exactly as a user would (missing, unexpected or
-mismatched keys). Then, against the dense base (the recipe's ``base_model`` unless given), it
-compares logits on sample prompts (max |Δlogit|, top-1 agreement, mean KL(dense‖moe)),
-perplexity on a text and greedy continuations; the two models are loaded one after the other,
-so memory peaks at the larger one (fp32), not both.
+mismatched keys): in the folder's own dtype and with the experts implementation transformers
+picks for it, so an output that cannot run where it is published (a bf16 build whose experts
+grouped_mm cannot multiply) fails here, and so do NaN logits; the greedy continuations shown are
+this run's. Then, against the dense base (the recipe's ``base_model`` unless given), it compares
+logits on sample prompts (max |Δlogit|, top-1 agreement, mean KL(dense‖moe)) and perplexity on a
+text, both models in fp32 (a 16-bit output is loaded a second time, upcast), so the numbers measure
+the upcycling, not the dtype's arithmetic. The prompts are tokenized once, by the output's
+tokenizer, and every model gets the same ids. Models are loaded one after the other, so memory
+peaks at the largest one (fp32), not several. Config fields are read under
+each architecture's own names (`names.OutputLayout.experts_key`: ``num_local_experts`` for
+Mixtral, ``num_experts`` for Qwen MoE).
 
 Every failed check becomes a problem in the `VerifyResult` (``ok`` is False) rather than an
 exception, so a build can record it in the model card. Thresholds: ``max_kl``/``min_agreement``
@@ -24,9 +31,11 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Optional, Union
 
-from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
+import torch
+
+from moe_upcycle.check.compare import compare_logits, encode_inputs, load_causal_lm, run_model
 from moe_upcycle.check.verify_report import VerifyResult
-from moe_upcycle.checkpoint.names import TOKENIZER_FILES, output_layout
+from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.checkpoint.source import TensorInfo, read_safetensors_header, resolve_model
 from moe_upcycle.checkpoint.writer import INDEX_NAME
@@ -226,20 +235,36 @@ def verify(
     _check_config(folder, plan, result)
 
     try:
-        moe = load_causal_lm(folder, device=device)
+        moe = load_causal_lm(folder, dtype="auto", device=device)  # as a user would: the folder's own dtype
     except Exception as exc:  # any loading failure is the finding, whatever transformers raises
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        result.problems.append(f"does not load with transformers AutoModelForCausalLM: {type(exc).__name__}: {first}")
+        result.problems.append(f"does not load with transformers AutoModelForCausalLM: {_first_line(exc)}")
         return result
     result.loaded_class = moe.class_name
+    dtype = moe.model.dtype
+    result.loaded_dtype = str(dtype).removeprefix("torch.")
+    result.experts_implementation = getattr(moe.model.config, "_experts_implementation", None)
     for kind, keys in (("missing", moe.missing_keys), ("unexpected", moe.unexpected_keys),
                        ("mismatched", moe.mismatched_keys)):
         if keys:
             result.problems.append(f"transformers reports {len(keys)} {kind} key(s) when loading: {_listed(keys)}")
     if plan is not None and moe.class_name != output_layout(plan.architecture).class_name:
         result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
-    moe_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens)
-    del moe
+    max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
+    inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
+    try:
+        user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
+    except Exception as exc:  # e.g. grouped_mm on unaligned bf16 experts: the output does not run as written
+        result.problems.append(f"loads but does not run in transformers ({result.loaded_dtype}, experts: "
+                               f"{result.experts_implementation}): {_first_line(exc)}")
+        return result
+    finally:
+        del moe
+        gc.collect()
+    if not all(bool(t.isfinite().all()) for t in user_run.logits):
+        result.problems.append(f"non-finite logits (NaN/inf) when run as written ({result.loaded_dtype})")
+    # the comparison measures the upcycling, not the dtype: both models in fp32 (the thresholds' calibration)
+    moe_run = user_run if dtype == torch.float32 else run_model(
+        load_causal_lm(folder, device=device), prompt_list, continuation_prompts=0, inputs=inputs)
     gc.collect()
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
 
@@ -253,13 +278,14 @@ def verify(
         except Exception as exc:  # the reference itself is broken: the user must fix --base
             raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
                               f"{exc}); pass a working --base DENSE") from None
-        dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens)
+        _note_tokenizer_difference(dense.tokenizer, prompt_list, inputs, result)
+        dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
         del dense
         gc.collect()
         result.comparison = compare_logits(dense_run.logits, moe_run.logits)
         result.perplexity_dense = dense_run.perplexity
     result.continuations = [{"prompt": p, "dense": dense_run.continuations[i] if dense_run else None, "moe": m}
-                            for i, (p, m) in enumerate(zip(prompt_list, moe_run.continuations))]
+                            for i, (p, m) in enumerate(zip(prompt_list, user_run.continuations))]
     _apply_thresholds(result, max_kl, min_agreement, check)
     return result
 
@@ -271,13 +297,29 @@ def _default_prompts(check: Optional[CheckParams]) -> list[str]:
     return list(dict.fromkeys(prompts))
 
 
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def _note_tokenizer_difference(dense_tokenizer, prompts: list[str], inputs, result: VerifyResult) -> None:
+    """Note when the base's own tokenizer splits a prompt differently from the output's (both get the output's ids)."""
+    differ = [p for p, ids in zip(prompts, inputs.prompts)
+              if dense_tokenizer(p, return_tensors="pt")["input_ids"].tolist() != ids.tolist()]
+    if differ:
+        result.notes.append(f"transformers loads the base's tokenizer as {type(dense_tokenizer).__name__}, which "
+                            f"tokenizes {len(differ)} prompt(s) differently from the output's (e.g. {differ[0]!r}); "
+                            f"both models were fed the output's token ids")
+
+
 def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> None:
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    result.num_experts = cfg.get("num_local_experts")
+    layout = layout_of_config(cfg)
+    experts_key = layout.experts_key if layout else "num_local_experts"  # each architecture's own field name
+    result.num_experts = cfg.get(experts_key)
     result.experts_per_token = cfg.get("num_experts_per_tok")
     if plan is None:
         return
-    for key, want in (("num_local_experts", len(plan.expert_names)), ("num_experts_per_tok", plan.experts_per_token)):
+    for key, want in ((experts_key, len(plan.expert_names)), ("num_experts_per_tok", plan.experts_per_token)):
         if cfg.get(key) != want:
             result.problems.append(f"config.json: {key} is {cfg.get(key)} but the recipe has {want}")
 

@@ -24,6 +24,8 @@ class VerifyResult:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     loaded_class: Optional[str] = None
+    loaded_dtype: Optional[str] = None  # as a user loads it: the folder's own dtype
+    experts_implementation: Optional[str] = None  # what transformers picked for the experts
     num_tensors: int = 0
     planned_tensors: Optional[int] = None
     num_experts: Optional[int] = None
@@ -43,7 +45,9 @@ class VerifyResult:
 
     def rows(self) -> list[tuple[str, str]]:
         """(check, result) pairs, for the console table and the model card."""
-        rows = [("loads with transformers", f"yes ({self.loaded_class})" if self.loaded_class else "NO")]
+        how = ", ".join(x for x in (self.loaded_class, self.loaded_dtype, self.experts_implementation and
+                                    f"experts: {self.experts_implementation}") if x)
+        rows = [("loads with transformers", f"yes ({how})" if self.loaded_class else "NO")]
         plan_note = (f"all {self.planned_tensors} planned tensors, nothing else" if self.planned_tensors is not None
                      else "not compared with a plan")
         rows.append(("tensors", f"{self.num_tensors} on disk; {plan_note}"))

@@ -183,6 +183,16 @@ def input_family(model_type: str, where: str) -> InputFamily:
         raise PlanError(f"{where}: model_type {model_type!r} is not supported as input; supported: {supported}") from None
 
 
+def layout_of_config(config: dict) -> Optional[OutputLayout]:
+    """The output layout a config.json describes (its ``model_type``), or None for any other model.
+
+    Example:
+        >>> layout_of_config({"model_type": "qwen3_moe"}).experts_key
+        'num_experts'
+    """
+    return next((lay for lay in OUTPUT_LAYOUTS.values() if lay.model_type == config.get("model_type")), None)
+
+
 def output_layout(name: str, where: str = "architecture") -> OutputLayout:
     """Look up an MoE output layout by name, or fail listing what is supported."""
     try:

@@ -131,8 +131,8 @@ def shard_name(k: int, n: int) -> str:
     return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
-def _header(specs: Sequence[TensorSpec]) -> bytes:
-    header: dict = {"__metadata__": {"format": "pt"}}
+def _header(specs: Sequence[TensorSpec], metadata: Optional[dict] = None) -> bytes:
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for spec in specs:
         header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
@@ -154,7 +154,8 @@ class ShardedWriter:
         w.close()
     """
 
-    def __init__(self, folder: Path, specs: Sequence[TensorSpec], max_shard_bytes: int, checksums: bool = True):
+    def __init__(self, folder: Path, specs: Sequence[TensorSpec], max_shard_bytes: int, checksums: bool = True,
+                 metadata: Optional[dict] = None):
         self.folder = Path(folder)
         self.shards = assign_shards(specs, max_shard_bytes)
         self._order = [(k, spec) for k, shard in enumerate(self.shards) for spec in shard]
@@ -167,6 +168,7 @@ class ShardedWriter:
         self.bytes_written = 0
         self.checksums = checksums  # sha256 of each shard while writing (costs more CPU than the write)
         self.sha256: dict[str, str] = {}  # file name -> hex digest, computed while writing
+        self.metadata = metadata  # each shard's safetensors __metadata__ (default {"format": "pt"})
 
     @property
     def files(self) -> list[str]:
@@ -202,7 +204,7 @@ class ShardedWriter:
         self._shard = k
         self._fh = open(self.folder / self.files[k], "wb")
         self._hash = BackgroundHash() if self.checksums else None
-        self._write(_header(self.shards[k]))
+        self._write(_header(self.shards[k], self.metadata))
 
     def _write(self, data) -> None:
         try:

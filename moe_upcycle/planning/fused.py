@@ -16,7 +16,12 @@ above baseline is 182.6 MiB for both layouts, less than the 256 MiB one stacked 
 would take.
 
 The per-expert layout stays the default: every loader (transformers 4 and 5, llama.cpp's
-converter, vLLM) reads it, while fused files need transformers 5. Nothing here reads tensors.
+converter, vLLM) reads it, while fused files need transformers 5. transformers 4.x would load
+them *silently wrong* (MixtralForCausalLM reports the fused tensors as unexpected keys and keeps
+random experts: max |Δlogit| 4.2 on a tiny model), so fused shards carry `SAFETENSORS_METADATA`:
+a ``format`` other than "pt", which 4.x refuses before loading anything ("Incompatible
+safetensors file" / "does not contain the valid metadata") and transformers 5 does not read.
+Nothing here reads tensors.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from __future__ import annotations
 from dataclasses import replace
 from moe_upcycle.checkpoint import names
 from moe_upcycle.planning.steps import Step
+
+# safetensors __metadata__ of fused shards: transformers 4.x accepts only format pt/tf/flax/mlx
+SAFETENSORS_METADATA = {"format": "pt-fused-experts: needs transformers>=5"}
 
 
 def fuse_experts(steps: list["Step"], layout: names.OutputLayout, num_experts: int) -> list["Step"]:

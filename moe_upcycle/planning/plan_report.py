@@ -25,6 +25,7 @@ from moe_upcycle.checkpoint.names import TOKENIZER_FILES
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
+from moe_upcycle.planning.runtimes import Verdict, compatibility
 
 HIDDEN_GATE_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
 SMALL_FILES_BYTES = 2**20  # config.json, README.md, moe_upcycle.json: far below 1 MiB
@@ -68,6 +69,7 @@ class PlanSummary:
     output: Optional[str] = None
     disk_needed_bytes: int = 0
     disk_free_bytes: Optional[int] = None
+    runtimes: tuple[Verdict, ...] = ()  # where the output runs (`runtimes.compatibility`)
 
     @property
     def fits_on_disk(self) -> Optional[bool]:
@@ -198,7 +200,7 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
         build_peak_bytes=estimate_build_peak(plan, config, sources),
         gate_peak_bytes=estimate_gate_peak(plan, config, base), components=tuple(components(plan)),
         sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
-        disk_needed_bytes=needed, disk_free_bytes=free,
+        disk_needed_bytes=needed, disk_free_bytes=free, runtimes=tuple(compatibility(plan)),
     )
 
 
@@ -229,6 +231,14 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     console.print(comp)
     for line in s.sharing + s.notes:
         console.print(line, highlight=False)
+    if s.runtimes:
+        rt = Table(title="runtimes" + (" (fused layout: transformers >= 5 only)" if any(
+            "transformers >= 5 only" in v.why for v in s.runtimes) else ""))
+        for col in ("runtime", "verdict", "why", "basis"):
+            rt.add_column(col, overflow="fold")
+        for v in s.runtimes:
+            rt.add_row(v.runtime, v.status, v.why, v.basis)
+        console.print(rt)
     if s.disk_free_bytes is None:
         console.print("Disk: no output folder given, free space not checked.", highlight=False)
     else:

@@ -17,6 +17,7 @@ from moe_upcycle import __version__
 from moe_upcycle.planning.plan_report import parameter_counts
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.schema import UpcycleConfig
+from moe_upcycle.planning.runtimes import runtime_section
 
 LICENSE_KEYS = ("license", "license_name", "license_link")
 
@@ -128,6 +129,8 @@ Built with [moe-upcycle](https://pypi.org/project/moe-upcycle/) {__version__}: {
 ## Verification
 
 {verify}
+
+{runtime_section(plan)}
 
 ## Usage
 

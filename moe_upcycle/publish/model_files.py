@@ -1,7 +1,6 @@
 """The non-tensor files of the output: config.json, tokenizer, generation config.
 
-`moe_config` derives the MoE config from the base's config.json (written so that transformers
-4.x and 5.x both read it: legacy `rope_theta`/`torch_dtype` next to `rope_parameters`/`dtype`).
+The config itself is derived in `planning.model_config` (`moe_config`, re-exported here).
 `copy_tokenizer_files` copies the base's tokenizer, chat template and generation config
 **unmodified**, byte for byte. It does not write tensors.
 """
@@ -11,67 +10,9 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
 
-import torch
-
-from moe_upcycle.planning.arch import config_fields
-from moe_upcycle.checkpoint.names import output_layout
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES  # noqa: F401  (re-exported)
-from moe_upcycle.planning.steps import Plan
-
-DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# config.json fields the MoE inherits unchanged from the dense base
-INHERITED = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
-    "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
-    "rope_theta", "rope_scaling", "rope_parameters", "sliding_window", "attention_dropout",
-)
-
-
-def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0,
-               output_router_logits: bool = False) -> dict:
-    """The output config.json as a dict.
-
-    Args:
-        plan: the build plan (expert sizes are read from its planned tensors, so split experts are described as written).
-        router_aux_loss_coef: load-balancing loss weight (None: 0.001, Mixtral's default).
-        router_jitter_noise: multiplicative jitter on router inputs during training (0: off).
-        output_router_logits: return router logits (and add the aux loss) in training forward passes.
-
-    Example:
-        >>> cfg = moe_config(plan)  # doctest: +SKIP
-        >>> cfg["num_local_experts"], cfg["architectures"]
-        (4, ['MixtralForCausalLM'])
-    """
-    base = plan.base_config
-    layout = output_layout(plan.architecture)
-    cfg = {k: base[k] for k in INHERITED if k in base}
-    cfg.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
-    cfg.setdefault("num_key_value_heads", base["num_attention_heads"])
-    cfg["tie_word_embeddings"] = plan.tied_embeddings
-    # transformers 5 keeps rope settings in rope_parameters; 4.x reads rope_theta / rope_scaling
-    rope = base.get("rope_parameters")
-    if isinstance(rope, dict):
-        cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-        if rope.get("rope_type", "default") != "default":
-            cfg.setdefault("rope_scaling", rope)
-    cfg.setdefault("sliding_window", None)
-    dtype = DTYPE_STR[plan.dtype]
-    cfg.update(
-        architectures=[layout.class_name],
-        model_type=layout.model_type,
-        num_experts_per_tok=plan.experts_per_token,
-        router_aux_loss_coef=0.001 if router_aux_loss_coef is None else router_aux_loss_coef,
-        output_router_logits=output_router_logits,
-        dtype=dtype,
-        torch_dtype=dtype,
-    )
-    cfg.update(config_fields(plan))  # per architecture: expert count/size keys, shared expert, biases
-    if "router_jitter_noise" in cfg:
-        cfg["router_jitter_noise"] = router_jitter_noise
-    return dict(sorted(cfg.items()))
+from moe_upcycle.planning.model_config import experts_implementation, moe_config  # noqa: F401  (re-exported)
 
 
 def write_config(folder: Path, config: dict) -> None:

@@ -1,0 +1,198 @@
+"""Where a planned output runs: one verdict per runtime, from what each runtime's loader does.
+
+`compatibility(plan)` answers, for transformers 5, transformers 4.x, vLLM, llama.cpp and
+ExLlamaV2, whether the output is *exact* there (computes the function transformers 5 computes,
+up to that runtime's rounding), *runs, not exact* (loads, but computes something else: why), or
+*will not load* (why). Each verdict says what it rests on: ``measured`` (run by this project on
+tiny models: transformers 5 and 4.57 by the test suite, llama.cpp by the issue-14 llama.cpp
+check) or ``loader code`` (read, not run: vLLM's ``models/{mixtral,qwen2_moe,qwen3_moe}.py``,
+ExLlamaV2's ``architecture.py``/``moe_mlp.py``, llama.cpp's ``src/models/*.cpp``).
+
+The facts it reads are those of the output as planned and configured (`OutputFacts`: the
+written config.json via `model_files.moe_config`, zero-size tensors, a constant-zero shared
+gate, attention biases), so a change to what the tool writes changes the verdicts with it. The
+rules per runtime are plain functions in `RULES`; what they encode:
+
+- transformers 5: reads every output (per-expert checkpoints are converted while loading).
+- transformers 4.x: per-expert only; fused shards carry a safetensors ``format`` that 4.x
+  refuses (see `fused`), instead of loading random experts.
+- vLLM: per-expert only (its loaders map ``experts.{e}.{proj}``); honours ``norm_topk_prob``
+  (``renormalize=config.norm_topk_prob``); its qwen2_moe builds no shared expert when
+  ``shared_expert_intermediate_size`` is 0 and then has no parameter for zero-size
+  ``shared_expert.down_proj`` tensors; its qwen3_moe has no o_proj bias and silently skips one;
+  its qwen2_moe takes head_dim as hidden_size / num_attention_heads.
+- llama.cpp: mixtral and qwen3_moe are exact (measured: 2e-6 relative); it refuses zero-size
+  tensors; its qwen2moe never renormalises the top-k weights (``norm_topk_prob`` ignored) and
+  computes the shared gate's sigmoid as silu(x)/x, which is 0/0 = NaN for a zero gate; its
+  qwen3moe creates no attention-output bias and refuses a file with tensors it does not create.
+- ExLlamaV2: MixtralForCausalLM and Qwen3MoeForCausalLM (always renormalises top-k); no
+  Qwen2MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only.
+
+It reads no tensors and runs no runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.planning.model_config import moe_config
+from moe_upcycle.planning.steps import Plan
+
+EXACT = "exact"
+RUNS = "runs, not exact"
+NO_LOAD = "will not load"
+MEASURED = "measured"
+CODE = "loader code"
+FUSED_ONLY = "transformers >= 5 only"
+
+
+@dataclass(frozen=True)
+class OutputFacts:
+    """What the runtimes' loaders care about in one planned output."""
+
+    model_type: str
+    layout: str  # "per_expert" or "fused"
+    config: dict  # the config.json the build writes
+    zero_size: tuple[str, ...]  # tensors with a 0 in their shape
+    zero_shared_gate: bool  # a shared expert with a constant-zero sigmoid gate
+    o_proj_bias: bool  # attention output biases (self_attn.o_proj.bias)
+
+    @property
+    def renormalises(self) -> bool:
+        """Whether transformers renormalises the top-k routing weights (Mixtral always does)."""
+        return self.model_type == "mixtral" or bool(self.config.get("norm_topk_prob"))
+
+    @property
+    def all_experts_active(self) -> bool:
+        """top-k = all experts: the top-k softmax weights already sum to 1, so renormalising is a no-op."""
+        experts_key = names.output_layout(self.model_type).experts_key
+        return self.config.get("num_experts_per_tok") == self.config.get(experts_key)
+
+    @property
+    def shared_expert(self) -> bool:
+        return bool(self.config.get("shared_expert_intermediate_size"))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One runtime's verdict on an output."""
+
+    runtime: str
+    status: str  # EXACT, RUNS or NO_LOAD
+    why: str = ""
+    basis: str = CODE
+
+    def line(self) -> str:
+        return f"{self.runtime}: {self.status}" + (f" ({self.why})" if self.why else "") + f" [{self.basis}]"
+
+
+def output_facts(plan: Plan) -> OutputFacts:
+    """The loader-relevant facts of a planned output (headers and config only)."""
+    layout = names.output_layout(plan.architecture)
+    zero = tuple(s.name for s in plan.steps if math.prod(s.shape) == 0)
+    gate = layout.shared_expert_gate
+    zero_gate = bool(gate) and any(s.kind == "zeros" and names.split_layer(s.name)[0] == gate for s in plan.steps)
+    cfg = moe_config(plan)
+    return OutputFacts(
+        model_type=layout.model_type, layout=plan.layout, config=cfg, zero_size=zero,
+        zero_shared_gate=zero_gate and bool(cfg.get("shared_expert_intermediate_size")),
+        o_proj_bias=any(s.name.endswith("self_attn.o_proj.bias") for s in plan.steps),
+    )
+
+
+def _transformers5(f: OutputFacts) -> Verdict:
+    return Verdict("transformers 5", EXACT, "the reference `moe-upcycle verify` compares with", MEASURED)
+
+
+def _transformers4(f: OutputFacts) -> Verdict:
+    if f.layout == "fused":
+        return Verdict("transformers 4.x", NO_LOAD, f"fused expert tensors are {FUSED_ONLY}; the shards' "
+                       f"safetensors format makes 4.x refuse them instead of loading random experts", MEASURED)
+    return Verdict("transformers 4.x", EXACT, "4.57, per-expert tensors", MEASURED)
+
+
+def _vllm(f: OutputFacts) -> Verdict:
+    if f.layout == "fused":
+        return Verdict("vLLM", NO_LOAD, f"its loaders read per-expert tensors; fused is {FUSED_ONLY}")
+    if f.model_type == "qwen2_moe":
+        cfg = f.config
+        if cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]:
+            return Verdict("vLLM", NO_LOAD, f"its qwen2_moe takes head_dim = hidden_size / num_attention_heads, "
+                           f"not head_dim {cfg['head_dim']}")
+        if not f.shared_expert and any(".shared_expert." in n for n in f.zero_size):
+            return Verdict("vLLM", NO_LOAD, "with shared_expert_intermediate_size 0 it builds no shared expert, "
+                           "so it has no parameter for the zero-size shared_expert tensors")
+    if f.o_proj_bias:
+        return Verdict("vLLM", RUNS, f"its {f.model_type} has no attention-output bias and skips "
+                       f"self_attn.o_proj.bias")
+    return Verdict("vLLM", EXACT, "honours norm_topk_prob; not run here (GPU)")
+
+
+def _llama_cpp(f: OutputFacts) -> Verdict:
+    if f.layout == "fused":
+        return Verdict("llama.cpp", NO_LOAD, f"convert_hf_to_gguf.py maps per-expert tensors; fused is {FUSED_ONLY}")
+    if f.zero_size:
+        return Verdict("llama.cpp", NO_LOAD, f"it refuses zero-size tensors ({f.zero_size[0]}: shape with a 0)",
+                       MEASURED)
+    if f.o_proj_bias and f.model_type == "qwen3_moe":
+        return Verdict("llama.cpp", NO_LOAD, "its qwen3moe creates no attention-output bias and refuses a file "
+                       "holding self_attn.o_proj.bias")
+    if f.model_type == "qwen2_moe":
+        if f.zero_shared_gate:
+            return Verdict("llama.cpp", RUNS, "NaN logits: its qwen2moe computes the shared gate's sigmoid as "
+                           "silu(x)/x, which is 0/0 for the constant zero gate", MEASURED)
+        if f.renormalises and not f.all_experts_active:
+            return Verdict("llama.cpp", RUNS, "its qwen2moe ignores norm_topk_prob (never renormalises the "
+                           "top-k weights), so each token's routed output is scaled by its top-k probability mass",
+                           MEASURED)
+        return Verdict("llama.cpp", EXACT, "the top-k weights need no renormalisation", CODE)
+    return Verdict("llama.cpp", EXACT, "logits agree with transformers to 2e-6 relative", MEASURED)
+
+
+def _exllamav2(f: OutputFacts) -> Verdict:
+    if f.model_type == "qwen2_moe":
+        return Verdict("ExLlamaV2", NO_LOAD, "it has no Qwen2MoeForCausalLM: it falls back to Llama and finds no "
+                       "dense mlp.gate_proj")
+    if f.layout == "fused":
+        return Verdict("ExLlamaV2", NO_LOAD, f"it reads per-expert tensors; fused is {FUSED_ONLY}")
+    if f.model_type == "qwen3_moe" and not f.renormalises and not f.all_experts_active:
+        return Verdict("ExLlamaV2", RUNS, "it always renormalises the top-k weights, but norm_topk_prob is false")
+    return Verdict("ExLlamaV2", EXACT, "CUDA, fp16 arithmetic; not run here")
+
+
+RULES: dict[str, Callable[[OutputFacts], Verdict]] = {
+    "transformers 5": _transformers5,
+    "transformers 4.x": _transformers4,
+    "vLLM": _vllm,
+    "llama.cpp": _llama_cpp,
+    "ExLlamaV2": _exllamav2,
+}
+
+
+def compatibility(plan: Plan) -> list[Verdict]:
+    """Every runtime's verdict on a planned output, in `RULES` order.
+
+    Example:
+        >>> [v.status for v in compatibility(mixtral_plan)]  # doctest: +SKIP
+        ['exact', 'exact', 'exact', 'exact', 'exact']
+    """
+    facts = output_facts(plan)
+    return [rule(facts) for rule in RULES.values()]
+
+
+def markdown(verdicts: list[Verdict]) -> list[str]:
+    """The verdicts as a markdown table, for the model card."""
+    out = ["| runtime | verdict | why | basis |", "|---|---|---|---|"]
+    return out + [f"| {v.runtime} | {v.status} | {v.why.replace('|', '/')} | {v.basis} |" for v in verdicts]
+
+
+def runtime_section(plan: Plan) -> str:
+    """The model card's "Runtimes" section: where this output runs, and how exactly."""
+    verdicts = compatibility(plan)
+    only = f" The fused expert layout is {FUSED_ONLY}." if plan.layout == "fused" else ""
+    intro = (f"Where this {plan.architecture} checkpoint runs (moe-upcycle's compatibility report: *exact* = "
+             f"the function transformers 5 computes, up to rounding).{only}")
+    return "\n".join(["## Runtimes", "", intro, "", *markdown(verdicts)])
