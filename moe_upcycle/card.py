@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from . import __version__
+from . import __version__, llamacpp
 from .config import UpcycleConfig
 from .plan import Plan
 
@@ -32,6 +32,8 @@ def parameter_counts(plan: Plan) -> tuple[int, int]:
     total = shared = 0
     per_expert: dict[tuple[int, int], int] = {}  # (layer, expert) -> parameters of that expert
     for step in plan.steps:
+        if plan.tied_embeddings and step.name == "lm_head.weight":
+            continue  # written for llama.cpp (see llamacpp), the same parameter as the embedding
         n = math.prod(step.shape)
         total += n
         if step.kind == "expert":
@@ -124,7 +126,10 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
                      for i, e in enumerate(experts))
     recipe = yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), sort_keys=False, allow_unicode=True)
     verify = "\n".join(verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
-    tied = " The input and output embeddings are tied (stored once)." if plan.tied_embeddings else ""
+    stored = ("stored twice: llama.cpp requires output.weight" if any(st.name == "lm_head.weight" for st in plan.steps)
+              else "stored once")
+    tied = f" The input and output embeddings are tied ({stored})." if plan.tied_embeddings else ""
+    llama_status, llama_why = llamacpp.verdict(plan)
     note = f"\n> **License:** {license_note}\n" if license_note else ""
     return f"""---
 {front_text}
@@ -140,6 +145,8 @@ Built with [moe-upcycle](https://pypi.org/project/moe-upcycle/) {__version__}: {
 | total | {total:,} ({_short(total)}) |
 | active per token | {active:,} ({_short(active)}) |
 {tied}
+**llama.cpp** (after `convert_hf_to_gguf.py`): {llama_status} — {llama_why}.
+
 ## Experts
 
 | # | name | source model | positive prompts | changes |

@@ -8,13 +8,14 @@ Only `execute` touches tensor bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from . import arch, compat, fused, inits, names, shared_experts
+from . import arch, compat, fused, inits, llamacpp, names, shared_experts
 from .config import ExpertConfig, UpcycleConfig
 from .errors import PlanError
 from .source import Checkpoint, TensorInfo, tensor_nbytes
@@ -33,7 +34,8 @@ class Step:
         shape, dtype: as written.
         kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot), "router",
             "shared" (shared-expert matrix), "shared_gate" (computed by `shared_experts`),
-            "zeros" (written as zeros) or "average" (mean of its parts).
+            "zeros" (written as zeros), "half_gate" (the constant shared-expert gate, see `llamacpp`)
+            or "average" (mean of its parts).
         source: (model ref, key) read for it; None for routers, zeros and steps made of parts.
         layer, expert: indices where meaningful.
         transforms: per-slot modifications, e.g. (("noise", 0.01),) or `inits` ones such as
@@ -205,6 +207,10 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     copy("model.norm.weight")
     if not tied:
         copy(names.LM_HEAD)
+    elif llamacpp.LLAMACPP[arch_name].needs_lm_head:  # same values (and storage) as the embedding
+        steps += [dataclasses.replace(s, name=names.LM_HEAD) for s in steps if s.name == names.EMBED]
+        notes.append(f"lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written "
+                     f"twice, because llama.cpp's {llamacpp.LLAMACPP[arch_name].name} requires output.weight")
     elif names.LM_HEAD in base.tensors:
         notes.append("lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written once")
 
@@ -218,9 +224,12 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     notes += shared_experts.exactness_notes(config, layout)
     if problems:
         raise PlanError(*_dedupe(problems))
-    return Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
+    plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
                 layout=config.layout)
+    if llamacpp.verdict(plan)[0] != "exact":
+        plan = dataclasses.replace(plan, notes=plan.notes + (llamacpp.plan_note(plan),))
+    return plan
 
 
 def source_layer(expert: ExpertConfig, layer: int) -> int:

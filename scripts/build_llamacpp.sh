@@ -30,5 +30,7 @@ cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=
   -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_COMMON=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF
 cmake --build "$DEST/build" -j"$JOBS" --target llama
+# the converter imports sentencepiece for Llama vocabularies; kept beside the build, not installed
+python -m pip install --quiet --target "$DEST/pydeps" sentencepiece
 ls "$DEST/build/bin/libllama.so" >/dev/null
 echo "llama.cpp built: $DEST (libllama.so in $DEST/build/bin)"

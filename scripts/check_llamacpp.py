@@ -48,7 +48,7 @@ TOLERANCE = 1e-4  # relative to max |logit|: what the issue asks of "equal logit
 # run the converter with an unknown BPE pre-tokenizer hash mapped to "gpt-2" (see the module docstring)
 CONVERT = """
 import sys
-sys.path[:0] = [{src!r}, {gguf!r}]
+sys.path[:0] = [{src!r}, {gguf!r}, {pydeps!r}]
 import conversion.base as base
 for cls in vars(base).values():
     if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
@@ -82,13 +82,16 @@ def cases() -> list[Case]:
     """Every output architecture from every input family, and each qwen2_moe recipe the README shows."""
     no_renorm = ("llama.cpp's qwen2moe never renormalises the top-k weights; transformers does "
                  "(norm_topk_prob: true), so with experts_per_token < experts the two differ")
-    out = []
-    for fam in ("llama", "qwen2", "qwen3"):
-        out.append(Case(f"{fam}->mixtral", fam, {"architecture": "mixtral"}))
-        out.append(Case(f"{fam}->qwen3_moe", fam, {"architecture": "qwen3_moe"}))
-        out.append(Case(f"{fam}->qwen2_moe no shared, k=2", fam, {"architecture": "qwen2_moe"},
-                        expect="differs", why=no_renorm))
-    out += [
+    # the input families each output can hold (the tool refuses the rest at plan time)
+    out = [
+        Case("llama->mixtral", "llama", {"architecture": "mixtral"}),
+        Case("mistral->mixtral", "mistral", {"architecture": "mixtral"}),
+        Case("qwen3->qwen3_moe", "qwen3", {"architecture": "qwen3_moe"}),
+        Case("qwen3 tied+bias->qwen3_moe", "qwen3_tied_bias", {"architecture": "qwen3_moe"}),
+        Case("llama->qwen2_moe no shared, k=2", "llama", {"architecture": "qwen2_moe"},
+             expect="differs", why=no_renorm),
+        Case("llama->qwen2_moe no shared, k=4 of 4", "llama", {"architecture": "qwen2_moe", "experts_per_token": 4}),
+        Case("qwen2->qwen2_moe no shared, k=2", "qwen2", {"architecture": "qwen2_moe"}, expect="differs", why=no_renorm),
         Case("qwen2->qwen2_moe no shared, k=4 of 4", "qwen2", {"architecture": "qwen2_moe", "experts_per_token": 4}),
         Case("qwen2->qwen2_moe README shared split, k=2", "qwen2", {"architecture": "qwen2_moe",
              "shared_expert_gate": "constant"}, routed_scale=0.5, shared=1, expect="differs", why=no_renorm),
@@ -109,6 +112,10 @@ def dense_models(folder: Path) -> dict[str, Path]:
         "qwen2_tied": make_dense_model(folder / "qwen2_tied", family="qwen2", seed=4, tie_word_embeddings=True,
                                        random_norms_and_biases=True),
         "qwen3": make_dense_model(folder / "qwen3", family="qwen3", seed=5, random_norms_and_biases=True),
+        "qwen3_tied_bias": make_dense_model(folder / "qwen3_tied_bias", family="qwen3", seed=6,
+                                            tie_word_embeddings=True, attention_bias=True,
+                                            random_norms_and_biases=True),
+        "mistral": make_dense_model(folder / "mistral", family="mistral", seed=1),
     }
 
 
@@ -118,6 +125,7 @@ class LlamaCpp:
     def __init__(self, root: Path):
         sdist = next(root.glob("llama_cpp_python-*"))
         self.src = sdist / "vendor" / "llama.cpp"
+        self.pydeps = root / "pydeps"  # sentencepiece, which the converter imports for Llama vocabularies
         os.environ["LLAMA_CPP_LIB_PATH"] = str(root / "build" / "bin")
         pkg = types.ModuleType("llama_cpp")  # skip llama_cpp/__init__ (it needs diskcache, jinja2)
         pkg.__path__ = [str(sdist / "llama_cpp")]
@@ -135,7 +143,8 @@ class LlamaCpp:
         ll.llama_backend_init()
 
     def convert(self, model: Path, out: Path) -> None:
-        code = CONVERT.format(src=str(self.src), gguf=str(self.src / "gguf-py"), model=str(model), out=str(out),
+        code = CONVERT.format(src=str(self.src), gguf=str(self.src / "gguf-py"), pydeps=str(self.pydeps),
+                              model=str(model), out=str(out),
                               script=str(self.src / "convert_hf_to_gguf.py"))
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if proc.returncode != 0:
@@ -153,7 +162,8 @@ class LlamaCpp:
         cparams = ll.llama_context_default_params()
         cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
         cparams.n_threads = cparams.n_threads_batch = 2
-        cparams.type_k = cparams.type_v = ll.GGML_TYPE_F32  # default f16 KV would cost ~1e-3
+        cparams.type_k = cparams.type_v = ll.GGML_TYPE_F32  # the default f16 KV cache costs ~1e-3
+        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # CPU flash attention (auto) costs ~1e-3
         ctx = ll.llama_init_from_model(model, cparams)
         batch = ll.llama_batch_init(len(ids), 0, 1)
         try:
