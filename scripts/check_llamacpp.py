@@ -73,7 +73,7 @@ class Case:
     experts: int = 4
     routed_scale: float | None = None
     shared: int = 0  # shared experts copied from the base (qwen2_moe)
-    expect: str = "exact"  # "exact": llama.cpp must agree with transformers; "differs": known not to
+    expect: str = "equal"  # the verdict llamacpp.verdict predicts: "equal", "differs" (known why) or "fails"
     why: str = ""
     result: dict = field(default_factory=dict)
 
@@ -87,7 +87,8 @@ def cases() -> list[Case]:
         Case("llama->mixtral", "llama", {"architecture": "mixtral"}),
         Case("mistral->mixtral", "mistral", {"architecture": "mixtral"}),
         Case("qwen3->qwen3_moe", "qwen3", {"architecture": "qwen3_moe"}),
-        Case("qwen3 tied+bias->qwen3_moe", "qwen3_tied_bias", {"architecture": "qwen3_moe"}),
+        Case("qwen3 tied+bias->qwen3_moe", "qwen3_tied_bias", {"architecture": "qwen3_moe"}, expect="fails",
+             why="llama.cpp's qwen3moe has no attn_output.bias (o_proj bias); its dense qwen3 neither"),
         Case("llama->qwen2_moe no shared, k=2", "llama", {"architecture": "qwen2_moe"},
              expect="differs", why=no_renorm),
         Case("llama->qwen2_moe no shared, k=4 of 4", "llama", {"architecture": "qwen2_moe", "experts_per_token": 4}),
@@ -234,7 +235,11 @@ def main() -> int:
     selected = [c for c in cases() if args.only in c.name]
     rows = []
     for fam in sorted({c.base for c in selected}):
-        rows.append(Case(f"{fam} (dense)", fam, {}, expect="exact"))
+        # llama.cpp's qwen3 has no o_proj bias either; transformers 5 loads our tiny Qwen2 tokenizer as a
+        # Qwen2Tokenizer that adds <|endoftext|> as id 300 = vocab_size, which the converter asserts against
+        # (a tiny-fixture artifact: real Qwen2 vocabularies have room; the MoE outputs' tokenizers load as given)
+        fails = fam in ("qwen3_tied_bias", "qwen2", "qwen2_tied")
+        rows.append(Case(f"{fam} (dense)", fam, {}, expect="fails" if fails else "equal"))
     rows += selected
     failed = 0
     print(f"{'case':48} {'max rel diff':>13}  verdict")
@@ -255,7 +260,7 @@ def main() -> int:
         except RuntimeError as err:
             case.result = {"max_rel_diff": None, "verdict": "fails", "error": str(err)}
         case.result["seconds"] = round(time.perf_counter() - t0, 1)
-        ok = case.result["verdict"] == "equal" if case.expect == "exact" else case.result["verdict"] == "differs"
+        ok = case.result["verdict"] == case.expect
         failed += not ok
         diff = case.result["max_rel_diff"]
         shown = f"{diff:13.2e}" if diff is not None else f"{'-':>13}"
