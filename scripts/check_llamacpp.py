@@ -102,6 +102,10 @@ def cases() -> list[Case]:
              "shared_expert_gate": "constant", "experts_per_token": 4}, routed_scale=0.5, shared=2),
         Case("qwen2 tied->qwen2_moe no shared, k=4 of 4", "qwen2_tied",
              {"architecture": "qwen2_moe", "experts_per_token": 4}),
+        # fp16 output: the constant gate is 2^-24 there (2^-64 would flush to zero); both runtimes read it in f32
+        Case("qwen2->qwen2_moe fp16 README shared split, k=4 of 4", "qwen2", {"architecture": "qwen2_moe",
+             "shared_expert_gate": "constant", "experts_per_token": 4, "dtype": "float16"}, routed_scale=0.5, shared=1),
+        Case("qwen3 tied->qwen3_moe", "qwen3_tied", {"architecture": "qwen3_moe"}),
     ]
     return out
 
@@ -117,6 +121,8 @@ def dense_models(folder: Path) -> dict[str, Path]:
                                             tie_word_embeddings=True, attention_bias=True,
                                             random_norms_and_biases=True),
         "mistral": make_dense_model(folder / "mistral", family="mistral", seed=1),
+        "qwen3_tied": make_dense_model(folder / "qwen3_tied", family="qwen3", seed=7, tie_word_embeddings=True,
+                                       random_norms_and_biases=True),
     }
 
 
