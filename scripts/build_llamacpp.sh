@@ -7,7 +7,7 @@
 #   python scripts/check_llamacpp.py --llamacpp DEST
 #
 # Needs cmake >= 3.14, a C++17 compiler and pip (the sdist download builds its metadata with
-# scikit-build-core from PyPI). About 10 minutes on 2 cores (JOBS=2); only the `llama` target is built.
+# scikit-build-core from PyPI). About 5.5 minutes on 2 shared cores (JOBS=2); only the `llama` target is built.
 set -euo pipefail
 
 VERSION=0.3.36
@@ -31,6 +31,6 @@ cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=
   -DLLAMA_BUILD_COMMON=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF
 cmake --build "$DEST/build" -j"$JOBS" --target llama
 # the converter imports sentencepiece for Llama vocabularies; kept beside the build, not installed
-python -m pip install --quiet --target "$DEST/pydeps" sentencepiece
+[ -d "$DEST/pydeps/sentencepiece" ] || python -m pip install --quiet --target "$DEST/pydeps" sentencepiece
 ls "$DEST/build/bin/libllama.so" >/dev/null
 echo "llama.cpp built: $DEST (libllama.so in $DEST/build/bin)"
