@@ -249,7 +249,7 @@ def test_mergekit_qwen_alias_means_qwen2_moe():
                           "shared_experts": [{"source_model": "llama"}]})
     plan = make_plan(config, {"llama": meta("llama")})
     assert plan.architecture == "qwen2_moe"
-    assert {s.name for s in plan.steps if s.layer == 0 and s.kind in ("shared", "zeros")} == {
+    assert {s.name for s in plan.steps if s.layer == 0 and s.kind in ("shared", "zeros", "half_gate")} == {
         "model.layers.0.mlp.shared_expert.gate_proj.weight", "model.layers.0.mlp.shared_expert.up_proj.weight",
         "model.layers.0.mlp.shared_expert.down_proj.weight", "model.layers.0.mlp.shared_expert_gate.weight",
         "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",

@@ -14,7 +14,8 @@ naming it; see `guards`).
 Steps made of parts: "average" is the fp32 mean of its parts; parts concatenated along dim 0
 (fused experts) are handed to the writer as a lazy `TensorParts`, read and written one part at a
 time, so a stacked (E, 2I, H) tensor is never held; other concatenations (several shared
-experts' down_proj columns) are built with ``torch.cat``. "zeros" steps are zeros.
+experts' down_proj columns) are built with ``torch.cat``. "zeros" steps are zeros, "half_gate" steps
+`llamacpp.half_gate`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.planning.shared_experts import shared_gate
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorParts
+from moe_upcycle.planning.llamacpp import half_gate
 
 
 def slot_generator(seed: int, step: Step) -> torch.Generator:
@@ -107,6 +109,8 @@ def iter_tensors(
                 tensor = shared_gate(shared_gates, step).to(step.dtype)
             elif step.kind == "zeros":
                 tensor = torch.zeros(step.shape, dtype=step.dtype)
+            elif step.kind == "half_gate":
+                tensor = half_gate(step.shape, step.dtype)
             elif step.kind == "average":  # fp32 mean, one part in memory at a time
                 total = torch.zeros(step.shape, dtype=torch.float32)
                 for part in step.parts:

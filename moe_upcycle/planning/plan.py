@@ -8,6 +8,7 @@ Only `execute` touches tensor bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, TensorInfo
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, inits, shared_experts
+from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.resolve import expert_inits
 from moe_upcycle.recipe.schema import UpcycleConfig
@@ -135,6 +136,10 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     copy("model.norm.weight")
     if not tied:
         copy(names.LM_HEAD)
+    elif llamacpp.LLAMACPP[arch_name].needs_lm_head:  # same values (and storage) as the embedding
+        steps += [dataclasses.replace(s, name=names.LM_HEAD) for s in steps if s.name == names.EMBED]
+        notes.append(f"lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written "
+                     f"twice, because llama.cpp's {llamacpp.LLAMACPP[arch_name].name} requires output.weight")
     elif names.LM_HEAD in base.tensors:
         notes.append("lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written once")
 
@@ -148,9 +153,12 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     notes += shared_experts.exactness_notes(config, layout)
     if problems:
         raise PlanError(*_dedupe(problems))
-    return Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
+    plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
                 layout=config.layout)
+    if llamacpp.verdict(plan)[0] != "exact":
+        plan = dataclasses.replace(plan, notes=plan.notes + (llamacpp.plan_note(plan),))
+    return plan
 
 
 def _base_dtype(base: Checkpoint) -> torch.dtype:

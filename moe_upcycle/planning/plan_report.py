@@ -89,6 +89,8 @@ def parameter_counts(plan: Plan) -> tuple[int, int]:
     total = shared = 0
     per_expert: dict[tuple[int, int], int] = {}  # (layer, expert) -> parameters of that expert
     for step in plan.steps:
+        if plan.tied_embeddings and step.name == "lm_head.weight":
+            continue  # written for llama.cpp (see llamacpp), the same parameter as the embedding
         n = math.prod(step.shape)
         total += n
         if step.kind == "expert":

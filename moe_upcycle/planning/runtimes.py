@@ -9,7 +9,7 @@ check) or ``loader code`` (read, not run: vLLM's ``models/{mixtral,qwen2_moe,qwe
 ExLlamaV2's ``architecture.py``/``moe_mlp.py``, llama.cpp's ``src/models/*.cpp``).
 
 The facts it reads are those of the output as planned and configured (`OutputFacts`: the
-written config.json via `model_files.moe_config`, zero-size tensors, a constant-zero shared
+written config.json via `model_config.moe_config`, zero-size tensors, a constant-zero shared
 gate, attention biases), so a change to what the tool writes changes the verdicts with it. The
 rules per runtime are plain functions in `RULES`; what they encode:
 
@@ -21,10 +21,9 @@ rules per runtime are plain functions in `RULES`; what they encode:
   ``shared_expert_intermediate_size`` is 0 and then has no parameter for zero-size
   ``shared_expert.down_proj`` tensors; its qwen3_moe has no o_proj bias and silently skips one;
   its qwen2_moe takes head_dim as hidden_size / num_attention_heads.
-- llama.cpp: mixtral and qwen3_moe are exact (measured: 2e-6 relative); it refuses zero-size
-  tensors; its qwen2moe never renormalises the top-k weights (``norm_topk_prob`` ignored) and
-  computes the shared gate's sigmoid as silu(x)/x, which is 0/0 = NaN for a zero gate; its
-  qwen3moe creates no attention-output bias and refuses a file with tensors it does not create.
+- llama.cpp: the rules of `llamacpp` (its qwen2moe never renormalises the top-k weights, so
+  qwen2_moe with experts_per_token < num_experts runs but is not exact; its qwen3moe refuses an
+  o_proj bias), each case measured by ``scripts/check_llamacpp.py``; fused is refused by its converter.
 - ExLlamaV2: MixtralForCausalLM and Qwen3MoeForCausalLM (always renormalises top-k); no
   Qwen2MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only.
 
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_upcycle.checkpoint import names
+from moe_upcycle.planning import llamacpp
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.steps import Plan
 
@@ -59,6 +59,7 @@ class OutputFacts:
     zero_size: tuple[str, ...]  # tensors with a 0 in their shape
     zero_shared_gate: bool  # a shared expert with a constant-zero sigmoid gate
     o_proj_bias: bool  # attention output biases (self_attn.o_proj.bias)
+    llamacpp: tuple[str, str] = ("exact", "")  # `llamacpp.verdict`: (status, why)
 
     @property
     def renormalises(self) -> bool:
@@ -100,6 +101,7 @@ def output_facts(plan: Plan) -> OutputFacts:
         model_type=layout.model_type, layout=plan.layout, config=cfg, zero_size=zero,
         zero_shared_gate=zero_gate and bool(cfg.get("shared_expert_intermediate_size")),
         o_proj_bias=any(s.name.endswith("self_attn.o_proj.bias") for s in plan.steps),
+        llamacpp=llamacpp.verdict(plan),
     )
 
 
@@ -137,19 +139,8 @@ def _llama_cpp(f: OutputFacts) -> Verdict:
     if f.zero_size:
         return Verdict("llama.cpp", NO_LOAD, f"it refuses zero-size tensors ({f.zero_size[0]}: shape with a 0)",
                        MEASURED)
-    if f.o_proj_bias and f.model_type == "qwen3_moe":
-        return Verdict("llama.cpp", NO_LOAD, "its qwen3moe creates no attention-output bias and refuses a file "
-                       "holding self_attn.o_proj.bias")
-    if f.model_type == "qwen2_moe":
-        if f.zero_shared_gate:
-            return Verdict("llama.cpp", RUNS, "NaN logits: its qwen2moe computes the shared gate's sigmoid as "
-                           "silu(x)/x, which is 0/0 for the constant zero gate", MEASURED)
-        if f.renormalises and not f.all_experts_active:
-            return Verdict("llama.cpp", RUNS, "its qwen2moe ignores norm_topk_prob (never renormalises the "
-                           "top-k weights), so each token's routed output is scaled by its top-k probability mass",
-                           MEASURED)
-        return Verdict("llama.cpp", EXACT, "the top-k weights need no renormalisation", CODE)
-    return Verdict("llama.cpp", EXACT, "logits agree with transformers to 2e-6 relative", MEASURED)
+    status, why = f.llamacpp  # the rules of `llamacpp`, measured case by case by scripts/check_llamacpp.py
+    return Verdict("llama.cpp", status, why, MEASURED)
 
 
 def _exllamav2(f: OutputFacts) -> Verdict:

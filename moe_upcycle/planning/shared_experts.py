@@ -9,11 +9,14 @@ w_e sum to 1)::
 become one whose intermediate size is the sum: gate_proj and up_proj rows are concatenated
 (n*I, H) and down_proj columns (H, n*I). An FFN is a sum over its intermediate neurons, so
 S(x) = sum_j S_j(x) exactly: several shared experts behind one gate lose nothing. With none, the
-shared expert has intermediate size 0 and adds exactly nothing.
+shared expert is one all-zero neuron (intermediate size 1: llama.cpp refuses a 0-wide one) and adds
+exactly nothing.
 
 The gate g (1, H) is initialised (`shared_expert_gate:`) either
 
-- ``constant``: zeros, so sigmoid(g . x) = 1/2 for every token, or
+- ``constant``: tiny equal entries (`llamacpp.half_gate_value`), so sigmoid(g . x) = 1/2 for every
+  token to fp32 rounding, and g . x is not 0 (llama.cpp evaluates the sigmoid as silu(z)/z, NaN at
+  z = 0, which all-zero weights gave), or
 - ``prompts``: the normalised mean token embedding of the shared experts' positive prompts (as
   `cheap_embed` does for routers), so the shared expert speaks up on text like its prompts.
 
@@ -40,6 +43,7 @@ import torch
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.planning.llamacpp import EMPTY_SHARED_EXPERT_SIZE
 from moe_upcycle.planning.steps import Step, mergekit_transforms, source_layer
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.recipe.schema import UpcycleConfig
@@ -78,14 +82,15 @@ def plan_steps(config: UpcycleConfig, sources: dict[str, Checkpoint], layout: na
             parts.append(Step(part_name, info.shape, dtype, "shared", (expert.source_model, key), layer,
                               transforms=mergekit_transforms(expert, proj)))
         if not config.shared_experts:
-            steps.append(Step(name, (hidden, 0) if dim else (0, hidden), dtype, "zeros", layer=layer))
+            size = EMPTY_SHARED_EXPERT_SIZE
+            steps.append(Step(name, (hidden, size) if dim else (size, hidden), dtype, "zeros", layer=layer))
         elif len(parts) == 1:
             steps.append(parts[0])
         elif parts:
             shape = list(parts[0].shape)
             shape[dim] = sum(p.shape[dim] for p in parts)
             steps.append(Step(name, tuple(shape), dtype, "shared", layer=layer, parts=tuple(parts), part_dim=dim))
-    kind = "shared_gate" if gate_init(config) == "prompts" else "zeros"
+    kind = "shared_gate" if gate_init(config) == "prompts" else "half_gate"
     steps.append(Step(names.fill(layout.shared_expert_gate, layer=layer), (1, hidden), dtype, kind, layer=layer))
     return steps
 
@@ -96,14 +101,14 @@ def exactness_notes(config: UpcycleConfig, layout: names.OutputLayout) -> list[s
         return []
     shared = config.shared_experts
     if not shared:
-        return [f"{layout.model_type}: no shared_experts, so the shared expert has intermediate size 0 and adds nothing"]
+        return [f"{layout.model_type}: no shared_experts, so the shared expert is one all-zero neuron and adds nothing"]
     if gate_init(config) == "prompts":
         return ["shared_expert_gate: prompts varies per token, so the output is not the dense model's even for "
                 "copies (it differs by (sigmoid(g.x) - 1/2) * sum(shared residual_scale) * FFN(x)); use "
                 "shared_expert_gate: constant for an exact start"]
     routed = {e.residual_scale if e.residual_scale is not None else 1.0 for e in config.expert_list()}
     s = sum(e.residual_scale if e.residual_scale is not None else 1.0 for e in shared)
-    line = (f"shared_expert_gate: constant (zero weights, sigmoid = 1/2): each MoE layer outputs "
+    line = (f"shared_expert_gate: constant (tiny equal weights, sigmoid = 1/2): each MoE layer outputs "
             f"{'/'.join(f'{r:g}' for r in sorted(routed))} x routed + 1/2 x {s:g} x shared")
     refs = {e.source_model for e in config.expert_list()} | {e.source_model for e in shared}
     if refs != {config.base_model} or len(routed) != 1:

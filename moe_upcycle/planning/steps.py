@@ -28,7 +28,8 @@ class Step:
         shape, dtype: as written.
         kind: "copy" (base tensor), "expert" (an FFN matrix placed in an expert slot), "router",
             "shared" (shared-expert matrix), "shared_gate" (computed by `shared_experts`),
-            "zeros" (written as zeros) or "average" (mean of its parts).
+            "zeros" (written as zeros), "half_gate" (the constant shared-expert gate, see `llamacpp`)
+            or "average" (mean of its parts).
         source: (model ref, key) read for it; None for routers, zeros and steps made of parts.
         layer, expert: indices where meaningful.
         transforms: per-slot modifications, e.g. (("noise", 0.01),) or `inits` ones such as

@@ -98,7 +98,9 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
                      for i, e in enumerate(experts))
     recipe = yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), sort_keys=False, allow_unicode=True)
     verify = "\n".join(verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
-    tied = " The input and output embeddings are tied (stored once)." if plan.tied_embeddings else ""
+    stored = ("stored twice: llama.cpp requires output.weight" if any(st.name == "lm_head.weight" for st in plan.steps)
+              else "stored once")
+    tied = f" The input and output embeddings are tied ({stored})." if plan.tied_embeddings else ""
     note = f"\n> **License:** {license_note}\n" if license_note else ""
     return f"""---
 {front_text}

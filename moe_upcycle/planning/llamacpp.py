@@ -1,0 +1,110 @@
+"""What llama.cpp computes for our MoE outputs, and the constants we write so that it can.
+
+Facts read from llama.cpp's source as vendored by the llama-cpp-python 0.3.36 sdist (ggml 0.25.3):
+``src/models/llama.cpp``, ``src/models/qwen2moe.cpp``, ``src/models/qwen3moe.cpp`` and
+``llm_graph_context::build_moe_ffn`` in ``src/llama-graph.cpp``. ``scripts/check_llamacpp.py``
+measures them (convert with ``convert_hf_to_gguf.py``, compare logits with transformers).
+
+- Every MoE layer: softmax over **all** router logits, then top-k (``ggml_argsort_top_k``), then the
+  selected probabilities as weights. Mixtral (llama.cpp arch ``llama``) and ``qwen3moe`` renormalise
+  them to sum 1 (``norm_w = true``); ``qwen2moe`` never does (``norm_w = false``, hard-coded: the GGUF
+  carries no ``norm_topk_prob``). Transformers' Qwen2-MoE renormalises when ``norm_topk_prob: true``
+  (what we write, so identical experts reproduce the dense FFN), so with ``experts_per_token`` below
+  the expert count the two runtimes compute different functions: llama.cpp's routed output is
+  ``sum_{top-k} p_e E_e(x)`` with ``sum_{top-k} p_e < 1``. With every expert active the top-k mass is the
+  whole softmax (1 to fp32 rounding) and they agree.
+- ``qwen2moe``'s shared expert: all four tensors are required, sized ``n_ff_shexp`` — or the dense
+  ``n_ff`` when the GGUF says 0, so a 0-wide shared expert does not load. Its gate is evaluated as
+  ``silu(z) / z`` with ``z = g . x``: NaN when z is exactly 0 (the zero gate the exact split used).
+  ``output.weight`` is required (no fallback to tied embeddings).
+- ``qwen3moe`` loads q/k/v biases but has no ``attn_output.bias``: a Qwen3 with ``attention_bias: true``
+  (o_proj bias) does not load — the dense Qwen3 does not either.
+
+So we write (a) a shared expert at least 1 wide, zeros when there is none (adds exactly 0 in both
+runtimes), (b) the "constant" shared gate as tiny equal entries `half_gate_value` instead of zeros:
+sigmoid(z) = 1/2 to fp32 rounding for any realistic x and z != 0, so llama.cpp's silu(z)/z is 1/2
+too, and (c) ``lm_head.weight`` for Qwen2-MoE even when the embeddings are tied. It does not change
+routing: where llama.cpp cannot mean what transformers means, `verdict` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from moe_upcycle.planning.steps import Plan
+
+LLAMACPP_SOURCE = "llama.cpp as vendored by llama-cpp-python 0.3.36 (PyPI sdist)"
+EMPTY_SHARED_EXPERT_SIZE = 1  # intermediate size of the all-zero shared expert written when there is none
+
+
+@dataclass(frozen=True)
+class LlamaCppArch:
+    """How llama.cpp runs one of our output architectures."""
+
+    name: str  # llama.cpp's architecture (general.architecture in the GGUF)
+    renormalises_top_k: bool  # top-k softmax weights divided by their sum
+    shared_gate: Optional[str] = None  # how the shared expert's sigmoid gate is computed
+    needs_lm_head: bool = False  # output.weight required even with tied embeddings
+    loads_o_proj_bias: bool = True
+
+
+LLAMACPP: dict[str, LlamaCppArch] = {
+    "mixtral": LlamaCppArch("llama", renormalises_top_k=True),
+    "qwen2_moe": LlamaCppArch("qwen2moe", renormalises_top_k=False, shared_gate="silu(z) / z (NaN at z = 0)",
+                              needs_lm_head=True),
+    "qwen3_moe": LlamaCppArch("qwen3moe", renormalises_top_k=True, loads_o_proj_bias=False),
+}
+GATING = "softmax over all experts, then top-k"
+
+
+def half_gate_value(dtype: torch.dtype) -> float:
+    """The entry of the "constant" shared-expert gate: sigmoid(g . x) is 1/2 and g . x is not 0.
+
+    With every entry v, z = v * sum(x) and sigmoid(z) - 1/2 is at most |z| / 4. v = 2^-64 (fp32,
+    bf16: same exponent range) leaves |z| < 2^-25, where fp32 rounds sigmoid(z) to exactly 1/2, for any
+    sum(x) below 2^39. fp16 cannot hold 2^-64, so it gets its smallest subnormal 2^-24: the gate is
+    then 1/2 to a relative 2^-25 * |sum(x)| (3e-6 for sum(x) = 100). Only x = 0 (a zero hidden state,
+    which no gate can help) still gives z = 0.
+
+    Example:
+        >>> half_gate_value(torch.float32) == 2.0 ** -64
+        True
+    """
+    return 2.0 ** -24 if dtype == torch.float16 else 2.0 ** -64
+
+
+def half_gate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The "constant" shared-expert gate (1, H): every entry `half_gate_value`."""
+    return torch.full(shape, half_gate_value(dtype), dtype=dtype)
+
+
+def verdict(plan: "Plan") -> tuple[str, str]:
+    """How the planned output runs in llama.cpp: ("exact" | "runs, not exact" | "will not load", why).
+
+    "exact" means llama.cpp computes what transformers computes (logits equal to fp32 rounding);
+    whether that is the dense model's function is the plan's other notes' business.
+    """
+    arch = LLAMACPP[plan.architecture]
+    names = {s.name for s in plan.steps}
+    if not arch.loads_o_proj_bias and any(n.endswith("self_attn.o_proj.bias") for n in names):
+        return ("will not load", f"llama.cpp's {arch.name} has no attention output bias (self_attn.o_proj.bias) "
+                                 f"and refuses a GGUF with extra tensors; the dense base does not load either")
+    experts = len(plan.expert_names)
+    if not arch.renormalises_top_k and plan.experts_per_token < experts:
+        return ("runs, not exact",
+                f"llama.cpp's {arch.name} never renormalises the top-{plan.experts_per_token} router weights "
+                f"(it ignores norm_topk_prob: true), so each MoE layer's routed output is scaled by the top-"
+                f"{plan.experts_per_token} softmax mass (< 1, per token) there; exact only with "
+                f"experts_per_token: {experts} (all experts active) or architecture: qwen3_moe / mixtral")
+    return ("exact", f"{GATING}, " + ("renormalised as in transformers" if arch.renormalises_top_k
+                                      else "all experts active, so the weights already sum to 1"))
+
+
+def plan_note(plan: "Plan") -> str:
+    """One plan/card line: the llama.cpp verdict and its reason."""
+    status, why = verdict(plan)
+    return f"llama.cpp: {status} ({why})"

@@ -1,0 +1,285 @@
+"""Do our MoE outputs run right in llama.cpp? Convert each to GGUF and compare logits with transformers.
+
+For each case: build a tiny dense model (random, seeded, hidden 64), upcycle it with
+``python -m moe_upcycle build``, convert the output with llama.cpp's own ``convert_hf_to_gguf.py``
+(``--outtype f32``), evaluate the same token ids in transformers (fp32) and in llama.cpp (CPU, f32 KV
+cache) and print max |Δlogit| / max |logit| per case, or why llama.cpp refused the file. The dense
+models themselves are checked too: that row is the converter/runtime's own floor.
+
+llama.cpp comes from ``scripts/build_llamacpp.sh`` (the pinned llama-cpp-python sdist, built outside
+the repo); this script imports its converter, gguf-py and ctypes bindings from there. Nothing from it
+is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); the 21 cases take 6 min::
+
+    scripts/build_llamacpp.sh /tmp/llamacpp
+    python scripts/check_llamacpp.py --llamacpp /tmp/llamacpp [--only qwen2] [--json out.json]
+
+Our tiny models' tokenizer is a freshly trained byte-level BPE whose pre-tokenizer hash the converter
+does not know; we feed token ids, never text, so the converter is told it is "gpt-2" (the regex a
+ByteLevel pre-tokenizer uses). Exit status 1 when a case expected to agree does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from moe_upcycle.checkpoint.tiny import make_dense_model  # noqa: E402 (after the sys.path line)
+
+TEXT = "Once upon a time there was a little dragon. def add(a, b): return a + b"
+TOLERANCE = 1e-4  # relative to max |logit|: what the issue asks of "equal logits"
+# run the converter with an unknown BPE pre-tokenizer hash mapped to "gpt-2" (see the module docstring)
+CONVERT = """
+import sys
+sys.path[:0] = [{src!r}, {gguf!r}, {pydeps!r}]
+import conversion.base as base
+for cls in vars(base).values():
+    if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+        original = cls.get_vocab_base_pre
+        def patched(self, tokenizer, _original=original):
+            try:
+                return _original(self, tokenizer)
+            except NotImplementedError:
+                return "gpt-2"
+        cls.get_vocab_base_pre = patched
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", "f32"]
+import runpy
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@dataclass
+class Case:
+    name: str
+    base: str  # dense family: llama, qwen2, qwen3, qwen2_tied
+    recipe: dict  # YAML fields beyond base_model / experts (architecture, experts_per_token, ...)
+    experts: int = 4
+    routed_scale: float | None = None
+    shared: int = 0  # shared experts copied from the base (qwen2_moe)
+    expect: str = "equal"  # the verdict llamacpp.verdict predicts: "equal", "differs" (known why) or "fails"
+    why: str = ""
+    result: dict = field(default_factory=dict)
+
+
+def cases() -> list[Case]:
+    """Every output architecture from every input family, and each qwen2_moe recipe the README shows."""
+    no_renorm = ("llama.cpp's qwen2moe never renormalises the top-k weights; transformers does "
+                 "(norm_topk_prob: true), so with experts_per_token < experts the two differ")
+    # the input families each output can hold (the tool refuses the rest at plan time)
+    out = [
+        Case("llama->mixtral", "llama", {"architecture": "mixtral"}),
+        Case("mistral->mixtral", "mistral", {"architecture": "mixtral"}),
+        Case("qwen3->qwen3_moe", "qwen3", {"architecture": "qwen3_moe"}),
+        Case("qwen3 tied+bias->qwen3_moe", "qwen3_tied_bias", {"architecture": "qwen3_moe"}, expect="fails",
+             why="llama.cpp's qwen3moe has no attn_output.bias (o_proj bias); its dense qwen3 neither"),
+        Case("llama->qwen2_moe no shared, k=2", "llama", {"architecture": "qwen2_moe"},
+             expect="differs", why=no_renorm),
+        Case("llama->qwen2_moe no shared, k=4 of 4", "llama", {"architecture": "qwen2_moe", "experts_per_token": 4}),
+        Case("qwen2->qwen2_moe no shared, k=2", "qwen2", {"architecture": "qwen2_moe"},
+             expect="differs", why=no_renorm),
+        Case("qwen2->qwen2_moe no shared, k=4 of 4", "qwen2", {"architecture": "qwen2_moe", "experts_per_token": 4}),
+        Case("qwen2->qwen2_moe README shared split, k=2", "qwen2", {"architecture": "qwen2_moe",
+             "shared_expert_gate": "constant"}, routed_scale=0.5, shared=1, expect="differs", why=no_renorm),
+        Case("qwen2->qwen2_moe README shared split, k=4 of 4", "qwen2", {"architecture": "qwen2_moe",
+             "shared_expert_gate": "constant", "experts_per_token": 4}, routed_scale=0.5, shared=1),
+        Case("qwen2->qwen2_moe 2 shared, k=4 of 4", "qwen2", {"architecture": "qwen2_moe",
+             "shared_expert_gate": "constant", "experts_per_token": 4}, routed_scale=0.5, shared=2),
+        Case("qwen2 tied->qwen2_moe no shared, k=4 of 4", "qwen2_tied",
+             {"architecture": "qwen2_moe", "experts_per_token": 4}),
+        # fp16 output: the constant gate is 2^-24 there (2^-64 would flush to zero); both runtimes read it in f32
+        Case("qwen2->qwen2_moe fp16 README shared split, k=4 of 4", "qwen2", {"architecture": "qwen2_moe",
+             "shared_expert_gate": "constant", "experts_per_token": 4, "dtype": "float16"}, routed_scale=0.5, shared=1),
+        Case("qwen3 tied->qwen3_moe", "qwen3_tied", {"architecture": "qwen3_moe"}),
+    ]
+    return out
+
+
+def dense_models(folder: Path) -> dict[str, Path]:
+    return {
+        "llama": make_dense_model(folder / "llama", family="llama", seed=0),
+        "qwen2": make_dense_model(folder / "qwen2", family="qwen2", seed=3, random_norms_and_biases=True),
+        "qwen2_tied": make_dense_model(folder / "qwen2_tied", family="qwen2", seed=4, tie_word_embeddings=True,
+                                       random_norms_and_biases=True),
+        "qwen3": make_dense_model(folder / "qwen3", family="qwen3", seed=5, random_norms_and_biases=True),
+        "qwen3_tied_bias": make_dense_model(folder / "qwen3_tied_bias", family="qwen3", seed=6,
+                                            tie_word_embeddings=True, attention_bias=True,
+                                            random_norms_and_biases=True),
+        "mistral": make_dense_model(folder / "mistral", family="mistral", seed=1),
+        "qwen3_tied": make_dense_model(folder / "qwen3_tied", family="qwen3", seed=7, tie_word_embeddings=True,
+                                       random_norms_and_biases=True),
+    }
+
+
+class LlamaCpp:
+    """llama.cpp's library through the sdist's own ctypes bindings (imported without the high-level package)."""
+
+    def __init__(self, root: Path):
+        sdist = next(root.glob("llama_cpp_python-*"))
+        self.src = sdist / "vendor" / "llama.cpp"
+        self.pydeps = root / "pydeps"  # sentencepiece, which the converter imports for Llama vocabularies
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(root / "build" / "bin")
+        pkg = types.ModuleType("llama_cpp")  # skip llama_cpp/__init__ (it needs diskcache, jinja2)
+        pkg.__path__ = [str(sdist / "llama_cpp")]
+        sys.modules["llama_cpp"] = pkg
+        import llama_cpp.llama_cpp as ll
+
+        self.ll = ll
+        self.log: list[str] = []
+
+        def on_log(level, text, user_data):
+            self.log.append(text.decode(errors="replace"))
+
+        self._log_cb = ll.llama_log_callback(on_log)  # keep a reference: C holds the pointer
+        ll.llama_log_set(self._log_cb, ctypes.c_void_p())
+        ll.llama_backend_init()
+
+    def convert(self, model: Path, out: Path) -> None:
+        code = CONVERT.format(src=str(self.src), gguf=str(self.src / "gguf-py"), pydeps=str(self.pydeps),
+                              model=str(model), out=str(out),
+                              script=str(self.src / "convert_hf_to_gguf.py"))
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError("convert_hf_to_gguf failed: " + proc.stderr.strip().splitlines()[-1])
+
+    def logits(self, gguf: Path, ids: list[int]) -> np.ndarray:
+        """(T, V) logits of every position, or RuntimeError with llama.cpp's own message."""
+        ll = self.ll
+        self.log.clear()
+        mparams = ll.llama_model_default_params()
+        model = ll.llama_model_load_from_file(str(gguf).encode(), mparams)
+        if not model:
+            errors = [line.strip() for line in self.log if "error" in line.lower() or "failed" in line.lower()]
+            raise RuntimeError("llama.cpp will not load it: " + (" | ".join(errors[:3]) or "no message"))
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
+        cparams.n_threads = cparams.n_threads_batch = 2
+        cparams.type_k = cparams.type_v = ll.GGML_TYPE_F32  # the default f16 KV cache costs ~1e-3
+        cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # CPU flash attention (auto) costs ~1e-3
+        ctx = ll.llama_init_from_model(model, cparams)
+        batch = ll.llama_batch_init(len(ids), 0, 1)
+        try:
+            for i, tok in enumerate(ids):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, 1
+                batch.seq_id[i][0] = 0
+            batch.n_tokens = len(ids)
+            if ll.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed: " + " | ".join(self.log[-3:]))
+            n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+            rows = [np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+                    for i in range(len(ids))]
+        finally:
+            ll.llama_batch_free(batch)
+            ll.llama_free(ctx)
+            ll.llama_model_free(model)
+        return np.stack(rows)
+
+
+def hf_logits(folder: Path, ids: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def upcycle(case: Case, base: Path, out: Path) -> None:
+    expert = {"source_model": str(base)}
+    if case.routed_scale is not None:
+        expert["residual_scale"] = case.routed_scale
+    recipe = {"base_model": str(base), "gate_mode": "random", "experts_per_token": 2, "dtype": "float32",
+              **case.recipe, "experts": [dict(expert) for _ in range(case.experts)]}
+    if case.shared:
+        scale = 1.0 / case.shared
+        recipe["shared_experts"] = [{"source_model": str(base), "residual_scale": scale} for _ in range(case.shared)]
+    config = out.with_suffix(".yaml")
+    config.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    proc = subprocess.run([sys.executable, "-m", "moe_upcycle", "build", str(config), str(out), "--no-lint"],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        raise RuntimeError("moe_upcycle build failed: " + (proc.stderr or proc.stdout).strip()[-400:])
+
+
+def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+    if not np.isfinite(b).all():
+        return float("nan")
+    return float(np.abs(a - b).max() / np.abs(a).max())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llamacpp", type=Path, default=Path(os.environ.get(
+        "LLAMACPP_DIR", Path.home() / ".cache/moe-upcycle/llamacpp")), help="DEST of scripts/build_llamacpp.sh")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    lcpp = LlamaCpp(args.llamacpp)
+    work = args.work or Path(tempfile.mkdtemp(prefix="check_llamacpp_"))
+    work.mkdir(parents=True, exist_ok=True)
+    dense = dense_models(work / "dense")
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(dense["llama"]))(TEXT)["input_ids"]  # all tiny models share it
+    selected = [c for c in cases() if args.only in c.name]
+    rows = []
+    for fam in sorted({c.base for c in selected}):
+        # llama.cpp's qwen3 has no o_proj bias either; transformers 5 loads our tiny Qwen2 tokenizer as a
+        # Qwen2Tokenizer that adds <|endoftext|> as id 300 = vocab_size, which the converter asserts against
+        # (a tiny-fixture artifact: real Qwen2 vocabularies have room; the MoE outputs' tokenizers load as given)
+        fails = fam in ("qwen3_tied_bias", "qwen2", "qwen2_tied")
+        rows.append(Case(f"{fam} (dense)", fam, {}, expect="fails" if fails else "equal"))
+    rows += selected
+    failed = 0
+    print(f"{'case':48} {'max rel diff':>13}  verdict")
+    for case in rows:
+        t0 = time.perf_counter()
+        slug = "".join(ch if ch.isalnum() else "_" for ch in case.name)
+        out = work / slug
+        try:
+            if case.name.endswith("(dense)"):
+                out = dense[case.base]
+            else:
+                upcycle(case, dense[case.base], out)
+            gguf = work / f"{slug}.gguf"
+            lcpp.convert(out, gguf)
+            diff = rel_diff(hf_logits(out, ids), lcpp.logits(gguf, ids))
+            verdict = ("equal" if diff <= TOLERANCE else "NaN" if np.isnan(diff) else "differs")
+            case.result = {"max_rel_diff": diff, "verdict": verdict}
+        except RuntimeError as err:
+            case.result = {"max_rel_diff": None, "verdict": "fails", "error": str(err)}
+        case.result["seconds"] = round(time.perf_counter() - t0, 1)
+        ok = case.result["verdict"] == case.expect
+        failed += not ok
+        diff = case.result["max_rel_diff"]
+        shown = f"{diff:13.2e}" if diff is not None else f"{'-':>13}"
+        note = case.result.get("error") or (case.why if case.result["verdict"] == "differs" else "")
+        print(f"{case.name:48} {shown}  {case.result['verdict']}{'' if ok else ' (UNEXPECTED)'}"
+              f"{'  - ' + note if note else ''}", flush=True)
+    total = time.perf_counter() - start
+    print(f"{len(rows)} cases in {total:.0f} s; {failed} unexpected")
+    if args.json:
+        args.json.write_text(json.dumps([{"case": c.name, "expect": c.expect, **c.result} for c in rows], indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
