@@ -26,6 +26,7 @@ from .gates import compute_gates
 from .guards import check_free_space, check_source_dtypes
 from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
+from .ownership import input_paths
 from .plan import Plan, Step, make_plan
 from .plan_report import PlanSummary, summarize
 from .report import sharing_report
@@ -154,6 +155,7 @@ def upcycle(
         >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
     """
     start = time.perf_counter()
+    recipe_source = config
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
     config, sources, plan = prepare(config, from_config, tensor_policy=tensor_policy, max_shard_size=max_shard_size,
@@ -163,7 +165,8 @@ def upcycle(
     summary = summarize(config, plan, sources, sharing, target)
     if dry_run:
         return BuildResult(config, plan, None, sharing, summary=summary)
-    check_target(target, force, [s.path for s in sources.values() if s.path])
+    check_target(target, force, [s.path for s in sources.values() if s.path],
+                 input_paths(recipe_source, config, ()))
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
     gates = compute_gates(config, plan, base)

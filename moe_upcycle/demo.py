@@ -6,23 +6,22 @@ the MoE's logits equal the dense model's.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from rich.console import Console
 
 from .build import upcycle
 from .compare import compare_logits, load_causal_lm, run_model
+from .ownership import prepare_demo_folder
 from .tiny import make_dense_model
 
 DEMO_TEXT = "Once upon a time there was a little dragon who loved to add numbers."
 
 
 def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4) -> dict:
-    """Run the demo in `folder` (recreated). Returns the figures it printed."""
+    """Run the demo in `folder` (new, empty, or a previous demo's: see `ownership`). Returns the figures it printed."""
     console = console or Console()
-    folder = Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    folder = prepare_demo_folder(Path(folder))  # refuses a folder the demo did not make
     dense = make_dense_model(folder / "dense", family="llama", seed=0)
     console.print(f"1. generated a tiny dense Llama in {dense}")
     result = upcycle({"base_model": str(dense), "num_experts": num_experts, "experts_per_token": 2,

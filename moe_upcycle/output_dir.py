@@ -22,14 +22,19 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .errors import OutputError
+from .ownership import protected_reason, replace_problem
 
 
-def check_target(target: Path, force: bool, sources: Sequence[Path] = ()) -> None:
+def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs: Sequence[Path] = ()) -> None:
     """Refuse targets that would lose data, before any work is done.
+
+    Args:
+        inputs: other files the build reads (recipe, prompt files): no folder holding one is replaced.
 
     Raises:
         OutputError: the target exists and is not empty (without `force`), is a file, or is
-            inside / equal to / a parent of a source model folder.
+            inside / equal to / a parent of a source model folder; or, with `force`, is not a
+            previous moe-upcycle output, or is the current folder or holds an input (`ownership`).
     """
     target = target.resolve()
     for src in sources:
@@ -39,9 +44,17 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = ()) -> Non
                               f"choose an output folder outside every source")
     if target.exists() and not target.is_dir():
         raise OutputError(f"output {target} exists and is a file; choose another output path")
+    reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
+    if reason:
+        raise OutputError(f"output: {reason}; it is never replaced, with or without --force. Write the model to "
+                          f"a new folder, e.g. {target / 'moe-model'}")
     if target.is_dir() and any(target.iterdir()) and not force:
         raise OutputError(f"output folder {target} already exists and is not empty; "
                           f"choose another folder or pass --force to replace it")
+    if target.is_dir() and any(target.iterdir()):
+        problem = replace_problem(target, [*sources, *inputs])
+        if problem:
+            raise OutputError(problem)
     if not target.parent.is_dir():
         raise OutputError(f"the parent folder of the output, {target.parent}, does not exist; create it first")
 
@@ -197,6 +210,9 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
             return
         if not force and any(target.iterdir()):
             raise OutputError(f"output folder {target} appeared during the build; nothing was replaced")
+        problem = replace_problem(target) if any(target.iterdir()) else None
+        if problem:  # checked again here: the folder may have changed since the build started
+            raise OutputError(problem + "; nothing was replaced")
         old = target.parent / f".{target.name}.old-{os.getpid()}"
         os.rename(target, old)
         try:

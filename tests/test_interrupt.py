@@ -96,6 +96,7 @@ def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_confi
         target.mkdir()
         (target / "config.json").write_text('{"previous": true}')
         (target / "model.safetensors").write_bytes(b"old weights")
+        (target / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')
         previous = _snapshot(target)
     proc = _start_build(big_config, target, *(["--force"] if force else []))
     shards = _wait_for_shards(proc, target)
