@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import SourceError
+from .weight_files import choose_weights, duplicate_problems
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -149,23 +150,32 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     shared: list[list[str]] = []
     st_index = path / "model.safetensors.index.json"
     bin_index = path / "pytorch_model.bin.index.json"
-    if st_index.is_file() or (path / "model.safetensors").is_file():
-        files = _index_files(st_index) if st_index.is_file() else {"model.safetensors": None}
+    chosen = choose_weights(path)  # the file transformers would load, nothing else
+    found_in: dict[str, list[str]] = {}  # key -> shards holding it (more than one is refused)
+    if chosen in ("model.safetensors", st_index.name):
+        files = _index_files(st_index) if chosen == st_index.name else {"model.safetensors": None}
         for file, expected in files.items():
             found = read_safetensors_header(path / file)
             _check_index(path, file, expected, found, st_index)
             tensors.update(found)
-    elif bin_index.is_file() or (path / "pytorch_model.bin").is_file():
-        files = _index_files(bin_index) if bin_index.is_file() else {"pytorch_model.bin": None}
+            for key in found:
+                found_in.setdefault(key, []).append(file)
+    elif chosen in ("pytorch_model.bin", bin_index.name):
+        files = _index_files(bin_index) if chosen == bin_index.name else {"pytorch_model.bin": None}
         for file, expected in files.items():
             state = _load_bin(path / file)
             found = {k: TensorInfo(k, tuple(t.shape), t.dtype, file) for k, t in state.items()}
             _check_index(path, file, expected, found, bin_index)
             tensors.update(found)
+            for key in found:
+                found_in.setdefault(key, []).append(file)
             shared += _shared_storage(state)
     else:
         raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
                           f"pytorch_model.bin or pytorch_model.bin.index.json")
+    duplicates = duplicate_problems(path, found_in, files, f"{chosen}")
+    if duplicates:
+        raise SourceError(*duplicates)
     return Checkpoint(ref=ref, path=path, config=config, tensors=tensors, shared_groups=shared)
 
 
