@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import arch, compat, fused, inits, names, shared_experts
+from . import arch, compat, fused, inits, model_config_checks, names, shared_experts
 from .config import ExpertConfig, UpcycleConfig
 from .errors import PlanError
 from .source import Checkpoint, TensorInfo, tensor_nbytes
@@ -116,6 +116,9 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
     arch_name = layout.model_type
     problems += compat.source_problems(config, sources)
+    problems += model_config_checks.expert_problems(config, sources)
+    for ref, ckpt in sources.items():  # config.json against the tensor shapes, every source
+        problems += model_config_checks.shape_problems(ckpt, f"{_where(config, ref)} ({ref})")
     if problems:  # per-tensor checks of sources that do not fit would only repeat these
         raise PlanError(*problems)
     bcfg = base.config
@@ -244,6 +247,15 @@ def _base_dtype(base: Checkpoint) -> torch.dtype:
         return STR_DTYPES[name]
     info = base.tensors.get(names.EMBED)
     return info.dtype if info and info.dtype.is_floating_point else torch.float32
+
+
+def _where(config: UpcycleConfig, ref: str) -> str:
+    """The YAML field that names model `ref` (base_model first)."""
+    if ref == config.base_model:
+        return "base_model"
+    fields = [f"experts[{i}]" for i, e in enumerate(config.experts) if e.source_model == ref]
+    fields += [f"shared_experts[{i}]" for i, e in enumerate(config.shared_experts) if e.source_model == ref]
+    return fields[0] if fields else "source"
 
 
 def _dedupe(items: list[str]) -> list[str]:

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import SourceError
+from .model_config_checks import value_problems
 from .weight_files import choose_weights, duplicate_problems
 
 SAFETENSORS_DTYPES = {
@@ -197,6 +198,7 @@ def read_config(path: Path, field_name: str) -> dict:
              if not isinstance(config[k], int) or isinstance(config[k], bool) or config[k] <= 0]
     if not isinstance(config["model_type"], str):
         wrong.insert(0, f"model_type must be a string, got {config['model_type']!r}")
+    wrong += value_problems(config)
     if wrong:
         raise SourceError(*[f"{cfg}: {w}" for w in wrong])
     return config
