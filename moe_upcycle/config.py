@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from . import prompt_sets
 from .errors import ConfigError
+from .recipe_yaml import load_recipe_yaml
+from .recipe_values import strict_bools_and_numbers, short_repr
 
 GateMode = Literal[
     "hidden", "hidden_avg", "hidden_last", "kmeans", "cheap_embed", "random", "uniform_random", "uniform"
@@ -40,6 +42,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 MAX_SHARD_BYTES_LIMIT = 2**40  # 1 TiB: anything larger is certainly a typo
+MIN_SHARD_BYTES = 1000  # a bare "5" meant 5GB, not 5 bytes
 
 
 def parse_size(value: Union[int, str]) -> int:
@@ -50,21 +53,30 @@ def parse_size(value: Union[int, str]) -> int:
         5000000000
 
     Raises:
-        ValueError: the value is not a positive size within 1 TiB.
+        ValueError: the value is not a whole number of bytes from 1000 to 1 TiB.
     """
     if isinstance(value, bool):
         raise ValueError("expected a size such as 5GB or a number of bytes")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
     if isinstance(value, (int, float)):
+        if value != int(value):  # a bare 1.9 is no number of bytes (1.9GB was meant?)
+            raise ValueError(f"{value!r} is not a whole number of bytes; write a size with its unit, e.g. "
+                             f"{value}GB or 500MB")
         size = int(value)
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
         if not m:
             raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+        if m.group(2) in ("", "B") and "." in m.group(1):
+            raise ValueError(f"{value!r} is not a whole number of bytes; write a size with its unit, e.g. "
+                             f"{m.group(1)}GB or 500MB")
         size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
     if size <= 0:
         raise ValueError(f"must be positive, got {value!r}")
+    if size < MIN_SHARD_BYTES:
+        raise ValueError(f"{value!r} is {size} bytes, smaller than any weight matrix; write a size with its "
+                         f"unit, e.g. {value}GB")
     if size > MAX_SHARD_BYTES_LIMIT:
         raise ValueError(f"{value!r} is larger than 1 TiB; write e.g. 5GB")
     return size
@@ -73,6 +85,12 @@ def parse_size(value: Union[int, str]) -> int:
 class _Strict(BaseModel):
     # inf/nan in a scale or std would silently fill the output with inf/nan
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML reads yes/no/on/off as booleans, and pydantic would turn them into 1/0
+        return strict_bools_and_numbers(value, cls.model_fields[info.field_name].annotation)
 
 
 class ExpertInit(_Strict):
@@ -173,7 +191,7 @@ class UpcycleConfig(_Strict):
     architecture: Optional[Architecture] = None
     gate_mode: GateMode = "hidden"
     dtype: Optional[DType] = None
-    experts_per_token: int = Field(default=2, ge=1)
+    experts_per_token: int = Field(default=2, ge=1, le=1024)
     shared_experts: list[SharedExpertConfig] = Field(default_factory=list)
     tensor_policy: TensorPolicy = "share"
     seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch generators take unsigned 64-bit seeds
@@ -193,7 +211,7 @@ class UpcycleConfig(_Strict):
     # hidden-state gate modes (see hidden_gates)
     gate_center: bool = False
     calibration_text: Optional[str] = None
-    batch_size: int = Field(default=8, ge=1)
+    batch_size: int = Field(default=8, ge=1, le=65536)
     device: str = "auto"
     gate_dtype: Optional[DType] = None
     quantize: Optional[Quantize] = None
@@ -291,7 +309,7 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+            data = load_recipe_yaml(path)  # duplicate keys and alias bombs refused here
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark
             pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -326,7 +344,7 @@ def _format_errors(exc: ValidationError) -> list[str]:
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
         elif kind == "literal_error":
-            lines.append(f"{path}: {err['input']!r} is not allowed; expected {err['ctx']['expected']}")
+            lines.append(f"{path}: {short_repr(err['input'])} is not allowed; expected {err['ctx']['expected']}")
         elif kind == "missing":
             lines.append(f"{path}: required key is missing")
         else:

@@ -21,6 +21,7 @@ from typing import Optional
 import yaml
 
 from .errors import ConfigError
+from .recipe_yaml import load_yaml_text
 
 MIN_SET_PROMPTS = 20
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -98,8 +99,8 @@ def read_prompt_file(path: Path) -> list[str]:
         raise ConfigError(f"{path}: cannot read the prompt file ({exc})") from None
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         try:
-            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            data = json.loads(text) if path.suffix.lower() == ".json" else load_yaml_text(text, str(path))
+        except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
             raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()} ({exc})") from None
         if isinstance(data, dict) and "prompts" in data:
             data = data["prompts"]
