@@ -21,6 +21,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from .errors import UpcycleError, UpcycleWarning
+from .signals import exit_code, signal_name, terminations_raise
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
@@ -35,12 +36,12 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show Python traceba
 
 
 def cli_errors(fn: Callable) -> Callable:
-    """Print UpcycleError (every problem) and exit 1; Ctrl-C exits 130 after cleanup."""
+    """Print UpcycleError (every problem) and exit 1; Ctrl-C, SIGTERM, SIGHUP exit 128+signal after cleanup."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with _warnings_printed():
+            with terminations_raise(sigint=True), _warnings_printed():  # SIGTERM/SIGHUP clean up like Ctrl-C
                 return fn(*args, **kwargs)
         except UpcycleError as exc:
             if DEBUG["on"]:
@@ -49,9 +50,11 @@ def cli_errors(fn: Callable) -> Callable:
             for problem in exc.problems:
                 console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
-        except KeyboardInterrupt:
-            console.print("[bold red]interrupted:[/] nothing was written under the output name")
-            raise typer.Exit(130)
+        except KeyboardInterrupt as exc:
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                console.print(f"[bold red]interrupted ({signal_name(exc)}):[/] nothing was written under the "
+                              f"output name")
+            raise typer.Exit(exit_code(exc))
 
     return wrapper
 

@@ -2,7 +2,7 @@
 
 `staged_output(target, force)` yields a temporary folder ``.<name>.partial-<pid>`` next to the
 target. On success it is renamed to the target (with `force`, an existing target is swapped out
-and removed only after the new one is in place). On any error, Ctrl-C or SIGTERM the staging
+and removed only after the new one is in place). On any error, Ctrl-C, SIGTERM or SIGHUP the staging
 folder is deleted, so nothing half-written ever carries the target's name. A lock file
 ``.<name>.lock`` (an flock, released by the kernel if the process dies) refuses a second
 concurrent build to the same target; leftovers of a killed build are cleared by the next one.
@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 from .errors import OutputError
 from .ownership import protected_reason, replace_problem
+from .signals import HANDLED, terminations_raise
 
 
 def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs: Sequence[Path] = ()) -> None:
@@ -59,24 +60,11 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
         raise OutputError(f"the parent folder of the output, {target.parent}, does not exist; create it first")
 
 
-class _Terminated(BaseException):
-    """SIGTERM turned into an exception so cleanup runs (like KeyboardInterrupt for SIGINT)."""
-
-
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    def handler(signum, frame):  # noqa: ARG001
-        raise _Terminated()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
+    """SIGTERM and SIGHUP raise `signals.Terminated` (a KeyboardInterrupt), so cleanup runs."""
+    with terminations_raise():
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -96,11 +84,8 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
         _recover(target)
         stage.mkdir()
         with _sigterm_raises():
-            try:
-                yield stage
-                _publish(stage, target, force)
-            except _Terminated:
-                raise KeyboardInterrupt("terminated (SIGTERM)") from None
+            yield stage
+            _publish(stage, target, force)
     except OSError as exc:
         raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
                           f"{target}" + _space_hint(exc, target.parent)) from None
@@ -182,13 +167,13 @@ def _space_hint(exc: OSError, folder: Path) -> str:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Delay SIGINT/SIGTERM until the block ends, so a swap is never left half done.
+    """Delay SIGINT/SIGTERM/SIGHUP until the block ends, so a swap is never left half done.
 
     Python-level handlers (not a thread signal mask: torch's threads would still take the
     signal) note what arrives; it is re-raised, to the handlers in place before, at the end.
     """
     pending: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
+    held = (signal.SIGINT, *HANDLED)
     try:
         previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in held}
     except ValueError:  # not the main thread: signals are not ours to handle
