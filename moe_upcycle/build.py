@@ -19,7 +19,7 @@ from . import __version__
 from .card import write_model_card
 from .config import UpcycleConfig, load_config
 from .drift import InitDrift, build_drift
-from .errors import ConfigError, SourceError
+from .errors import ConfigError, OutputError, SourceError
 from .execute import iter_tensors
 from .gate_checks import parallel_experts
 from .gates import compute_gates
@@ -27,6 +27,7 @@ from .guards import check_free_space, check_source_dtypes
 from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
 from .ownership import input_paths
+from .path_errors import resolve_or_raise
 from .plan import Plan, Step, make_plan
 from .plan_report import PlanSummary, summarize
 from .report import sharing_report
@@ -86,7 +87,7 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     chosen = output if output is not None else config.output
     if not chosen:
         raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
-    return Path(chosen).expanduser().resolve()
+    return resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
 
 
 def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = False,

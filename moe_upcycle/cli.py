@@ -21,6 +21,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from .errors import UpcycleError, UpcycleWarning
+from .path_errors import symlink_loop
 from .signals import exit_code, signal_name, terminations_raise
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -49,6 +50,12 @@ def cli_errors(fn: Callable) -> Callable:
             kind = type(exc).__name__.replace("Error", " error").lower()
             for problem in exc.problems:
                 console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except (RuntimeError, OSError) as exc:
+            message = symlink_loop(exc)  # Path.resolve() on a looping link: the user's path, not a bug
+            if message is None or DEBUG["on"]:
+                raise
+            console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
         except KeyboardInterrupt as exc:
             with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone

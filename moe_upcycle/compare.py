@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from .text_checks import check_token_ids
+
 MAX_TEXT_TOKENS = 1024  # perplexity text is cut to this (and to the model's max_position_embeddings)
 
 
@@ -98,10 +100,12 @@ def run_model(loaded: Loaded, prompts: list[str], text: Optional[str] = None, co
     with torch.inference_mode():
         for prompt in prompts:
             ids = tok(prompt, return_tensors="pt")["input_ids"].to(device)
+            check_token_ids(ids, model.get_input_embeddings().num_embeddings, tok, prompt)
             run.logits.append(model(input_ids=ids).logits[0].float().cpu())  # (T, V)
         if text:
             limit = min(MAX_TEXT_TOKENS, int(getattr(model.config, "max_position_embeddings", MAX_TEXT_TOKENS)))
             ids = tok(text, return_tensors="pt")["input_ids"][:, :limit].to(device)
+            check_token_ids(ids, model.get_input_embeddings().num_embeddings, tok, text)
             logits = model(input_ids=ids).logits[0].float()  # (T, V)
             run.text_nll = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:]).item()
             run.text_tokens = ids.shape[1]

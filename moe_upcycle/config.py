@@ -24,6 +24,7 @@ from . import prompt_sets
 from .errors import ConfigError
 from .recipe_yaml import load_recipe_yaml
 from .recipe_values import strict_bools_and_numbers, short_repr
+from .text_checks import unicode_problem
 
 GateMode = Literal[
     "hidden", "hidden_avg", "hidden_last", "kmeans", "cheap_embed", "random", "uniform_random", "uniform"
@@ -158,6 +159,8 @@ class ExpertConfig(_Strict):
         for i, p in enumerate(prompts):
             if not p.strip():
                 raise ValueError(f"prompt {i} is empty; remove it or write a prompt")
+            if unicode_problem(p):
+                raise ValueError(f"prompt {i} {unicode_problem(p)}")
         return prompts
 
     @field_validator("positive_prompts_from", "negative_prompts_from")
@@ -307,6 +310,9 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         path = Path(source)
         where = str(path)
         if not path.is_file():
+            if path.is_symlink():
+                raise ConfigError(f"{path}: the config is a symbolic link that leads nowhere (a symlink loop or a "
+                                  f"broken link); fix it")
             raise ConfigError(f"{path}: config file not found")
         try:
             data = load_recipe_yaml(path)  # duplicate keys and alias bombs refused here

@@ -28,6 +28,7 @@ from .config import ExpertConfig, UpcycleConfig
 from .errors import ConfigError
 from .plan import Plan
 from .source import Checkpoint
+from .text_checks import check_token_ids
 
 PROMPT_MODES = ("cheap_embed", "hidden", "hidden_avg", "hidden_last")
 
@@ -111,6 +112,7 @@ def cheap_embed_rows(experts: list[ExpertConfig], base: Checkpoint) -> torch.Ten
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise ConfigError(f"prompt {prompt!r} has no tokens")
+            check_token_ids(ids, embed.shape[0], tokenizer, prompt)
             vecs.append(embed[torch.tensor(ids)].mean(dim=0))  # masked mean: real tokens only
         return torch.stack(vecs).mean(dim=0)
 

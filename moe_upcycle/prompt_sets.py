@@ -22,6 +22,7 @@ import yaml
 
 from .errors import ConfigError
 from .recipe_yaml import load_yaml_text
+from .text_checks import check_texts
 
 MIN_SET_PROMPTS = 20
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -83,6 +84,8 @@ def resolve_reference(ref: str) -> Path:
     path = Path(ref).expanduser()
     if path.is_file():
         return path
+    if path.is_symlink():
+        raise ValueError(f"{ref!r} is a symbolic link that leads nowhere (a symlink loop or a broken link); fix it")
     raise ValueError(f"{ref!r} is neither a prompt set ({', '.join(set_names()) or 'none found'}) nor an "
                      f"existing file; name a set or give the path of a YAML/JSON/text prompt file")
 
@@ -111,6 +114,7 @@ def read_prompt_file(path: Path) -> list[str]:
         prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ConfigError(f"{path}: contains no prompts")
+    check_texts(prompts, f"{path}: prompt")
     return prompts
 
 

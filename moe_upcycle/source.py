@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from .errors import SourceError
 from .model_config_checks import value_problems
+from .path_errors import resolve_or_raise
 from .weight_files import choose_weights, duplicate_problems
 
 SAFETENSORS_DTYPES = {
@@ -127,7 +128,7 @@ def resolve_model(ref: str, field_name: str) -> Path:
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         return path.resolve()
-    looked = [str(path.resolve())]
+    looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
     if "/" in ref and not ref.startswith((".", "/", "~")) and ref.count("/") == 1:
         from huggingface_hub import constants, snapshot_download
 
