@@ -28,6 +28,7 @@ from .build import RECIPE_NAME, open_sources
 from .compare import compare_logits, load_causal_lm, run_model
 from .config import UpcycleConfig, load_config
 from .errors import SourceError, UpcycleError
+from .moe_folder import require_moe
 from .model_files import TOKENIZER_FILES
 from .names import output_layout
 from .plan import Plan, make_plan
@@ -205,6 +206,7 @@ def verify(
     folder = Path(folder).expanduser().resolve()
     if not (folder / "config.json").is_file():
         raise SourceError(f"OUT: {folder} is not a model folder (no config.json); give the folder a build wrote")
+    require_moe(folder)  # a dense folder would "pass" against its own base
     result = VerifyResult(folder=str(folder))
     recipe = read_recipe(folder)
     if config is None and recipe is not None:

@@ -141,3 +141,13 @@ def test_symlink_loop_real_process_no_traceback(tiny_llama, tmp_path):
     code, output = run_module("build", _write(tmp_path / "cfg.yaml", f"base_model: {tiny_llama}\nnum_experts: 2\n"
                                                                       f"gate_mode: random\n"), loop)
     assert code == 1 and "symlink loop" in output and "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("folder", ["tiny", "stories"])
+def test_verify_dense_folder_fails(folder, tiny_llama, stories):
+    dense = tiny_llama if folder == "tiny" else stories
+    code, output = cli("verify", dense, "--base", dense)
+    flat = " ".join(output.split())
+    assert code == 1, output
+    assert "is a dense model (model_type 'llama'" in flat and "not a Mixture-of-Experts" in flat
+    assert "PASSED" not in output and "Traceback" not in output
