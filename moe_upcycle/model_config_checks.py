@@ -50,6 +50,8 @@ def _is_number(value: Any) -> bool:
 def value_problems(config: dict) -> list[str]:
     """Types and bounds of the fields moe-upcycle reads (required int fields are checked by `source`)."""
     out = []
+    if config.get("num_attention_heads") is None:  # every supported family needs it (head_dim, attention shapes)
+        out.append("num_attention_heads is missing; the attention layout cannot be known without it")
     for key, limit in SIZE_LIMITS.items():
         value = config.get(key)
         if value is None:

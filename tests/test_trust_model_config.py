@@ -29,6 +29,7 @@ CASES = [
     ("float-size", {"vocab_size": 300.0}, ["vocab_size must be a positive integer, got 300.0"]),
     ("bool-size", {"intermediate_size": True}, ["intermediate_size must be a positive integer, got True"]),
     ("null-heads", {"num_attention_heads": 0}, ["num_attention_heads must be a positive integer, got 0"]),
+    ("null-heads-none", {"num_attention_heads": None}, ["num_attention_heads is missing"]),
     ("string-heads", {"num_key_value_heads": "2"}, ["num_key_value_heads must be a positive integer, got '2'"]),
     ("tie-string-no", {"tie_word_embeddings": "no"}, ["tie_word_embeddings must be true or false, got 'no'"]),
     ("tie-int", {"tie_word_embeddings": 0}, ["tie_word_embeddings must be true or false, got 0"]),
