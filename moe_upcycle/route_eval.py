@@ -25,6 +25,7 @@ import torch
 from .config import UpcycleConfig
 from .embed import Embedder, load_embedder
 from .errors import ConfigError
+from .text_checks import read_utf8
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     prompts: list[str] = []
     labels: list[Optional[str]] = []
     problems = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_utf8(path, "--labeled").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):

@@ -58,7 +58,8 @@ def check_token_ids(ids: Union["torch.Tensor", Sequence[int]], num_embeddings: i
     if top < num_embeddings and low >= 0:
         return
     bad = top if top >= num_embeddings else low
-    source = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    source = str(tokenizer) if isinstance(tokenizer, (str, Path)) else (getattr(tokenizer, "name_or_path", "")
+                                                                        or "the tokenizer")
     said = f" for {_short(text)}" if text is not None else ""
     raise SourceError(f"tokenizer {source} produced token id {bad}{said}, but the model has only {num_embeddings} "
                       f"embedding rows (ids 0..{num_embeddings - 1}); the tokenizer files do not belong to this model "
