@@ -132,7 +132,7 @@ class ExpertInit(_Strict):
 class ExpertConfig(_Strict):
     """One expert slot: whose FFN it gets and the prompts that route to it."""
 
-    source_model: str
+    source_model: str = Field(min_length=1)
     name: Optional[str] = None
     positive_prompts: list[str] = Field(default_factory=list)
     negative_prompts: list[str] = Field(default_factory=list)
@@ -188,7 +188,7 @@ class SharedExpertConfig(ExpertConfig):
 class UpcycleConfig(_Strict):
     """The whole build recipe. See README "Config reference" for every key."""
 
-    base_model: str
+    base_model: str = Field(min_length=1)
     experts: list[ExpertConfig] = Field(default_factory=list)
     num_experts: Optional[int] = Field(default=None, ge=1, le=1024)
     architecture: Optional[Architecture] = None

@@ -37,6 +37,14 @@ OPTIONAL_INTS = ("num_attention_heads", "num_key_value_heads", "head_dim", "max_
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache")
 POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 ROPE_DICTS = ("rope_scaling", "rope_parameters")
+# transformers' ACT2FN names (5.x); importing transformers to ask would cost seconds per run, and a
+# test checks every name here is one transformers knows
+ACTIVATIONS = frozenset({
+    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+    "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu", "relu",
+    "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu",
+})
+NOT_NULL = ("rms_norm_eps", "hidden_act")  # a null here is written to the MoE's config.json and breaks it
 
 
 def _is_int(value: Any) -> bool:
@@ -64,6 +72,7 @@ def value_problems(config: dict) -> list[str]:
     for key in BOOL_FIELDS:
         if key in config and config[key] is not None and not isinstance(config[key], bool):
             out.append(f"{key} must be true or false, got {config[key]!r}")
+    out += [f"{key} is null; give a value or remove the key" for key in NOT_NULL if key in config and config[key] is None]
     for key in POSITIVE_FLOATS:
         if key in config and config[key] is not None and not (_is_number(config[key]) and config[key] > 0):
             out.append(f"{key} must be a positive finite number, got {config[key]!r}")
@@ -76,8 +85,12 @@ def value_problems(config: dict) -> list[str]:
     theta = config.get("rope_parameters", {}).get("rope_theta") if isinstance(config.get("rope_parameters"), dict) else None
     if theta is not None and not (_is_number(theta) and theta > 0):
         out.append(f"rope_parameters.rope_theta must be a positive finite number, got {theta!r}")
-    if "hidden_act" in config and not isinstance(config["hidden_act"], str):
-        out.append(f"hidden_act must be a string such as \"silu\", got {config['hidden_act']!r}")
+    act = config.get("hidden_act")
+    if act is not None and not isinstance(act, str):
+        out.append(f"hidden_act must be a string such as \"silu\", got {act!r}")
+    elif isinstance(act, str) and act not in ACTIVATIONS:
+        out.append(f"hidden_act {act!r} is not an activation transformers knows; the MoE would not load "
+                   f"(known: {', '.join(sorted(ACTIVATIONS))})")
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if _is_int(heads) and heads > 0 and _is_int(kv) and kv > 0 and heads % kv:
         out.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")

@@ -44,6 +44,9 @@ CASES = [
     ("rope-scaling-string", {"rope_scaling": "linear"}, ["rope_scaling must be an object (or null), got 'linear'"]),
     ("heads-not-multiple", {"num_key_value_heads": 3}, ["num_attention_heads 4 is not a multiple of num_key_value_heads 3"]),
     ("hidden-act-number", {"hidden_act": 3}, ["hidden_act must be a string"]),
+    ("hidden-act-unknown", {"hidden_act": "swiglu2"}, ["hidden_act 'swiglu2' is not an activation transformers knows"]),
+    ("eps-null", {"rms_norm_eps": None}, ["rms_norm_eps is null"]),
+    ("hidden-act-null", {"hidden_act": None}, ["hidden_act is null"]),
 ]
 
 
@@ -127,3 +130,11 @@ def test_same_settings_written_differently_still_build(tiny_llama, tmp_path):
             f"  - source_model: {expert}\n")
     code, output = cli("build", _recipe(tmp_path, text), tmp_path / "moe")
     assert code == 0, output
+
+
+def test_known_activations_are_transformers_own():
+    from transformers.activations import ACT2FN
+
+    from moe_upcycle.model_config_checks import ACTIVATIONS
+
+    assert ACTIVATIONS <= set(ACT2FN)

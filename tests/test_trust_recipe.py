@@ -42,6 +42,7 @@ CASES = [
     ("shard-string-fraction", GOOD + "max_shard_size: '1.9'\n", ["'1.9' is not a whole number of bytes"]),
     ("shard-tiny", GOOD + "max_shard_size: 5\n", ["max_shard_size: 5 is 5 bytes", "5GB"]),
     ("shard-bool", GOOD + "max_shard_size: yes\n", ["max_shard_size"]),
+    ("empty-base-model", GOOD.replace("base_model: {base}", "base_model: ''"), ["base_model: String should have at least 1"]),
 ]
 
 
