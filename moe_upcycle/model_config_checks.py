@@ -18,7 +18,9 @@ values and header shapes only, never tensor bytes.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import names
@@ -98,6 +100,32 @@ def value_problems(config: dict) -> list[str]:
     if _is_int(heads) and heads > 0 and config.get("head_dim") is None and _is_int(hidden) and hidden % heads:
         out.append(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and there is no "
                    f"head_dim")
+    return out
+
+
+# JSON files copied byte for byte into the MoE (see `model_files.TOKENIZER_FILES`)
+SIDE_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "chat_template.json", "generation_config.json")
+
+
+def side_file_problems(folder: Path) -> list[str]:
+    """Tokenizer and generation JSON files that are truncated or not JSON objects.
+
+    They are copied unchanged into the output, so a half-downloaded one would ship a model that
+    loads its weights but not its tokenizer; better to say so before building.
+    """
+    out = []
+    for name in SIDE_JSON_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_bytes().decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            out.append(f"{file}: not valid JSON ({str(exc)[:120]}); the file is damaged or truncated — re-download it")
+            continue
+        if not isinstance(data, dict):
+            out.append(f"{file}: expected a JSON object, got {type(data).__name__}; re-download it")
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import SourceError
-from .model_config_checks import value_problems
+from .model_config_checks import side_file_problems, value_problems
 from .path_errors import resolve_or_raise
 from .weight_files import choose_weights, duplicate_problems
 
@@ -148,6 +148,9 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     """
     path = resolve_model(ref, field_name)
     config = read_config(path, field_name)
+    damaged = side_file_problems(path)
+    if damaged:
+        raise SourceError(*damaged)
     tensors: dict[str, TensorInfo] = {}
     shared: list[list[str]] = []
     st_index = path / "model.safetensors.index.json"

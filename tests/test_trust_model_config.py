@@ -138,3 +138,16 @@ def test_known_activations_are_transformers_own():
     from moe_upcycle.model_config_checks import ACTIVATIONS
 
     assert ACTIVATIONS <= set(ACT2FN)
+
+
+@pytest.mark.parametrize("name,content", [("tokenizer.json", b'{"version": "1.0", "trunc'),
+                                          ("tokenizer_config.json", b"\xff\xfe"),
+                                          ("generation_config.json", b"[1, 2]")])
+def test_damaged_tokenizer_or_generation_file_refused(name, content, tiny_llama, tmp_path):
+    """These files are copied byte for byte into the MoE: a truncated one is refused, not shipped."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    (base / name).write_bytes(content)
+    target = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"), target)
+    assert_clean_failure(code, output, target, [f"{base / name}:", "re-download it"])
