@@ -183,3 +183,20 @@ def test_signal_during_startup_exits_quietly(sig, delay, big_config, tmp_path):
     assert proc.returncode == 128 + sig, f"rc {proc.returncode}\n{out}\n{err}"
     assert "Traceback" not in out + err, err
     assert leftovers(target) == []
+
+
+def test_sighup_ignored_by_parent_stays_ignored(big_config, tmp_path):
+    """Under ``nohup`` (SIGHUP ignored by the parent) a dropped terminal does not stop the build."""
+    def nohup() -> None:
+        _sigint_default()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    target = tmp_path / "moe"
+    proc = subprocess.Popen(module_cmd("build", big_config, target), cwd=REPO, env=module_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=nohup)
+    _wait_for_shards(proc, target)
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{out}\n{err}"
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == N_SHARDS and leftovers(target) == ["moe"]
