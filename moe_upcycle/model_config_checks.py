@@ -74,7 +74,8 @@ def value_problems(config: dict) -> list[str]:
     for key in BOOL_FIELDS:
         if key in config and config[key] is not None and not isinstance(config[key], bool):
             out.append(f"{key} must be true or false, got {config[key]!r}")
-    out += [f"{key} is null; give a value or remove the key" for key in NOT_NULL if key in config and config[key] is None]
+    out += [f"{key} is null; give a value or remove the key" for key in NOT_NULL
+            if key in config and config[key] is None]
     for key in POSITIVE_FLOATS:
         if key in config and config[key] is not None and not (_is_number(config[key]) and config[key] > 0):
             out.append(f"{key} must be a positive finite number, got {config[key]!r}")
@@ -84,7 +85,8 @@ def value_problems(config: dict) -> list[str]:
     for key in ROPE_DICTS:
         if config.get(key) is not None and not isinstance(config[key], dict):
             out.append(f"{key} must be an object (or null), got {config[key]!r}")
-    theta = config.get("rope_parameters", {}).get("rope_theta") if isinstance(config.get("rope_parameters"), dict) else None
+    params = config.get("rope_parameters")
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
     if theta is not None and not (_is_number(theta) and theta > 0):
         out.append(f"rope_parameters.rope_theta must be a positive finite number, got {theta!r}")
     act = config.get("hidden_act")
@@ -200,7 +202,8 @@ def expert_problems(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> li
         if src is base:
             continue
         label = f"{path} ({ref})"
-        for key, theirs, mine in (("hidden_act", base.config.get("hidden_act", "silu"), src.config.get("hidden_act", "silu")),
+        act = ("hidden_act", base.config.get("hidden_act", "silu"), src.config.get("hidden_act", "silu"))
+        for key, theirs, mine in (act,
                                   ("rms_norm_eps", base.config.get("rms_norm_eps"), src.config.get("rms_norm_eps")),
                                   ("rope settings", _rope(base.config), _rope(src.config))):
             if mine != theirs:

@@ -12,7 +12,8 @@ memoised per node, so a bomb is measured without being expanded — and refuses:
 - a document that expands to more than `MAX_VALUES` values, or an alias that contains itself;
 - a file larger than `MAX_FILE_BYTES`.
 
-Only then are Python objects built. `load_yaml_text` does the same for any YAML text (prompt files). It does not validate the recipe: that is `config`'s job.
+Only then are Python objects built. `load_yaml_text` does the same for any YAML text (prompt
+files). It does not validate the recipe: that is `config`'s job.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import resource
 import time
-from pathlib import Path
 
 import pytest
 
@@ -82,7 +81,7 @@ def test_alias_bomb_fails_fast_with_bounded_memory(where, tiny_llama, tmp_path):
     elif where == "in-a-field":
         text = "anchors:\n" + "\n".join("  " + b for b in bomb) + f"\nbase_model: {tiny_llama}\nnum_experts: {last}\n"
     elif where == "nested-in-expert":
-        text = (f"x: &x\n" + "\n".join("  " + b for b in bomb) + f"\nbase_model: {tiny_llama}\ngate_mode: random\n"
+        text = ("x: &x\n" + "\n".join("  " + b for b in bomb) + f"\nbase_model: {tiny_llama}\ngate_mode: random\n"
                 f"experts:\n  - source_model: {tiny_llama}\n    positive_prompts: {last}\n")
     else:
         text = ("\n".join(bomb) + f"\nbase_model: {tiny_llama}\ngate_mode: random\nexperts:\n"
