@@ -27,16 +27,26 @@ DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides t
 _SHOWN = 5  # names listed when a folder is refused
 
 
-def is_ours(folder: Path) -> bool:
-    """Whether `folder` carries our manifest (a JSON object with ``"tool": "moe-upcycle"``)."""
+def _manifest(folder: Path) -> Optional[dict]:
     manifest = Path(folder) / MANIFEST
     try:
         if manifest.is_symlink() or not manifest.is_file() or manifest.stat().st_size > 64 * 2**20:
-            return False
+            return None
         data = json.loads(manifest.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and data.get("tool") == "moe-upcycle"
+        return None
+    return data if isinstance(data, dict) and data.get("tool") == "moe-upcycle" else None
+
+
+def is_ours(folder: Path) -> bool:
+    """Whether `folder` carries our manifest (a JSON object with ``"tool": "moe-upcycle"``)."""
+    return _manifest(folder) is not None
+
+
+def is_demo(folder: Path) -> bool:
+    """Whether `folder` is a previous demo's (our manifest with ``"kind": "demo"``), not a build's."""
+    data = _manifest(folder)
+    return data is not None and data.get("kind") == "demo"
 
 
 def describe_contents(folder: Path) -> str:
@@ -121,7 +131,7 @@ def prepare_demo_folder(folder: Path) -> Path:
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"demo folder {folder} is a file; give a new or empty folder")
     if folder.is_dir() and any(folder.iterdir()):
-        if not is_ours(folder):
+        if not is_demo(folder):  # a build's folder is ours too, but not the demo's to rewrite
             raise OutputError(f"demo folder {folder} is not empty (it holds {describe_contents(folder)}) and was not "
                               f"made by moe-upcycle demo; the demo only writes into a new or empty folder, e.g. "
                               f"moe-upcycle demo demo_out")

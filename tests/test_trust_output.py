@@ -62,6 +62,17 @@ def test_demo_refuses_named_user_folder_and_file(tmp_path):
     assert code == 1 and "is a file" in _flat(output) and file.read_text() == "keep"
 
 
+def test_demo_refuses_a_build_folder(tiny_llama, tmp_path):
+    """A build's folder carries our manifest, but it is not the demo's: its record must not be overwritten."""
+    cfg = _recipe(tmp_path, tiny_llama)
+    out = tmp_path / "out"
+    assert cli("build", cfg, out)[0] == 0
+    before = _snapshot(out)
+    code, output = cli("demo", out)
+    assert code == 1 and "was not made by moe-upcycle demo" in _flat(output), output
+    assert _snapshot(out) == before
+
+
 def test_demo_reruns_in_its_own_folder_and_keeps_other_files(tmp_path):
     folder = tmp_path / "demo_out"
     code, output = cli("demo", folder)
