@@ -189,13 +189,13 @@ class UpcycleConfig(_Strict):
     """The whole build recipe. See README "Config reference" for every key."""
 
     base_model: str = Field(min_length=1)
-    experts: list[ExpertConfig] = Field(default_factory=list)
+    experts: list[ExpertConfig] = Field(default_factory=list, max_length=1024)
     num_experts: Optional[int] = Field(default=None, ge=1, le=1024)
     architecture: Optional[Architecture] = None
     gate_mode: GateMode = "hidden"
     dtype: Optional[DType] = None
     experts_per_token: int = Field(default=2, ge=1, le=1024)
-    shared_experts: list[SharedExpertConfig] = Field(default_factory=list)
+    shared_experts: list[SharedExpertConfig] = Field(default_factory=list, max_length=64)
     tensor_policy: TensorPolicy = "share"
     seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch generators take unsigned 64-bit seeds
     output: Optional[str] = None

@@ -36,6 +36,8 @@ CASES = [
     ("huge-experts-per-token", GOOD + "experts_per_token: 1000000\n", ["experts_per_token"]),
     ("huge-batch", GOOD + "batch_size: 100000000\n", ["batch_size", "less than or equal to 65536"]),
     ("huge-num-experts", GOOD.replace("num_experts: 2", "num_experts: 1000000000"), ["num_experts", "1024"]),
+    ("too-many-experts", "base_model: {base}\ngate_mode: random\nexperts:\n" + "  - source_model: {base}\n" * 1025,
+     ["experts: List should have at most 1024 items"]),
     ("shard-bare-fraction", GOOD + "max_shard_size: 1.9\n", ["max_shard_size: 1.9 is not a whole number of bytes",
                                                               "1.9GB"]),
     ("shard-string-fraction", GOOD + "max_shard_size: '1.9'\n", ["'1.9' is not a whole number of bytes"]),
