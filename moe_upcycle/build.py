@@ -17,7 +17,7 @@ from moe_upcycle.check.drift import InitDrift, build_drift
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME, check_target, staged_output  # noqa: F401 (RECIPE_NAME: public)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
-from moe_upcycle.errors import ConfigError
+from moe_upcycle.errors import ConfigError, OutputError
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.router import compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors
@@ -34,6 +34,8 @@ from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
+from moe_upcycle.checkpoint.ownership import input_paths
+from moe_upcycle.inputs.paths import resolve_or_raise
 
 
 @dataclass
@@ -59,7 +61,7 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     chosen = output if output is not None else config.output
     if not chosen:
         raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
-    return Path(chosen).expanduser().resolve()
+    return resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
 
 
 def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = False,
@@ -133,6 +135,7 @@ def upcycle(
         >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
     """
     start = time.perf_counter()
+    recipe_source = config
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
     config, sources, plan = prepare(config, from_config, allow_unknown_keys, tensor_policy=tensor_policy,
@@ -143,7 +146,8 @@ def upcycle(
     summary = summarize(config, plan, sources, sharing, target)
     if dry_run:
         return BuildResult(config, plan, None, sharing, summary=summary)
-    check_target(target, force, [s.path for s in sources.values() if s.path])
+    check_target(target, force, [s.path for s in sources.values() if s.path],
+                 input_paths(recipe_source, config, ()))
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
     gating, writing, checking = gate_params(config), write_params(config), check_params(config)

@@ -171,6 +171,10 @@ def test_existing_output_refused_then_force_replaces(tiny_llama, write_yaml, tmp
     code, output = run("build", cfg, out)
     assert code == 1 and "already exists" in output and "--force" in output
     assert (out / "keep.txt").read_text() == "precious"
+    code, output = run("build", cfg, "-o", out, "--force")  # not ours (no moe_upcycle.json): still refused
+    assert code == 1 and "was not written by moe-upcycle" in " ".join(output.split()), output
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')  # a previous build: replaced
     code, output = run("build", cfg, "-o", out, "--force")
     assert code == 0, output
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()

@@ -1,4 +1,4 @@
-"""Signals to a real ``python -m moe_upcycle build`` process midway through writing a multi-shard
+"""Signals (SIGINT, SIGTERM, SIGHUP) to a real ``python -m moe_upcycle build`` process midway through writing a multi-shard
 model: the target is absent afterwards (or keeps its previous contents with --force), temporary
 files are gone, and a second build succeeds."""
 
@@ -89,7 +89,9 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("sig,force", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["SIGINT", "SIGTERM-force"])
+@pytest.mark.parametrize("sig,force", [(signal.SIGINT, False), (signal.SIGTERM, True), (signal.SIGTERM, False),
+                                       (signal.SIGHUP, False), (signal.SIGHUP, True)],
+                         ids=["SIGINT", "SIGTERM-force", "SIGTERM", "SIGHUP", "SIGHUP-force"])
 def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_config, tmp_path):
     target = tmp_path / "moe"
     previous = None
@@ -97,13 +99,14 @@ def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_confi
         target.mkdir()
         (target / "config.json").write_text('{"previous": true}')
         (target / "model.safetensors").write_bytes(b"old weights")
+        (target / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')
         previous = _snapshot(target)
     proc = _start_build(big_config, target, *(["--force"] if force else []))
     shards = _wait_for_shards(proc, target)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, f"rc {proc.returncode}\n{out}\n{err}"
-    assert "interrupted" in err and "Traceback" not in out + err
+    assert proc.returncode == 128 + sig, f"rc {proc.returncode}\n{out}\n{err}"  # 130, 143, 129 as shells report
+    assert f"interrupted ({signal.Signals(sig).name})" in err and "Traceback" not in out + err
     assert len(shards) < N_SHARDS  # it really was stopped mid-write
     if force:
         assert _snapshot(target) == previous
@@ -159,3 +162,49 @@ def test_concurrent_build_to_same_target_is_refused(big_config, tmp_path):
     for shard in set(index["weight_map"].values()):  # every shard is exactly what the first build wrote
         assert hashlib.sha256((target / shard).read_bytes()).hexdigest() == recipe["sha256"][shard]
     assert leftovers(target) == ["moe"]
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (Python has none by default: ours is installed)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc to see when start-up begins")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize("delay", [0.0, 0.03, 0.1, 0.3])
+def test_signal_during_startup_exits_quietly(sig, delay, big_config, tmp_path):
+    """A signal once the command has started — while it is still importing typer, torch and
+    transformers, or just after — exits with 128 + signal, no traceback, nothing written."""
+    target = tmp_path / "moe"
+    proc = _start_build(big_config, target)
+    deadline = time.monotonic() + 60
+    while not _catches_sigterm(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(delay)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, f"rc {proc.returncode}\n{out}\n{err}"
+    assert "Traceback" not in out + err, err
+    assert leftovers(target) == []
+
+
+def test_sighup_ignored_by_parent_stays_ignored(big_config, tmp_path):
+    """Under ``nohup`` (SIGHUP ignored by the parent) a dropped terminal does not stop the build."""
+    def nohup() -> None:
+        _sigint_default()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    target = tmp_path / "moe"
+    proc = subprocess.Popen(module_cmd("build", big_config, target), cwd=REPO, env=module_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=nohup)
+    _wait_for_shards(proc, target)
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{out}\n{err}"
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == N_SHARDS and leftovers(target) == ["moe"]

@@ -72,6 +72,7 @@ def test_disk_full_mid_write(force, config, output_bytes, tmp_path, monkeypatch)
     if force:
         target.mkdir()
         (target / "keep.txt").write_text("previous build")
+        (target / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')
     _disk_fills_after(monkeypatch, room=output_bytes // 2)
     code, output = cli("build", config, target, "--max-shard-size", "60KB", *(["--force"] if force else []))
     flat = " ".join(output.split())
@@ -82,7 +83,8 @@ def test_disk_full_mid_write(force, config, output_bytes, tmp_path, monkeypatch)
     assert int(m.group(2)) == output_bytes and 0 < int(m.group(3)) <= output_bytes // 2
     if force:
         assert code == 1 and "Traceback" not in output
-        assert [p.name for p in target.iterdir()] == ["keep.txt"] and leftovers(target) == ["moe"]
+        assert sorted(p.name for p in target.iterdir()) == ["keep.txt", "moe_upcycle.json"]
+        assert leftovers(target) == ["moe"]
     else:
         assert_clean_failure(code, output, target, ["No space left on device"])
 
@@ -218,6 +220,7 @@ def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch)
     target = tmp_path / "moe"
     target.mkdir()
     (target / "old.txt").write_text("old")
+    (target / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')
     real_rename = os.rename
 
     def rename_with_interrupt(src, dst):

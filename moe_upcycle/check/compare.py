@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from moe_upcycle.inputs.text import check_token_ids
+
 MAX_TEXT_TOKENS = 1024  # perplexity text is cut to this (and to the model's max_position_embeddings)
 
 
@@ -128,6 +130,11 @@ def run_model(loaded: Loaded, prompts: list[str], text: Optional[str] = None, co
     if inputs is None:
         inputs = encode_inputs(tok, prompts, text, int(getattr(model.config, "max_position_embeddings",
                                                                 MAX_TEXT_TOKENS)))
+    vocab = model.get_input_embeddings().num_embeddings  # ids past it would index out of range
+    for ids, prompt in zip(inputs.prompts, prompts):
+        check_token_ids(ids, vocab, tok, prompt)
+    if inputs.text is not None:
+        check_token_ids(inputs.text, vocab, tok, text)
     run = ModelRun(logits=[])
     with torch.inference_mode():
         for ids in inputs.prompts:

@@ -22,6 +22,7 @@ from moe_upcycle.check import compare
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.steps import Plan
+from moe_upcycle.inputs.text import check_token_ids
 
 AUTO_MAX_BYTES = 2 * 10**9
 EAGER_EXPERTS = {"experts_implementation": "eager"}
@@ -87,6 +88,7 @@ def measure_drift_folders(dense: Path, moe: Path, text: str = DEFAULT_TEXT) -> I
                           f"encode the drift text; add them or set report_init_drift: false")
     ids = AutoTokenizer.from_pretrained(str(dense))(text, return_tensors="pt")["input_ids"]
     dense_model = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
+    check_token_ids(ids, dense_model.get_input_embeddings().num_embeddings, dense, text)
     # eager experts: the reference loop, which (unlike grouped_mm on CPU) takes any intermediate size
     moe_model = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32, **EAGER_EXPERTS).eval()
     return measure_drift(dense_model, moe_model, ids)

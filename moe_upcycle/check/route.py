@@ -22,6 +22,7 @@ from moe_upcycle.errors import DependencyError, SourceError
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
+from moe_upcycle.inputs.text import check_token_ids
 
 
 
@@ -171,6 +172,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
             for start in range(0, len(encoded), batch_size):
                 idx = list(range(start, min(start + batch_size, len(encoded))))
                 ids, attn, real = pad_batch([encoded[i] for i in idx], pad_id, "right")
+                check_token_ids(ids, model.get_input_embeddings().num_embeddings, tokenizer)
                 state["real"] = real
                 state["row_of_token"] = torch.tensor(idx)[:, None].expand_as(real).reshape(-1)
                 model.base_model(input_ids=ids.to(input_device), attention_mask=attn.to(input_device), use_cache=False)

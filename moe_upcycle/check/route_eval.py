@@ -25,6 +25,7 @@ import torch
 from moe_upcycle.recipe.params import ExpertPrompts
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.text import read_utf8
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     prompts: list[str] = []
     labels: list[Optional[str]] = []
     problems = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_utf8(path, "--labeled").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):

@@ -43,6 +43,7 @@ from moe_upcycle.errors import SourceError, UpcycleError
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
+from moe_upcycle.check.moe_folder import require_moe
 
 IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
 IDENTITY_MIN_AGREEMENT = 0.95
@@ -206,6 +207,7 @@ def verify(
     folder = Path(folder).expanduser().resolve()
     if not (folder / "config.json").is_file():
         raise SourceError(f"OUT: {folder} is not a model folder (no config.json); give the folder a build wrote")
+    require_moe(folder)  # a dense folder would "pass" against its own base
     result = VerifyResult(folder=str(folder))
     recipe = read_recipe(folder)
     recorded: Optional[RecordedBuild] = None

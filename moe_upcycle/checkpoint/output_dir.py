@@ -2,7 +2,7 @@
 
 `staged_output(target, force)` yields a temporary folder ``.<name>.partial-<pid>`` next to the
 target. On success it is renamed to the target (with `force`, an existing target is swapped out
-and removed only after the new one is in place). On any error, Ctrl-C or SIGTERM the staging
+and removed only after the new one is in place). On any error, Ctrl-C, SIGTERM or SIGHUP the staging
 folder is deleted, so nothing half-written ever carries the target's name. A lock file
 ``.<name>.lock`` (an flock, released by the kernel if the process dies) refuses a second
 concurrent build to the same target; leftovers of a killed build are cleared by the next one.
@@ -25,14 +25,20 @@ from moe_upcycle.errors import OutputError
 
 # our manifest: the tool version, recipe, seed and sha256 of every file of a folder the tool wrote
 RECIPE_NAME = "moe_upcycle.json"
+from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
+from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 
 
-def check_target(target: Path, force: bool, sources: Sequence[Path] = ()) -> None:
+def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs: Sequence[Path] = ()) -> None:
     """Refuse targets that would lose data, before any work is done.
+
+    Args:
+        inputs: other files the build reads (recipe, prompt files): no folder holding one is replaced.
 
     Raises:
         OutputError: the target exists and is not empty (without `force`), is a file, or is
-            inside / equal to / a parent of a source model folder.
+            inside / equal to / a parent of a source model folder; or, with `force`, is not a
+            previous moe-upcycle output, or is the current folder or holds an input (`ownership`).
     """
     target = target.resolve()
     for src in sources:
@@ -42,31 +48,26 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = ()) -> Non
                               f"choose an output folder outside every source")
     if target.exists() and not target.is_dir():
         raise OutputError(f"output {target} exists and is a file; choose another output path")
+    reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
+    if reason:
+        raise OutputError(f"output: {reason}; it is never replaced, with or without --force. Write the model to "
+                          f"a new folder, e.g. {target / 'moe-model'}")
     if target.is_dir() and any(target.iterdir()) and not force:
         raise OutputError(f"output folder {target} already exists and is not empty; "
                           f"choose another folder or pass --force to replace it")
+    if target.is_dir() and any(target.iterdir()):
+        problem = replace_problem(target, [*sources, *inputs])
+        if problem:
+            raise OutputError(problem)
     if not target.parent.is_dir():
         raise OutputError(f"the parent folder of the output, {target.parent}, does not exist; create it first")
 
 
-class _Terminated(BaseException):
-    """SIGTERM turned into an exception so cleanup runs (like KeyboardInterrupt for SIGINT)."""
-
-
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    def handler(signum, frame):  # noqa: ARG001
-        raise _Terminated()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
+    """SIGTERM and SIGHUP raise `signals.Terminated` (a KeyboardInterrupt), so cleanup runs."""
+    with terminations_raise():
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -86,11 +87,8 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
         _recover(target)
         stage.mkdir()
         with _sigterm_raises():
-            try:
-                yield stage
-                _publish(stage, target, force)
-            except _Terminated:
-                raise KeyboardInterrupt("terminated (SIGTERM)") from None
+            yield stage
+            _publish(stage, target, force)
     except OSError as exc:
         raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
                           f"{target}" + _space_hint(exc, target.parent)) from None
@@ -172,13 +170,13 @@ def _space_hint(exc: OSError, folder: Path) -> str:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Delay SIGINT/SIGTERM until the block ends, so a swap is never left half done.
+    """Delay SIGINT/SIGTERM/SIGHUP until the block ends, so a swap is never left half done.
 
     Python-level handlers (not a thread signal mask: torch's threads would still take the
     signal) note what arrives; it is re-raised, to the handlers in place before, at the end.
     """
     pending: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
+    held = (signal.SIGINT, *HANDLED)
     try:
         previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in held}
     except ValueError:  # not the main thread: signals are not ours to handle
@@ -200,6 +198,9 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
             return
         if not force and any(target.iterdir()):
             raise OutputError(f"output folder {target} appeared during the build; nothing was replaced")
+        problem = replace_problem(target) if any(target.iterdir()) else None
+        if problem:  # checked again here: the folder may have changed since the build started
+            raise OutputError(problem + "; nothing was replaced")
         old = target.parent / f".{target.name}.old-{os.getpid()}"
         os.rename(target, old)
         try:

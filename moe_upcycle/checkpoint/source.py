@@ -26,6 +26,9 @@ import torch
 from safetensors import safe_open
 
 from moe_upcycle.errors import SourceError
+from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
+from moe_upcycle.inputs.paths import resolve_or_raise
+from moe_upcycle.checkpoint.weight_files import choose_weights, duplicate_problems
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -152,7 +155,7 @@ def resolve_model(ref: str, field_name: str) -> Path:
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         return path.resolve()
-    looked = [str(path.resolve())]
+    looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
     # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
     if "/" in repo and not repo.startswith((".", "/", "~")) and repo.count("/") == 1:
@@ -200,27 +203,39 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     """
     path = resolve_model(ref, field_name)
     config = read_config(path, field_name)
+    damaged = side_file_problems(path)
+    if damaged:
+        raise SourceError(*damaged)
     tensors: dict[str, TensorInfo] = {}
     shared: list[list[str]] = []
     st_index = path / "model.safetensors.index.json"
     bin_index = path / "pytorch_model.bin.index.json"
-    if st_index.is_file() or (path / "model.safetensors").is_file():
-        files = _index_files(st_index) if st_index.is_file() else {"model.safetensors": None}
+    chosen = choose_weights(path)  # the file transformers would load, nothing else
+    found_in: dict[str, list[str]] = {}  # key -> shards holding it (more than one is refused)
+    if chosen in ("model.safetensors", st_index.name):
+        files = _index_files(st_index) if chosen == st_index.name else {"model.safetensors": None}
         for file, expected in files.items():
             found = read_safetensors_header(path / file)
             _check_index(path, file, expected, found, st_index)
             tensors.update(found)
-    elif bin_index.is_file() or (path / "pytorch_model.bin").is_file():
-        files = _index_files(bin_index) if bin_index.is_file() else {"pytorch_model.bin": None}
+            for key in found:
+                found_in.setdefault(key, []).append(file)
+    elif chosen in ("pytorch_model.bin", bin_index.name):
+        files = _index_files(bin_index) if chosen == bin_index.name else {"pytorch_model.bin": None}
         for file, expected in files.items():
             state = _load_bin(path / file)
             found = {k: TensorInfo(k, tuple(t.shape), t.dtype, file) for k, t in state.items()}
             _check_index(path, file, expected, found, bin_index)
             tensors.update(found)
+            for key in found:
+                found_in.setdefault(key, []).append(file)
             shared += _shared_storage(state)
     else:
         raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
                           f"pytorch_model.bin or pytorch_model.bin.index.json")
+    duplicates = duplicate_problems(path, found_in, files, f"{chosen}")
+    if duplicates:
+        raise SourceError(*duplicates)
     return Checkpoint(ref=ref, path=path, config=config, tensors=tensors, shared_groups=shared)
 
 
@@ -242,6 +257,7 @@ def read_config(path: Path, field_name: str) -> dict:
              if not isinstance(config[k], int) or isinstance(config[k], bool) or config[k] <= 0]
     if not isinstance(config["model_type"], str):
         wrong.insert(0, f"model_type must be a string, got {config['model_type']!r}")
+    wrong += value_problems(config)
     if wrong:
         raise SourceError(*[f"{cfg}: {w}" for w in wrong])
     return config

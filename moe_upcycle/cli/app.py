@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
+from moe_upcycle.inputs.paths import symlink_loop
+from moe_upcycle.terminal.signals import exit_code, signal_name, terminations_raise
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
@@ -31,12 +33,12 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show Python traceba
 
 
 def cli_errors(fn: Callable) -> Callable:
-    """Print UpcycleError (every problem) and exit 1; Ctrl-C exits 130 after cleanup."""
+    """Print UpcycleError (every problem) and exit 1; Ctrl-C, SIGTERM, SIGHUP exit 128+signal after cleanup."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with _warnings_printed():
+            with terminations_raise(sigint=True), _warnings_printed():  # SIGTERM/SIGHUP clean up like Ctrl-C
                 return fn(*args, **kwargs)
         except UpcycleError as exc:
             if DEBUG["on"]:
@@ -45,9 +47,17 @@ def cli_errors(fn: Callable) -> Callable:
             for problem in exc.problems:
                 console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
-        except KeyboardInterrupt:
-            console.print("[bold red]interrupted:[/] nothing was written under the output name")
-            raise typer.Exit(130)
+        except (RuntimeError, OSError) as exc:
+            message = symlink_loop(exc)  # Path.resolve() on a looping link: the user's path, not a bug
+            if message is None or DEBUG["on"]:
+                raise
+            console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        except KeyboardInterrupt as exc:
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                console.print(f"[bold red]interrupted ({signal_name(exc)}):[/] nothing was written under the "
+                              f"output name")
+            raise typer.Exit(exit_code(exc))
 
     return wrapper
 

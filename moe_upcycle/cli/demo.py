@@ -6,7 +6,6 @@ the MoE's logits equal the dense model's.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from rich.console import Console
@@ -14,15 +13,15 @@ from rich.console import Console
 from moe_upcycle.build import upcycle
 from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
 from moe_upcycle.checkpoint.tiny import make_dense_model
+from moe_upcycle.checkpoint.ownership import prepare_demo_folder
 
 DEMO_TEXT = "Once upon a time there was a little dragon who loved to add numbers."
 
 
 def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4) -> dict:
-    """Run the demo in `folder` (recreated). Returns the figures it printed."""
+    """Run the demo in `folder` (new, empty, or a previous demo's: see `ownership`). Returns the figures it printed."""
     console = console or Console()
-    folder = Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    folder = prepare_demo_folder(Path(folder))  # refuses a folder the demo did not make
     dense = make_dense_model(folder / "dense", family="llama", seed=0)
     console.print(f"1. generated a tiny dense Llama in {dense}")
     result = upcycle({"base_model": str(dense), "num_experts": num_experts, "experts_per_token": 2,

@@ -20,6 +20,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from moe_upcycle.errors import ConfigError, DependencyError, SourceError
+from moe_upcycle.inputs.text import check_texts, check_token_ids
 
 ROUTER_INPUT = "post_attention_layernorm"  # the module whose output each layer's router scores
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
@@ -155,6 +156,7 @@ def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt") 
     Raises:
         ConfigError: a text has no real token (names it).
     """
+    check_texts(texts, where)
     special = set(tokenizer.all_special_ids)
     out = []
     for text in texts:
@@ -172,6 +174,7 @@ def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt") 
 def encode_windows(tokenizer, docs: list[str], window: int = CALIBRATION_WINDOW) -> list[Encoded]:
     """Tokenize documents and cut them into windows of `window` real tokens, each with the leading
     special tokens (BOS) the tokenizer puts before a text."""
+    check_texts(docs, "calibration document")
     special = set(tokenizer.all_special_ids)
     out = []
     for doc in docs:
@@ -241,6 +244,7 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
                 positions = (attn.cumsum(1) - 1).clamp_min(0)  # same positions whatever the padding
                 state.update(rows=rows, real_cpu=real, real={})
                 dev = loaded.input_device
+                check_token_ids(ids, loaded.model.get_input_embeddings().num_embeddings, tok)
                 try:
                     decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
                             use_cache=False)

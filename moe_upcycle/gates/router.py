@@ -30,6 +30,7 @@ from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning import inits
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
+from moe_upcycle.inputs.text import check_token_ids
 
 __all__ = ["PROMPT_MODES", "compute_gates", "shared_gate_rows", "cheap_embed_rows", "default_gate_scale",
            "normalise_rows", "check_prompts"]
@@ -120,6 +121,7 @@ def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torc
                 ids = [tokenizer.bos_token_id]  # mergekit's empty "default expert" prompt: the BOS token alone
             if not ids:
                 raise ConfigError(f"prompt {prompt!r} has no tokens")
+            check_token_ids(ids, embed.shape[0], tokenizer, prompt)
             vecs.append(embed[torch.tensor(ids)].mean(dim=0))  # masked mean: real tokens only
         return torch.stack(vecs).mean(dim=0)
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint import config_checks, names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, TensorInfo
 from moe_upcycle.errors import PlanError
 from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts
@@ -47,6 +47,11 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
     arch_name = layout.model_type
     problems += compat.source_problems(config, sources)
+    used = [(f"experts[{i}]", e.source_model) for i, e in enumerate(config.expert_list())]
+    used += [(f"shared_experts[{i}]", e.source_model) for i, e in enumerate(config.shared_experts)]
+    problems += config_checks.expert_problems(config.base_model, used, sources)
+    for ref, ckpt in sources.items():  # config.json against the tensor shapes, every source
+        problems += config_checks.shape_problems(ckpt, f"{_where(config, ref)} ({ref})")
     if problems:  # per-tensor checks of sources that do not fit would only repeat these
         raise PlanError(*problems)
     bcfg = base.config
@@ -167,6 +172,15 @@ def _base_dtype(base: Checkpoint) -> torch.dtype:
         return STR_DTYPES[name]
     info = base.tensors.get(names.EMBED)
     return info.dtype if info and info.dtype.is_floating_point else torch.float32
+
+
+def _where(config: UpcycleConfig, ref: str) -> str:
+    """The YAML field that names model `ref` (base_model first)."""
+    if ref == config.base_model:
+        return "base_model"
+    fields = [f"experts[{i}]" for i, e in enumerate(config.experts) if e.source_model == ref]
+    fields += [f"shared_experts[{i}]" for i, e in enumerate(config.shared_experts) if e.source_model == ref]
+    return fields[0] if fields else "source"
 
 
 def _dedupe(items: list[str]) -> list[str]:

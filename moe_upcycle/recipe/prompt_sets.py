@@ -21,6 +21,8 @@ from typing import Optional
 import yaml
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.recipe.yaml_load import load_yaml_text
+from moe_upcycle.inputs.text import check_texts
 
 MIN_SET_PROMPTS = 20
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # moe_upcycle/
@@ -82,6 +84,8 @@ def resolve_reference(ref: str) -> Path:
     path = Path(ref).expanduser()
     if path.is_file():
         return path
+    if path.is_symlink():
+        raise ValueError(f"{ref!r} is a symbolic link that leads nowhere (a symlink loop or a broken link); fix it")
     raise ValueError(f"{ref!r} is neither a prompt set ({', '.join(set_names()) or 'none found'}) nor an "
                      f"existing file; name a set or give the path of a YAML/JSON/text prompt file")
 
@@ -98,8 +102,8 @@ def read_prompt_file(path: Path) -> list[str]:
         raise ConfigError(f"{path}: cannot read the prompt file ({exc})") from None
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         try:
-            data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            data = json.loads(text) if path.suffix.lower() == ".json" else load_yaml_text(text, str(path))
+        except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
             raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()} ({exc})") from None
         if isinstance(data, dict) and "prompts" in data:
             data = data["prompts"]
@@ -110,6 +114,7 @@ def read_prompt_file(path: Path) -> list[str]:
         prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ConfigError(f"{path}: contains no prompts")
+    check_texts(prompts, f"{path}: prompt")
     return prompts
 
 

@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key
+from moe_upcycle.recipe.yaml_load import load_recipe_yaml
+from moe_upcycle.recipe.values import strict_bools_and_numbers, short_repr
+from moe_upcycle.inputs.text import unicode_problem
 
 GateMode = Literal[
     "hidden", "hidden_avg", "hidden_last", "kmeans", "cheap_embed", "random", "uniform_random", "uniform"
@@ -46,6 +49,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "hal
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 MAX_SHARD_BYTES_LIMIT = 2**40  # 1 TiB: anything larger is certainly a typo
+MIN_SHARD_BYTES = 1000  # a bare "5" meant 5GB, not 5 bytes
 
 
 def parse_size(value: Union[int, str]) -> int:
@@ -56,21 +60,30 @@ def parse_size(value: Union[int, str]) -> int:
         5000000000
 
     Raises:
-        ValueError: the value is not a positive size within 1 TiB.
+        ValueError: the value is not a whole number of bytes from 1000 to 1 TiB.
     """
     if isinstance(value, bool):
         raise ValueError("expected a size such as 5GB or a number of bytes")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
     if isinstance(value, (int, float)):
+        if value != int(value):  # a bare 1.9 is no number of bytes (1.9GB was meant?)
+            raise ValueError(f"{value!r} is not a whole number of bytes; write a size with its unit, e.g. "
+                             f"{value}GB or 500MB")
         size = int(value)
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
         if not m:
             raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+        if m.group(2) in ("", "B") and "." in m.group(1):
+            raise ValueError(f"{value!r} is not a whole number of bytes; write a size with its unit, e.g. "
+                             f"{m.group(1)}GB or 500MB")
         size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
     if size <= 0:
         raise ValueError(f"must be positive, got {value!r}")
+    if size < MIN_SHARD_BYTES:
+        raise ValueError(f"{value!r} is {size} bytes, smaller than any weight matrix; write a size with its "
+                         f"unit, e.g. {value}GB")
     if size > MAX_SHARD_BYTES_LIMIT:
         raise ValueError(f"{value!r} is larger than 1 TiB; write e.g. 5GB")
     return size
@@ -79,6 +92,12 @@ def parse_size(value: Union[int, str]) -> int:
 class _Strict(BaseModel):
     # inf/nan in a scale or std would silently fill the output with inf/nan
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML reads yes/no/on/off as booleans, and pydantic would turn them into 1/0
+        return strict_bools_and_numbers(value, cls.model_fields[info.field_name].annotation)
 
 
 class ExpertInit(_Strict):
@@ -119,7 +138,7 @@ class ExpertInit(_Strict):
 class ExpertConfig(_Strict):
     """One expert slot: whose FFN it gets and the prompts that route to it."""
 
-    source_model: str
+    source_model: str = Field(min_length=1)
     name: Optional[str] = None
     # mergekit accepts `positive_prompts:` left empty (null) and [""] (the empty prompt: the BOS token alone)
     positive_prompts: list[str] = Field(default_factory=list)
@@ -146,6 +165,14 @@ class ExpertConfig(_Strict):
     def _null_is_empty(cls, prompts: Any) -> Any:
         return [] if prompts is None else prompts
 
+    @field_validator("positive_prompts", "negative_prompts")
+    @classmethod
+    def _valid_unicode(cls, prompts: list[str]) -> list[str]:
+        for i, p in enumerate(prompts):
+            if unicode_problem(p):
+                raise ValueError(f"prompt {i} {unicode_problem(p)}")
+        return prompts
+
     @field_validator("positive_prompts_from", "negative_prompts_from")
     @classmethod
     def _known_prompt_source(cls, ref: Optional[str]) -> Optional[str]:
@@ -171,15 +198,15 @@ class SharedExpertConfig(ExpertConfig):
 class UpcycleConfig(_Strict):
     """The whole build recipe. See README "Config reference" for every key."""
 
-    base_model: str
-    experts: list[ExpertConfig] = Field(default_factory=list)
+    base_model: str = Field(min_length=1)
+    experts: list[ExpertConfig] = Field(default_factory=list, max_length=1024)
     num_experts: Optional[int] = Field(default=None, ge=1, le=1024)
     architecture: Optional[Architecture] = None
     gate_mode: GateMode = "hidden"
     gate_source: GateSource = "native"
     dtype: Optional[DType] = None
-    experts_per_token: int = Field(default=2, ge=1)
-    shared_experts: list[SharedExpertConfig] = Field(default_factory=list)
+    experts_per_token: int = Field(default=2, ge=1, le=1024)
+    shared_experts: list[SharedExpertConfig] = Field(default_factory=list, max_length=64)
     tensor_policy: TensorPolicy = "share"
     seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch generators take unsigned 64-bit seeds
     output: Optional[str] = None
@@ -198,7 +225,7 @@ class UpcycleConfig(_Strict):
     # hidden-state gate modes (see hidden_gates)
     gate_center: bool = False
     calibration_text: Optional[str] = None
-    batch_size: int = Field(default=8, ge=1)
+    batch_size: int = Field(default=8, ge=1, le=65536)
     device: str = "auto"
     gate_dtype: Optional[DType] = None
     quantize: Optional[Quantize] = None
@@ -316,9 +343,12 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         path = Path(source)
         where = str(path)
         if not path.is_file():
+            if path.is_symlink():
+                raise ConfigError(f"{path}: the config is a symbolic link that leads nowhere (a symlink loop or a "
+                                  f"broken link); fix it")
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+            data = load_recipe_yaml(path)  # duplicate keys and alias bombs refused here
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark
             pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -357,7 +387,7 @@ def _format_errors(exc: ValidationError) -> list[str]:
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
         elif kind == "literal_error":
-            lines.append(f"{path}: {err['input']!r} is not allowed; expected {err['ctx']['expected']}")
+            lines.append(f"{path}: {short_repr(err['input'])} is not allowed; expected {err['ctx']['expected']}")
         elif kind == "missing":
             lines.append(f"{path}: required key is missing")
         else:

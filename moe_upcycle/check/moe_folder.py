@@ -1,0 +1,40 @@
+"""Is a model folder a Mixture-of-Experts at all? (`verify` asks this first.)
+
+A dense folder (the base model itself, a typo'd path to it) loads fine with transformers and
+would match the dense base perfectly, so verifying it would say PASSED about a model that has no
+experts. `require_moe` reads only ``config.json`` and refuses such a folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moe_upcycle.errors import SourceError
+
+# the config.json key that holds the routed-expert count, per MoE family
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def require_moe(folder: Path, option: str = "OUT") -> int:
+    """The folder's routed-expert count, read from its config.json.
+
+    Raises:
+        SourceError: config.json is unreadable, or describes a dense (non-MoE) model.
+    """
+    cfg_path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise SourceError(f"{option}: {cfg_path} cannot be read as JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise SourceError(f"{option}: {cfg_path} is not a JSON object")
+    for key in EXPERT_COUNT_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    kind = cfg.get("model_type", "unknown")
+    arch = ", ".join(cfg.get("architectures") or []) if isinstance(cfg.get("architectures"), list) else ""
+    raise SourceError(f"{option}: {folder} is a dense model (model_type {kind!r}{', ' + arch if arch else ''}; its "
+                      f"config.json has no {' / '.join(EXPERT_COUNT_KEYS[:3])}), not a Mixture-of-Experts, so there "
+                      f"is nothing to verify; give the folder that moe-upcycle build wrote")

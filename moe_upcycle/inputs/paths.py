@@ -1,0 +1,42 @@
+"""Name the path errors that Python reports without saying which of the user's paths is at fault.
+
+`Path.resolve()` raises ``RuntimeError("Symlink loop from '...'")`` (Python 3.11/3.12; an
+``OSError`` with ``errno.ELOOP`` in later versions and in plain file calls) when a link points
+back to itself through other links. `symlink_loop` recognises both and returns the message the
+command line prints instead of a traceback; `resolve_or_raise` is `Path.resolve` with that
+message as an `UpcycleError` of the caller's choosing.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from pathlib import Path
+from typing import Optional, Type
+
+from moe_upcycle.errors import UpcycleError
+
+
+def symlink_loop(exc: BaseException) -> Optional[str]:
+    """The user-facing message for a symlink-loop error (None for any other exception)."""
+    path = None
+    if isinstance(exc, RuntimeError):
+        m = re.fullmatch(r"Symlink loop from '(.*)'", str(exc), re.S)
+        path = m.group(1) if m else None
+    elif isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        path = exc.filename or "a path"
+    if path is None:
+        return None
+    return (f"{path}: symlink loop — the link points back to itself through other links, so it leads nowhere; "
+            f"fix or remove the link")
+
+
+def resolve_or_raise(path: Path, error: Type[UpcycleError], where: str = "") -> Path:
+    """`path.resolve()`, raising `error` (naming `where`, e.g. a YAML field) on a symlink loop."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as exc:
+        message = symlink_loop(exc)
+        if message is None:
+            raise
+        raise error(f"{where}: {message}" if where else message) from None

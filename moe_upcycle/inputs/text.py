@@ -1,0 +1,86 @@
+"""Checks on text and token ids before they reach a tokenizer or a model.
+
+- `unicode_problem`: a prompt with a lone surrogate (``"\\ud800"`` written as a JSON or YAML
+  escape) is not valid Unicode; tokenizers fail on it with an unnamed error, so it is refused
+  with the prompt's place.
+- `check_token_ids`: a tokenizer that emits an id past the model's embedding rows (a tokenizer
+  from another model, added tokens the model was never resized for) would index out of range in
+  the forward pass; it is refused naming the id, the text and the tokenizer's folder.
+- `read_utf8`: read a text file the user gave, with named errors for non-UTF-8 bytes, folders
+  and symlink loops.
+
+It raises `UpcycleError`s; it never changes a text or an id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+from moe_upcycle.errors import ConfigError, SourceError
+
+if TYPE_CHECKING:  # the recipe schema uses this module and must not pull in torch
+    import torch
+
+
+def unicode_problem(text: str) -> Optional[str]:
+    """Why `text` is not valid Unicode (None when it is).
+
+    Example:
+        >>> unicode_problem("ok")
+        >>> unicode_problem("bad \\ud800")
+        'contains an invalid Unicode character (lone surrogate U+D800 at position 4); remove it or re-save the text as UTF-8'
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"contains an invalid Unicode character (lone surrogate U+{ord(text[exc.start]):04X} at position "
+                f"{exc.start}); remove it or re-save the text as UTF-8")
+    return None
+
+
+def check_texts(texts: Sequence[str], where: str) -> None:
+    """Raise `ConfigError` naming every text of `texts` (from `where`) that is not valid Unicode."""
+    problems = [f"{where} {i} ({_short(t)}): {p}" for i, t in enumerate(texts) if (p := unicode_problem(t))]
+    if problems:
+        raise ConfigError(*problems)
+
+
+def check_token_ids(ids: Union["torch.Tensor", Sequence[int]], num_embeddings: int, tokenizer: object,
+                    text: Optional[str] = None) -> None:
+    """Raise `SourceError` when a token id is negative or past the model's `num_embeddings` rows."""
+    import torch
+
+    values = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.long)
+    if values.numel() == 0:
+        return
+    top, low = int(values.max()), int(values.min())
+    if top < num_embeddings and low >= 0:
+        return
+    bad = top if top >= num_embeddings else low
+    source = str(tokenizer) if isinstance(tokenizer, (str, Path)) else (getattr(tokenizer, "name_or_path", "")
+                                                                        or "the tokenizer")
+    said = f" for {_short(text)}" if text is not None else ""
+    raise SourceError(f"tokenizer {source} produced token id {bad}{said}, but the model has only {num_embeddings} "
+                      f"embedding rows (ids 0..{num_embeddings - 1}); the tokenizer files do not belong to this model "
+                      f"— copy the model's own tokenizer, or resize its embeddings")
+
+
+def read_utf8(path: Union[str, Path], what: str) -> str:
+    """The text of a file the user named, with a named `ConfigError` for every way it can fail."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        reason = "a symlink loop" if exc.errno == 40 else (exc.strerror or str(exc))
+        raise ConfigError(f"{what} {path}: cannot read it ({reason})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path}: byte {exc.start} is not UTF-8 ({data[exc.start:exc.start + 1]!r}); "
+                          f"re-save the file as UTF-8") from None
+
+
+def _short(text: Optional[str], limit: int = 60) -> str:
+    shown = repr(text if text is None or len(text) <= limit else text[:limit - 3] + "...")
+    return shown

@@ -1,0 +1,135 @@
+"""Read a recipe's YAML so that it means exactly one thing, in bounded time and memory.
+
+`yaml.safe_load` has two traps for a recipe: a key written twice in one mapping silently keeps
+the last value, and anchors/aliases can describe a "billion laughs" tree that is tiny on disk
+but huge once anything walks it (validation, or formatting an error message that quotes it).
+
+`load_recipe_yaml` composes the YAML into nodes first (aliases stay shared, so this is linear in
+the file), then walks the node graph once, counting how many values the document expands to —
+memoised per node, so a bomb is measured without being expanded — and refuses:
+
+- a key repeated in one mapping, naming the key and both lines;
+- a document that expands to more than `MAX_VALUES` values, or an alias that contains itself;
+- a file larger than `MAX_FILE_BYTES`.
+
+Only then are Python objects built. `load_yaml_text` does the same for any YAML text (prompt
+files). It does not validate the recipe: that is `config`'s job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moe_upcycle.errors import ConfigError
+
+MAX_VALUES = 200_000  # a recipe with 1,000 experts of 100 prompts each is ~100k values
+MAX_FILE_BYTES = 16 * 2**20
+
+
+def load_recipe_yaml(path: Path) -> Any:
+    """Parse the recipe at `path` (UTF-8 YAML) into plain Python objects.
+
+    Raises:
+        ConfigError: unreadable or oversized file, YAML syntax error (with line and column), a
+            duplicate key, or an alias expansion that is too large or recursive.
+        UnicodeDecodeError, yaml.YAMLError, RecursionError: left to the caller, which names the file.
+    """
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ConfigError(f"{path}: the recipe is {size} bytes; a recipe is a small YAML file (at most "
+                          f"{MAX_FILE_BYTES} bytes) — is this the right file?")
+    return load_yaml_text(path.read_bytes().decode("utf-8"), str(path))
+
+
+def load_yaml_text(text: str, where: str) -> Any:
+    """Parse YAML `text` like `yaml.safe_load`, refusing duplicate keys and alias bombs.
+
+    Args:
+        where: the file name, for messages (``where:line: ...``).
+
+    Raises:
+        ConfigError: a duplicate key, or an alias expansion that is too large or recursive.
+        yaml.YAMLError, RecursionError: syntax errors, left to the caller.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, where, loader)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _check_nodes(root: yaml.Node, path: str, loader: yaml.SafeLoader) -> None:
+    """Refuse duplicate keys and oversized or recursive alias expansions, without expanding anything.
+
+    Iterative (no Python recursion), one visit per distinct node: `expanded[id]` is the number of
+    values the node stands for once every alias in it is expanded.
+    """
+    expanded: dict[int, int] = {}
+    on_stack: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        ident = id(node)
+        children = _children(node)
+        if done:
+            on_stack.discard(ident)
+            total = 1 + sum(expanded[id(c)] for c in children)
+            if total > MAX_VALUES:
+                raise ConfigError(f"{path}:{_line(node)}: this value expands to more than {MAX_VALUES} values "
+                                  f"through anchors and aliases (&name / *name); a recipe never needs that many — "
+                                  f"write the values out or use fewer aliases")
+            expanded[ident] = total
+            continue
+        if ident in expanded:
+            continue
+        if ident in on_stack:
+            raise ConfigError(f"{path}:{_line(node)}: an alias refers to a value that contains it (a recursive "
+                              f"anchor); the recipe would be infinite — remove the alias")
+        if isinstance(node, yaml.MappingNode):
+            _check_duplicate_keys(node, path, loader)
+        on_stack.add(ident)
+        stack.append((node, True))
+        for child in children:
+            if id(child) in on_stack:
+                raise ConfigError(f"{path}:{_line(child)}: an alias refers to a value that contains it (a "
+                                  f"recursive anchor); the recipe would be infinite — remove the alias")
+            if id(child) not in expanded:
+                stack.append((child, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_duplicate_keys(node: yaml.MappingNode, path: str, loader: yaml.SafeLoader) -> None:
+    """A key written twice in one mapping is an error (merge keys ``<<`` may be overridden, as YAML says).
+
+    Keys are compared as YAML reads them, so ``yes:`` and ``true:``, or ``1:`` and ``0x1:``, are the same key.
+    """
+    seen: dict[Any, yaml.Node] = {}
+    for key, _value in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        value = loader.construct_object(key)
+        name = key.value
+        ident = (type(value).__name__, value) if value.__hash__ is not None else (key.tag, name)
+        if ident in seen:
+            shown = name if len(name) <= 60 else name[:57] + "..."
+            raise ConfigError(f"{path}:{_line(key)}: key {shown!r} is given twice in the same mapping, on line "
+                              f"{_line(seen[ident])} and line {_line(key)}; only one value can count — delete one")
+        seen[ident] = key

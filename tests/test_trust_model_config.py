@@ -1,0 +1,153 @@
+"""A source's config.json is checked — types, bounds, against its tensor shapes, and experts against
+the base — before a byte is written, every problem named at once (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from failure_checks import assert_clean_failure, cli
+
+# (id, fields to set in the base's config.json, words every message must contain)
+CASES = [
+    ("vocab-contradicts-embed", {"vocab_size": 320}, ["'model.embed_tokens.weight' has shape [300, 64]",
+                                                       "implies [320, 64] (vocab_size, hidden_size)"]),
+    ("hidden-contradicts", {"hidden_size": 32}, ["config.json implies", "hidden_size"]),
+    ("intermediate-contradicts", {"intermediate_size": 256}, ["'model.layers.0.mlp.gate_proj.weight' has shape [128, 64]",
+                                                             "(and 1 more like it)", "implies [256, 64]"]),
+    ("heads-contradict", {"num_attention_heads": 8}, ["self_attn.q_proj.weight' has shape [64, 64]",
+                                                      "implies [128, 64] (num_attention_heads x head_dim"]),
+    ("kv-heads-contradict", {"num_key_value_heads": 4}, ["self_attn.k_proj.weight' has shape [32, 64]",
+                                                         "num_key_value_heads x head_dim"]),
+    ("head-dim-contradicts", {"head_dim": 8}, ["self_attn.q_proj.weight' has shape [64, 64]", "implies [32, 64]"]),
+    ("zero-layers", {"num_hidden_layers": 0}, ["num_hidden_layers must be a positive integer, got 0"]),
+    ("string-size", {"hidden_size": "64"}, ["hidden_size must be a positive integer, got '64'"]),
+    ("float-size", {"vocab_size": 300.0}, ["vocab_size must be a positive integer, got 300.0"]),
+    ("bool-size", {"intermediate_size": True}, ["intermediate_size must be a positive integer, got True"]),
+    ("null-heads", {"num_attention_heads": 0}, ["num_attention_heads must be a positive integer, got 0"]),
+    ("null-heads-none", {"num_attention_heads": None}, ["num_attention_heads is missing"]),
+    ("string-heads", {"num_key_value_heads": "2"}, ["num_key_value_heads must be a positive integer, got '2'"]),
+    ("tie-string-no", {"tie_word_embeddings": "no"}, ["tie_word_embeddings must be true or false, got 'no'"]),
+    ("tie-int", {"tie_word_embeddings": 0}, ["tie_word_embeddings must be true or false, got 0"]),
+    ("absurd-layers", {"num_hidden_layers": 10**9}, ["num_hidden_layers is 1000000000, more than 4096"]),
+    ("absurd-layers-float", {"num_hidden_layers": 1e9}, ["num_hidden_layers must be a positive integer, got 1000000000.0"]),
+    ("absurd-vocab", {"vocab_size": 2**40}, ["vocab_size is 1099511627776, more than"]),
+    ("eps-string", {"rms_norm_eps": "1e-6"}, ["rms_norm_eps must be a positive finite number, got '1e-6'"]),
+    ("eps-negative", {"rms_norm_eps": -1e-6}, ["rms_norm_eps must be a positive finite number"]),
+    ("eps-huge", {"rms_norm_eps": 5.0}, ["rms_norm_eps is 5.0; a norm epsilon is a small number"]),
+    ("rope-theta-zero", {"rope_parameters": {"rope_theta": 0, "rope_type": "default"}},
+     ["rope_parameters.rope_theta must be a positive finite number, got 0"]),
+    ("rope-scaling-string", {"rope_scaling": "linear"}, ["rope_scaling must be an object (or null), got 'linear'"]),
+    ("heads-not-multiple", {"num_key_value_heads": 3}, ["num_attention_heads 4 is not a multiple of num_key_value_heads 3"]),
+    ("hidden-act-number", {"hidden_act": 3}, ["hidden_act must be a string"]),
+    ("hidden-act-unknown", {"hidden_act": "swiglu2"}, ["hidden_act 'swiglu2' is not an activation transformers knows"]),
+    ("eps-null", {"rms_norm_eps": None}, ["rms_norm_eps is null"]),
+    ("hidden-act-null", {"hidden_act": None}, ["hidden_act is null"]),
+]
+
+
+def _edited(src: Path, dest: Path, fields: dict) -> Path:
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(fields)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def _recipe(tmp_path: Path, text: str) -> Path:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(text)
+    return cfg
+
+
+@pytest.mark.parametrize("case_id,fields,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_base_config_refused_before_writing(case_id, fields, words, tiny_llama, tmp_path):
+    base = _edited(tiny_llama, tmp_path / "base", fields)
+    target = tmp_path / "moe"
+    start = time.monotonic()
+    code, output = cli("build", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"), target)
+    assert time.monotonic() - start < 30  # absurd sizes fail fast instead of looping over them
+    assert_clean_failure(code, output, target, words)
+    # the plan (no output) refuses the same
+    code, output = cli("plan", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"))
+    assert code == 1 and words[0] in " ".join(output.split()), output
+
+
+def test_every_problem_named_at_once(tiny_llama, tmp_path):
+    base = _edited(tiny_llama, tmp_path / "base", {"vocab_size": 999, "intermediate_size": 100,
+                                                    "tie_word_embeddings": "yes", "rms_norm_eps": "tiny"})
+    target = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"), target)
+    # types first (config.json alone), all of them in one run
+    assert_clean_failure(code, output, target, ["tie_word_embeddings must be true or false, got 'yes'",
+                                                "rms_norm_eps must be a positive finite number, got 'tiny'"])
+    base2 = _edited(tiny_llama, tmp_path / "base2", {"vocab_size": 999, "intermediate_size": 100})
+    code, output = cli("build", _recipe(tmp_path, f"base_model: {base2}\nnum_experts: 2\ngate_mode: random\n"), target)
+    assert_clean_failure(code, output, target, ["model.embed_tokens.weight", "implies [999, 64]",
+                                                "model.layers.0.mlp.gate_proj.weight", "implies [100, 64]",
+                                                "lm_head.weight"])
+
+
+def test_expert_config_contradicting_its_tensors_refused(tiny_llama, tmp_path):
+    expert = _edited(tiny_llama, tmp_path / "expert", {"head_dim": 32})
+    target = tmp_path / "moe"
+    text = (f"base_model: {tiny_llama}\ngate_mode: random\nexperts:\n  - source_model: {tiny_llama}\n"
+            f"  - source_model: {expert}\n")
+    code, output = cli("build", _recipe(tmp_path, text), target)
+    assert_clean_failure(code, output, target, [f"experts[1] ({expert})", "self_attn.q_proj.weight", "implies [128, 64]"])
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"hidden_act": "gelu"}, ["hidden_act is 'gelu' but base_model", "has 'silu'"]),
+    ({"rms_norm_eps": 1e-5}, ["rms_norm_eps is 1e-05 but base_model", "has 1e-06"]),
+    ({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+     ["rope settings is rope_theta=500000.0, scaling: none but base_model", "rope_theta=10000.0"]),
+    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0}},
+     ["rope settings is rope_theta=10000.0, scaling: factor=4.0, rope_type='linear'"]),
+], ids=["hidden-act", "norm-eps", "rope-theta", "rope-scaling"])
+def test_expert_with_other_settings_than_base_refused(fields, words, tiny_llama, tmp_path):
+    expert = _edited(tiny_llama, tmp_path / "expert", fields)
+    target = tmp_path / "moe"
+    text = (f"base_model: {tiny_llama}\ngate_mode: random\nexperts:\n  - source_model: {tiny_llama}\n"
+            f"  - source_model: {expert}\n")
+    code, output = cli("build", _recipe(tmp_path, text), target)
+    assert_clean_failure(code, output, target, [f"experts[1] ({expert})", *words, "one value for all experts"])
+
+
+def test_same_settings_written_differently_still_build(tiny_llama, tmp_path):
+    """rope_theta at the top level (transformers 4.x) equals the same value in rope_parameters."""
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    fields = {"rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    expert = _edited(tiny_llama, tmp_path / "expert", fields)
+    json_cfg = json.loads((expert / "config.json").read_text())
+    del json_cfg["rope_parameters"]
+    (expert / "config.json").write_text(json.dumps(json_cfg))
+    text = (f"base_model: {tiny_llama}\ngate_mode: random\nexperts:\n  - source_model: {tiny_llama}\n"
+            f"  - source_model: {expert}\n")
+    code, output = cli("build", _recipe(tmp_path, text), tmp_path / "moe")
+    assert code == 0, output
+
+
+def test_known_activations_are_transformers_own():
+    from transformers.activations import ACT2FN
+
+    from moe_upcycle.checkpoint.config_checks import ACTIVATIONS
+
+    assert ACTIVATIONS <= set(ACT2FN)
+
+
+@pytest.mark.parametrize("name,content", [("tokenizer.json", b'{"version": "1.0", "trunc'),
+                                          ("tokenizer_config.json", b"\xff\xfe"),
+                                          ("generation_config.json", b"[1, 2]")])
+def test_damaged_tokenizer_or_generation_file_refused(name, content, tiny_llama, tmp_path):
+    """These files are copied byte for byte into the MoE: a truncated one is refused, not shipped."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    (base / name).write_bytes(content)
+    target = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"), target)
+    assert_clean_failure(code, output, target, [f"{base / name}:", "re-download it"])

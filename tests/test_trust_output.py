@@ -1,0 +1,202 @@
+"""The tool removes or replaces only folders it wrote (issue 13): `demo DIR`, `build ... --force` on
+the current folder, an ancestor of the recipe or of a source, a symlink to a user's folder, or any
+folder without our manifest — each refused, with real files that must survive byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from failure_checks import cli, leftovers
+
+OURS = json.dumps({"tool": "moe-upcycle", "version": "0.1"})
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path -> bytes), to prove nothing was touched."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _project(folder: Path) -> Path:
+    """A user's project folder: files and a sub-folder that must survive."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "notes.txt").write_text("three weeks of notes")
+    (folder / "src").mkdir(exist_ok=True)
+    (folder / "src" / "train.py").write_text("print('hi')\n")
+    return folder
+
+
+def _recipe(folder: Path, base: Path, name: str = "cfg.yaml") -> Path:
+    cfg = folder / name
+    cfg.write_text(f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n")
+    return cfg
+
+
+def _flat(output: str) -> str:
+    return " ".join(output.split())
+
+
+def test_demo_refuses_current_project_folder(tmp_path, monkeypatch):
+    project = _project(tmp_path / "project")
+    before = _snapshot(project)
+    monkeypatch.chdir(project)
+    code, output = cli("demo", ".")
+    assert code == 1, output
+    flat = _flat(output)
+    assert "is not empty" in flat and "notes.txt" in flat and "src/" in flat and "Traceback" not in output
+    assert _snapshot(project) == before
+
+
+def test_demo_refuses_named_user_folder_and_file(tmp_path):
+    project = _project(tmp_path / "work")
+    before = _snapshot(project)
+    code, output = cli("demo", project)
+    assert code == 1 and "was not made by moe-upcycle demo" in _flat(output), output
+    assert _snapshot(project) == before
+    file = tmp_path / "afile"
+    file.write_text("keep")
+    code, output = cli("demo", file)
+    assert code == 1 and "is a file" in _flat(output) and file.read_text() == "keep"
+
+
+def test_demo_refuses_a_build_folder(tiny_llama, tmp_path):
+    """A build's folder carries our manifest, but it is not the demo's: its record must not be overwritten."""
+    cfg = _recipe(tmp_path, tiny_llama)
+    out = tmp_path / "out"
+    assert cli("build", cfg, out)[0] == 0
+    before = _snapshot(out)
+    code, output = cli("demo", out)
+    assert code == 1 and "was not made by moe-upcycle demo" in _flat(output), output
+    assert _snapshot(out) == before
+
+
+def test_demo_reruns_in_its_own_folder_and_keeps_other_files(tmp_path):
+    folder = tmp_path / "demo_out"
+    code, output = cli("demo", folder)
+    assert code == 0, output
+    assert json.loads((folder / "moe_upcycle.json").read_text())["kind"] == "demo"
+    (folder / "my_notes.txt").write_text("added by the user")
+    stale = folder / "moe" / "stale.bin"
+    stale.write_bytes(b"x")
+    code, output = cli("demo", folder)
+    assert code == 0, output
+    assert (folder / "my_notes.txt").read_text() == "added by the user"  # not the demo's: kept
+    assert not stale.exists()  # the demo's own moe/ was rewritten
+    assert sorted(p.name for p in folder.iterdir()) == ["dense", "moe", "moe_upcycle.json", "my_notes.txt"]
+
+
+def test_build_force_on_current_folder_keeps_recipe_and_files(tiny_llama, tmp_path, monkeypatch):
+    project = _project(tmp_path / "project")
+    _recipe(project, tiny_llama)
+    (project / "moe_upcycle.json").write_text(OURS)  # even a folder that looks like ours
+    before = _snapshot(project)
+    monkeypatch.chdir(project)
+    code, output = cli("build", "cfg.yaml", ".", "--force")
+    assert code == 1, output
+    assert "is the current folder" in _flat(output) and "Traceback" not in output
+    assert _snapshot(project) == before
+    assert leftovers(project) == ["project"]  # no lock or staging folder beside it
+
+
+def test_build_into_empty_current_folder_refused(tiny_llama, tmp_path, monkeypatch):
+    cfg = _recipe(tmp_path, tiny_llama)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, output = cli("build", cfg, ".")
+    assert code == 1 and "is the current folder" in _flat(output), output
+    assert here.is_dir() and list(here.iterdir()) == [] and leftovers(here) == ["here"]
+
+
+def test_build_force_on_ancestor_of_current_folder(tiny_llama, tmp_path, monkeypatch):
+    top = _project(tmp_path / "top")
+    (top / "moe_upcycle.json").write_text(OURS)
+    cfg = _recipe(tmp_path, tiny_llama)
+    before = _snapshot(top)
+    monkeypatch.chdir(top / "src")
+    code, output = cli("build", cfg, top, "--force")
+    assert code == 1 and "an ancestor of the current folder" in _flat(output), output
+    assert _snapshot(top) == before
+
+
+@pytest.mark.parametrize("depth", ["recipe-inside", "recipe-below"])
+def test_build_force_on_folder_holding_the_recipe(depth, tiny_llama, tmp_path):
+    out = _project(tmp_path / "out")
+    (out / "moe_upcycle.json").write_text(OURS)  # looks like a previous build
+    cfg = _recipe(out if depth == "recipe-inside" else out / "src", tiny_llama)
+    before = _snapshot(out)
+    code, output = cli("build", cfg, out, "--force")
+    assert code == 1, output
+    assert f"holds {cfg.resolve()}, an input of this command" in _flat(output)
+    assert _snapshot(out) == before and leftovers(out) == ["out"]
+
+
+def test_build_force_on_ancestor_of_source_model(tiny_llama, tmp_path):
+    import shutil
+
+    parent = tmp_path / "models"
+    base = parent / "llama"
+    shutil.copytree(tiny_llama, base)
+    (parent / "moe_upcycle.json").write_text(OURS)
+    cfg = _recipe(tmp_path, base)
+    before = _snapshot(parent)
+    code, output = cli("build", cfg, parent, "--force")
+    assert code == 1 and "overlaps the source model folder" in _flat(output), output
+    assert _snapshot(parent) == before
+
+
+@pytest.mark.parametrize("manifest", [None, "{}", '{"tool": "mergekit"}', "not json", "[1, 2]", "dir"])
+def test_build_force_on_folder_without_our_manifest(manifest, tiny_llama, tmp_path):
+    out = _project(tmp_path / "out")
+    if manifest == "dir":
+        (out / "moe_upcycle.json").mkdir()
+    elif manifest is not None:
+        (out / "moe_upcycle.json").write_text(manifest)
+    cfg = _recipe(tmp_path, tiny_llama)
+    before = _snapshot(out)
+    code, output = cli("build", cfg, out, "--force")
+    assert code == 1, output
+    flat = _flat(output)
+    assert "was not written by moe-upcycle" in flat and "notes.txt" in flat and "Traceback" not in output
+    assert _snapshot(out) == before and leftovers(out) == ["out"]
+
+
+def test_build_force_through_symlink_to_user_folder(tiny_llama, tmp_path):
+    project = _project(tmp_path / "project")
+    link = tmp_path / "out"
+    link.symlink_to(project, target_is_directory=True)
+    cfg = _recipe(tmp_path, tiny_llama)
+    before = _snapshot(project)
+    code, output = cli("build", cfg, link, "--force")
+    assert code == 1 and "was not written by moe-upcycle" in _flat(output), output
+    assert _snapshot(project) == before and link.is_symlink()
+
+
+def test_build_force_replaces_previous_build(tiny_llama, tmp_path):
+    cfg = _recipe(tmp_path, tiny_llama)
+    out = tmp_path / "out"
+    assert cli("build", cfg, out)[0] == 0
+    (out / "extra.txt").write_text("stale")
+    code, output = cli("build", cfg, out, "--force")
+    assert code == 0, output
+    assert not (out / "extra.txt").exists() and json.loads((out / "moe_upcycle.json").read_text())["tool"] == "moe-upcycle"
+    assert leftovers(out) == ["out"]
+
+
+def test_folder_swapped_for_user_files_during_build_is_kept(tmp_path):
+    """The ownership check runs again at the final swap: a folder that stopped being ours is kept."""
+    from moe_upcycle.errors import OutputError
+    from moe_upcycle.checkpoint.output_dir import staged_output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "moe_upcycle.json").write_text(OURS)
+    with pytest.raises(OutputError, match="was not written by moe-upcycle"):
+        with staged_output(out, force=True) as stage:
+            (stage / "new.txt").write_text("new")
+            os.remove(out / "moe_upcycle.json")
+            (out / "thesis.tex").write_text("user's")
+    assert (out / "thesis.tex").read_text() == "user's" and leftovers(out) == ["out"]

@@ -1,0 +1,111 @@
+"""Never build from the wrong bytes (issue 13): a source folder is read exactly as transformers reads
+it, and a tensor stored twice is refused, naming it and both files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from failure_checks import assert_clean_failure, cli
+from moe_upcycle.checkpoint.tiny import make_dense_model
+
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="module")
+def stale_shards(tmp_path_factory) -> Path:
+    """A different Llama of the same shape, saved as index + shards (the 'stale' download)."""
+    return make_dense_model(tmp_path_factory.mktemp("stale") / "llama", family="llama", seed=7, max_shard_size="40KB")
+
+
+def _recipe(tmp_path: Path, base: Path) -> Path:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n")
+    return cfg
+
+
+def _output_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in folder.glob("*.safetensors"):
+        out.update(load_file(str(shard)))
+    return out
+
+
+def test_stale_index_beside_single_file_reads_what_transformers_reads(tiny_llama, stale_shards, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    for f in stale_shards.glob("model*.safetensors*"):  # index + shards of another model
+        shutil.copy(f, base / f.name)
+    assert (base / "model.safetensors.index.json").is_file() and (base / "model.safetensors").is_file()
+    code, output = cli("build", _recipe(tmp_path, base), tmp_path / "moe")
+    assert code == 0, output
+    flat = " ".join(output.split())
+    assert "warning:" in flat and "ignoring the index" in flat and "model.safetensors.index.json" in flat
+    dense = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).state_dict()
+    built = _output_tensors(tmp_path / "moe")
+    wanted = load_file(str(tiny_llama / "model.safetensors"))
+    for key in (EMBED, "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"):
+        assert torch.equal(built[key], wanted[key]) and torch.equal(built[key], dense[key]), key
+    w1 = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    assert torch.equal(built[w1], wanted["model.layers.0.mlp.gate_proj.weight"])
+
+
+def test_stale_bin_beside_safetensors_is_not_read(tiny_llama, tmp_path):
+    """transformers prefers safetensors to pytorch_model.bin: so do we (the .bin here is another model)."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    other = {k: torch.zeros_like(v) for k, v in load_file(str(base / "model.safetensors")).items()}
+    torch.save(other, base / "pytorch_model.bin")
+    code, output = cli("build", _recipe(tmp_path, base), tmp_path / "moe")
+    assert code == 0, output
+    built = _output_tensors(tmp_path / "moe")
+    assert torch.equal(built[EMBED], load_file(str(tiny_llama / "model.safetensors"))[EMBED])
+
+
+def _shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("model-*.safetensors"))
+
+
+@pytest.mark.parametrize("in_index", [True, False], ids=["index-names-one", "only-in-shards"])
+def test_tensor_in_two_shards_refused(in_index, stale_shards, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(stale_shards, base)
+    first, last = _shards(base)[0], _shards(base)[-1]
+    moved = next(iter(load_file(str(first))))
+    if not in_index:  # a key the index does not list at all, in two shards
+        moved = "model.layers.0.extra_buffer"
+        extra = load_file(str(first))
+        extra[moved] = torch.ones(3)
+        save_file(extra, str(first), metadata={"format": "pt"})
+    state = load_file(str(last))
+    state[moved] = torch.full_like(load_file(str(first))[moved], 7.0)  # a stale, different copy
+    save_file(state, str(last), metadata={"format": "pt"})
+    target = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, base), target)
+    assert_clean_failure(code, output, target, [f"tensor {moved!r} is stored in 2 shards", first.name, last.name,
+                                                "ambiguous"])
+    if in_index:
+        assert f"names {first.name}" in " ".join(output.split())
+
+
+def test_tensor_in_two_bin_shards_refused(tiny_llama, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    shutil.copy(tiny_llama / "config.json", base / "config.json")
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    keys = sorted(state)
+    half = len(keys) // 2
+    torch.save({k: state[k] for k in keys[:half]}, base / "pytorch_model-00001-of-00002.bin")
+    torch.save({k: state[k] for k in keys[half:]} | {keys[0]: state[keys[0]] * 2}, base / "pytorch_model-00002-of-00002.bin")
+    index = {"weight_map": {k: f"pytorch_model-0000{1 if i < half else 2}-of-00002.bin" for i, k in enumerate(keys)}}
+    (base / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    target = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, base), target)
+    assert_clean_failure(code, output, target, [f"tensor {keys[0]!r} is stored in 2 shards", "ambiguous"])
