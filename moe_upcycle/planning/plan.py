@@ -13,10 +13,10 @@ from typing import Optional
 
 import torch
 
-from moe_upcycle.checkpoint import config_checks, names
+from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, TensorInfo
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts
+from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.resolve import expert_inits
 from moe_upcycle.recipe.schema import UpcycleConfig
@@ -49,9 +49,9 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     problems += compat.source_problems(config, sources)
     used = [(f"experts[{i}]", e.source_model) for i, e in enumerate(config.expert_list())]
     used += [(f"shared_experts[{i}]", e.source_model) for i, e in enumerate(config.shared_experts)]
-    problems += config_checks.expert_problems(config.base_model, used, sources)
+    problems += source_checks.expert_problems(config.base_model, used, sources)
     for ref, ckpt in sources.items():  # config.json against the tensor shapes, every source
-        problems += config_checks.shape_problems(ckpt, f"{_where(config, ref)} ({ref})")
+        problems += source_checks.shape_problems(ckpt, f"{_where(config, ref)} ({ref})")
     if problems:  # per-tensor checks of sources that do not fit would only repeat these
         raise PlanError(*problems)
     bcfg = base.config

@@ -1,0 +1,112 @@
+"""Plan-time checks of each source's config.json against its tensors, and of experts against the base.
+
+- `shape_problems`: the sizes in config.json against the tensor shapes in the weights' headers
+  (vocab, hidden, intermediate, attention heads / key-value heads / head_dim).
+- `expert_problems`: an expert whose ``hidden_act``, rope settings or ``rms_norm_eps`` differ from
+  the base's — the MoE's config.json has one value for all experts, so such an expert would run
+  with settings it was not trained with.
+
+Every function returns all the problems it finds (empty when there are none); it reads config
+values and header shapes only, never tensor bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.config_checks import is_number
+from moe_upcycle.checkpoint.source import Checkpoint
+
+
+def _expected_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Layer-template (or top-level key) -> (shape config.json implies, the fields it comes from)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads = config.get("num_attention_heads") or 0
+    head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
+    kv = config.get("num_key_value_heads") or heads
+    attn, kv_dim = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
+    shapes = {
+        names.EMBED: ((vocab, hidden), "vocab_size, hidden_size"),
+        names.LM_HEAD: ((vocab, hidden), "vocab_size, hidden_size"),
+        "model.norm.weight": ((hidden,), "hidden_size"),
+        "model.layers.{layer}.mlp.gate_proj.weight": ((inter, hidden), "intermediate_size, hidden_size"),
+        "model.layers.{layer}.mlp.up_proj.weight": ((inter, hidden), "intermediate_size, hidden_size"),
+        "model.layers.{layer}.mlp.down_proj.weight": ((hidden, inter), "hidden_size, intermediate_size"),
+        "model.layers.{layer}.input_layernorm.weight": ((hidden,), "hidden_size"),
+        "model.layers.{layer}.post_attention_layernorm.weight": ((hidden,), "hidden_size"),
+    }
+    if heads:
+        shapes.update({
+            "model.layers.{layer}.self_attn.q_proj.weight": ((heads * head_dim, hidden), f"{attn}, hidden_size"),
+            "model.layers.{layer}.self_attn.k_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
+            "model.layers.{layer}.self_attn.v_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
+            "model.layers.{layer}.self_attn.o_proj.weight": ((hidden, heads * head_dim), f"hidden_size, {attn}"),
+        })
+    return shapes
+
+
+def shape_problems(ckpt: Checkpoint, label: str) -> list[str]:
+    """Every tensor kind whose shape contradicts config.json (one message per kind, first key named)."""
+    if ckpt.path is None:  # meta checkpoints are made from config.json: nothing to contradict
+        return []
+    expected = _expected_shapes(ckpt.config)
+    wrong: dict[str, list[str]] = {}
+    for key, info in ckpt.tensors.items():
+        template = names.split_layer(key)[0]
+        if template in expected and tuple(info.shape) != expected[template][0]:
+            wrong.setdefault(template, []).append(key)
+    out = []
+    for template, keys in wrong.items():
+        shape, fields = expected[template]
+        info = ckpt.tensors[keys[0]]
+        more = f" (and {len(keys) - 1} more like it)" if len(keys) > 1 else ""
+        out.append(f"{label}: tensor {keys[0]!r} has shape {list(info.shape)}{more} but config.json implies "
+                   f"{list(shape)} ({fields}); config.json does not describe these weights — fix it or "
+                   f"re-download the model")
+    return out
+
+
+def _rope(config: dict) -> tuple:
+    """Rope settings as one comparable value: theta and the scaling (type and its parameters)."""
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
+    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
+    merged = {**params, **scaling}
+    merged.pop("rope_theta", None)
+    if merged.get("rope_type", merged.get("type", "default")) == "default":
+        merged = {}
+    return float(theta) if is_number(theta) else theta, tuple(sorted((k, repr(v)) for k, v in merged.items()))
+
+
+def expert_problems(base_ref: str, used: Sequence[tuple[str, str]], sources: dict[str, Checkpoint]) -> list[str]:
+    """Experts (routed or shared) whose activation, rope settings or norm eps differ from the base's.
+
+    Args:
+        base_ref: the recipe's ``base_model``.
+        used: (YAML path, model reference) of every routed and shared expert, e.g. ("experts[0]", "./ft0").
+        sources: the opened checkpoints, keyed by reference.
+    """
+    base = sources[base_ref]
+    out = []
+    for path, ref in used:
+        src = sources[ref]
+        if src is base:
+            continue
+        label = f"{path} ({ref})"
+        act = ("hidden_act", base.config.get("hidden_act", "silu"), src.config.get("hidden_act", "silu"))
+        for key, theirs, mine in (act,
+                                  ("rms_norm_eps", base.config.get("rms_norm_eps"), src.config.get("rms_norm_eps")),
+                                  ("rope settings", _rope(base.config), _rope(src.config))):
+            if mine != theirs:
+                out.append(f"{label}: {key} is {_show(mine)} but base_model {base_ref} has {_show(theirs)}; "
+                           f"the MoE has one value for all experts, so this expert would run with settings it was "
+                           f"not trained with — use experts fine-tuned from the same base")
+    return list(dict.fromkeys(out))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], tuple):
+        scaling = ", ".join(f"{k}={v}" for k, v in value[1]) or "none"
+        return f"rope_theta={value[0]}, scaling: {scaling}"
+    return repr(value)
