@@ -28,6 +28,7 @@ from .model_files import copy_tokenizer_files, moe_config, write_config
 from .output_dir import check_target, staged_output
 from .plan import Plan, Step, make_plan
 from .plan_report import PlanSummary, summarize
+from .progress import stage as progress_stage  # `stage` names the staging folder in `upcycle`
 from .report import sharing_report
 from .shared_experts import shared_gate_rows
 from .source import Checkpoint, open_checkpoint
@@ -70,11 +71,13 @@ def open_sources(config: UpcycleConfig,
     for i, expert in enumerate(config.shared_experts):
         refs.setdefault(expert.source_model, f"shared_experts[{i}].source_model")
     sources, problems = {}, []
-    for ref, field_name in refs.items():
-        try:
-            sources[ref] = opener(ref, field_name)
-        except SourceError as exc:
-            problems += exc.problems
+    with progress_stage("read headers", total=len(refs), unit="models") as st:
+        for ref, field_name in refs.items():
+            try:
+                sources[ref] = opener(ref, field_name)
+            except SourceError as exc:
+                problems += exc.problems
+            st.advance(note=ref)
     if problems:
         raise SourceError(*problems)
     return sources
@@ -104,8 +107,10 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
         sources = meta_sources(config)
     else:
         sources = open_sources(config)
-    plan = make_plan(config, sources)
-    check_source_dtypes(plan, sources)
+    with progress_stage("plan", total=1) as st:
+        plan = make_plan(config, sources)
+        check_source_dtypes(plan, sources)
+        st.advance(note=f"{len(plan.steps)} tensors")
     return config, sources, plan
 
 
@@ -166,17 +171,23 @@ def upcycle(
     check_target(target, force, [s.path for s in sources.values() if s.path])
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
-    gates = compute_gates(config, plan, base)
-    shared_gates = shared_gate_rows(config, plan, base)
+    with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
+        gates = compute_gates(config, plan, base)
+        shared_gates = shared_gate_rows(config, plan, base)
+        st.advance(len(gates), note=f"{config.gate_mode}, {len(gates)} layers")
     gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
         writer = ShardedWriter(stage, specs, config.max_shard_size, config.checksums)
         try:
-            for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed, shared_gates):
-                writer.write(step.name, tensor)
-                on_step(step, plan)
-            writer.close()
+            with progress_stage("write", total=plan.total_bytes, unit="bytes") as st:
+                for step, tensor in iter_tensors(plan, sources, gates, config.tensor_policy, config.seed,
+                                                 shared_gates):
+                    writer.write(step.name, tensor)
+                    on_step(step, plan)
+                    st.advance(step.nbytes, note=step.name)
+                st.update(note="sha256 of the last shard" if config.checksums else "")
+                writer.close()
         except BaseException:
             writer.abort()
             raise
@@ -189,7 +200,8 @@ def upcycle(
             from .verify import verify as verify_folder
 
             checked = verify_folder(stage, config.base_model, hashes=False, config=config, plan=plan)
-        drift = build_drift(config, plan, base.path, stage)
+        with progress_stage("init drift"):
+            drift = build_drift(config, plan, base.path, stage)
         card_lines = (checked.lines() if checked else []) + ([drift.summary()] if drift else [])
         write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path])
         # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes

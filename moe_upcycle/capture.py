@@ -20,6 +20,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from .errors import ConfigError, DependencyError, SourceError
+from .progress import stage
 
 ROUTER_INPUT = "post_attention_layernorm"  # the module whose output each layer's router scores
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
@@ -222,6 +223,7 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
             if real is None:
                 real = state["real"][x.device] = state["real_cpu"].to(x.device)
             on_output(layer, x, real, state["rows"])
+            state["stage"].advance(len(state["rows"]))
             if layer == last:
                 raise _StopForward
         return hook
@@ -229,7 +231,8 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
     handles = [norm.register_forward_hook(hook_for(i)) for i, norm in enumerate(loaded.norms)]
     decoder = loaded.model.base_model
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), stage("router inputs", total=len(order) * len(loaded.norms),
+                                           unit="prompts×layers") as state["stage"]:
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
                 ids, attn, real = pad_batch([encoded[i] for i in rows], pad_id, side)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -17,21 +16,43 @@ from typing import Callable, Iterator, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from . import __version__
+from . import cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
 from .errors import UpcycleError, UpcycleWarning
+from .progress import for_console, reporting
+from .quiet import libraries_quiet
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
 console = Console(stderr=True)
 out = Console()
 DEBUG = {"on": False}
+QUIET = {"on": False}
+DEVICE_HELP = "Where the models run: auto (a GPU when torch sees one, else cpu), cpu, cuda or cuda:N."
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"moe-upcycle {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors.")) -> None:
+def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors."),
+          quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress display and no notes on stderr; "
+                                                                   "results, warnings and errors only."),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
     DEBUG["on"] = debug
+    QUIET["on"] = quiet
+
+
+def note(text: str) -> None:
+    """An informational line on stderr (left out with -q)."""
+    if not QUIET["on"]:
+        console.print(text, highlight=False, soft_wrap=True)
 
 
 def cli_errors(fn: Callable) -> Callable:
@@ -40,7 +61,7 @@ def cli_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with _warnings_printed():
+            with _warnings_printed(), libraries_quiet(), reporting(for_console(console, QUIET["on"])):
                 return fn(*args, **kwargs)
         except UpcycleError as exc:
             if DEBUG["on"]:
@@ -83,7 +104,8 @@ def print_plan(result) -> None:
 @app.command()
 @cli_errors
 def build(
-    config: Path = typer.Argument(..., help="The YAML recipe (mergekit-moe configs are accepted unchanged)."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe (mergekit-moe configs are accepted unchanged)."),
     out_dir: Optional[Path] = typer.Argument(None, metavar="OUT", help="Output folder (else -o, else output: in the YAML)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty output folder (atomically)."),
@@ -96,7 +118,8 @@ def build(
     no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
     checksums: Optional[bool] = typer.Option(None, "--checksums/--no-checksums",
                                              help="Record the sha256 of every shard (default on; costs more CPU than writing)."),
-    device: Optional[str] = typer.Option(None, help="Where hidden-state gates run the base model: auto, cpu, cuda, cuda:N."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP + " Used by hidden-state gates (default: the "
+                                                                  "recipe's device:, which defaults to auto)."),
     batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
@@ -110,18 +133,11 @@ def build(
         print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size))
         return
     if verify:
-        console.print("verify: the output will be loaded with transformers and compared with the base after writing",
-                      highlight=False)
-    with _progress() as progress:
-        task = progress.add_task("writing", total=None)
-
-        def on_step(step, plan) -> None:
-            progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
-
-        result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
-                         device=device, batch_size=batch_size, checksums=checksums, on_step=on_step, verify=verify)
+        note("verify: the output will be loaded with transformers and compared with the base after writing")
+    result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
+                     device=device, batch_size=batch_size, checksums=checksums, verify=verify)
     for line in result.sharing:
-        console.print(line, highlight=False)
+        note(line)
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
@@ -139,7 +155,8 @@ def build(
 @app.command()
 @cli_errors
 def plan(
-    config: Path = typer.Argument(..., help="The YAML recipe."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder, for the free-disk check "
                                                                        "(else output: in the YAML)."),
     from_config: bool = typer.Option(False, "--from-config", help="Describe the models from their config.json "
@@ -167,17 +184,18 @@ def verify_cmd(
     hashes: bool = typer.Option(True, "--hashes/--skip-hashes", help="Check every file's sha256 against "
                                                                       "moe_upcycle.json."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Length of the greedy continuations."),
-    device: str = typer.Option("cpu", "--device", help="Where to run both models, e.g. cpu or cuda."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Check that OUT loads with transformers and how far it is from the dense base. Exit 1 on failure."""
     import json
 
+    from .capture import resolve_device
     from .verify import verify
     from .verify_report import print_verify
 
     result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
-                    hashes=hashes, max_new_tokens=max_new_tokens, device=device)
+                    hashes=hashes, max_new_tokens=max_new_tokens, device=resolve_device(device))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
     else:
@@ -188,7 +206,8 @@ def verify_cmd(
 
 @app.command()
 @cli_errors
-def demo(folder: Path = typer.Argument(Path("demo_out"), help="Scratch folder for the demo models.")) -> None:
+def demo(folder: Path = typer.Argument(Path("demo_out"), metavar="FOLDER",
+                                       help="Scratch folder for the demo models.")) -> None:
     """Generate a tiny dense Llama, upcycle it to 4 experts and show the MoE reproduces its logits."""
     from .demo import run_demo
 
@@ -221,7 +240,7 @@ def route(
                                            "(nearest expert centroid of the recorded prompts)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
     as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
     batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
 ) -> None:
     """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
@@ -296,12 +315,6 @@ def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[
 
         config = load_config(recipe["config"])
     return labels_for(texts, labels, config, label_by or "")
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=console, transient=True, disable=not sys.stderr.isatty())
-
 
 
 from . import prompt_cli  # noqa: E402,F401  (registers `lint` and `prompts grow` on `app`)

@@ -45,7 +45,8 @@ from .config import ExpertConfig, UpcycleConfig
 from .capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode, encode_windows,
                       load_base)
 from .errors import ConfigError, SourceError
-from .kmeans import spherical_kmeans
+from .kmeans import RESTARTS, spherical_kmeans
+from .progress import stage
 
 DECISIVE_LOGIT_GAP = 4.0
 MAX_TOKEN_LOGIT_GAP = 16.0
@@ -145,15 +146,18 @@ def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts
         encoded = out
     inputs = capture_router_inputs(loaded, encoded, [], num_experts, "tokens", batch_size)
     centroids, means = [], []
-    for layer, points in enumerate(inputs.points or []):
-        try:
-            clusters = spherical_kmeans(points, num_experts, seed)
-        except ValueError as exc:
-            raise ConfigError(f"calibration_text: {calibration_text} gives {points.shape[0]} tokens; layer {layer}: "
-                              f"{exc}; add more text") from None
-        sums = torch.nn.functional.one_hot(clusters.assignment, num_experts).T.float() @ points  # (E, H)
-        centroids.append(clusters.centroids)
-        means.append(sums / clusters.sizes[:, None].float())
+    with stage("k-means", total=len(inputs.points or []) * RESTARTS, unit="runs") as st:
+        for layer, points in enumerate(inputs.points or []):
+            def on_run(iterations: int, layer: int = layer) -> None:
+                st.advance(note=f"layer {layer}: {iterations} iterations, {points.shape[0]} tokens")
+            try:
+                clusters = spherical_kmeans(points, num_experts, seed, on_run=on_run)
+            except ValueError as exc:
+                raise ConfigError(f"calibration_text: {calibration_text} gives {points.shape[0]} tokens; layer "
+                                  f"{layer}: {exc}; add more text") from None
+            sums = torch.nn.functional.one_hot(clusters.assignment, num_experts).T.float() @ points  # (E, H)
+            centroids.append(clusters.centroids)
+            means.append(sums / clusters.sizes[:, None].float())
     return torch.stack(centroids), torch.stack(means), inputs.token_norm
 
 
@@ -169,7 +173,8 @@ def compute_hidden_gates(config: UpcycleConfig, num_layers: int, base_path: Path
         UpcycleError: the model cannot be loaded, the device or an extra is missing, or the
             prompts/calibration text are unusable.
     """
-    loaded = load_base(base_path, config.device, config.gate_dtype, config.quantize)
+    with stage("load base model", note=str(base_path)):
+        loaded = load_base(base_path, config.device, config.gate_dtype, config.quantize)
     if len(loaded.norms) != num_layers:
         raise SourceError(f"base_model: transformers built {len(loaded.norms)} layers but config.json says {num_layers}")
     if config.gate_mode == "kmeans":

@@ -25,7 +25,8 @@ EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cach
 @app.command()
 @cli_errors
 def lint(
-    config: Path = typer.Argument(..., help="The YAML recipe whose expert prompts are checked."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe whose expert prompts are checked."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when a pair of experts is above the threshold."),
     threshold: Optional[float] = typer.Option(None, "--threshold", min=-1.0, max=1.0,
@@ -69,7 +70,8 @@ def lint(
 @prompts_app.command("grow")
 @cli_errors
 def grow(
-    config: Path = typer.Argument(..., help="The YAML recipe whose experts get more prompts."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe whose experts get more prompts."),
     pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (one per line) or JSONL with \"text\"/\"prompt\"."),
     per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the new YAML (default CONFIG.grown.yaml)."),

@@ -31,6 +31,7 @@ from .errors import SourceError, UpcycleError
 from .model_files import TOKENIZER_FILES
 from .names import output_layout
 from .plan import Plan, make_plan
+from .progress import advance, staged, stage
 from .source import TensorInfo, read_safetensors_header, resolve_model
 from .verify_report import VerifyResult
 from .writer import INDEX_NAME
@@ -38,6 +39,7 @@ from .writer import INDEX_NAME
 IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
 IDENTITY_MIN_AGREEMENT = 0.95
 EDITABLE_FILES = ("README.md",)  # a publisher may edit the card (e.g. the license); not a failure
+VERIFY_STEPS = 5  # progress: files and plan, load the MoE, run it, load the dense base, run it
 
 
 def default_prompts() -> list[str]:
@@ -120,6 +122,12 @@ def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
 
 def check_hashes(folder: Path, recipe: dict, result: VerifyResult) -> None:
     """Compare every file's sha256 with the one recorded at build time."""
+    listed = [folder / name for name in recipe.get("sha256", {})]
+    with stage("hash", total=sum(p.stat().st_size for p in listed if p.is_file()), unit="bytes") as st:
+        _check_hashes(folder, recipe, result, st)
+
+
+def _check_hashes(folder: Path, recipe: dict, result: VerifyResult, st) -> None:
     for name, digest in sorted(recipe.get("sha256", {}).items()):
         path = folder / name
         if not path.is_file():
@@ -129,6 +137,7 @@ def check_hashes(folder: Path, recipe: dict, result: VerifyResult) -> None:
         with open(path, "rb") as fh:
             for chunk in iter(lambda: fh.read(2**24), b""):
                 h.update(chunk)
+                st.advance(len(chunk), note=name)
         if h.hexdigest() != digest:
             if name in EDITABLE_FILES:
                 result.notes.append(f"{name} was edited after the build (its sha256 differs from {RECIPE_NAME})")
@@ -163,6 +172,7 @@ def is_function_preserving(config: UpcycleConfig) -> bool:
                for e in config.expert_list())
 
 
+@staged("verify", total=VERIFY_STEPS)
 def verify(
     folder: Union[str, Path],
     base: Union[str, Path, None] = None,
@@ -231,6 +241,7 @@ def verify(
         check_against_plan(tensors, plan, result)
     _check_config(folder, plan, result)
 
+    advance("verify", note="loading the MoE with transformers")
     try:
         moe = load_causal_lm(folder, device=device)
     except Exception as exc:  # any loading failure is the finding, whatever transformers raises
@@ -244,7 +255,9 @@ def verify(
             result.problems.append(f"transformers reports {len(keys)} {kind} key(s) when loading: {_listed(keys)}")
     if plan is not None and moe.class_name != output_layout(plan.architecture).class_name:
         result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
+    advance("verify", note=f"running the MoE on {len(prompt_list)} prompts")
     moe_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens)
+    advance("verify", note="loading the dense base")
     del moe
     gc.collect()
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
@@ -259,7 +272,9 @@ def verify(
         except Exception as exc:  # the reference itself is broken: the user must fix --base
             raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
                               f"{exc}); pass a working --base DENSE") from None
+        advance("verify", note=f"running the dense base on {len(prompt_list)} prompts")
         dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens)
+        advance("verify", note="compared")
         del dense
         gc.collect()
         result.comparison = compare_logits(dense_run.logits, moe_run.logits)
