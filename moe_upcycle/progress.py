@@ -7,8 +7,9 @@ who installs none gets no output at all):
 - `RichReporter` — on a terminal: one rich progress display with a bar per stage (read headers,
   plan, gates, k-means, write, hash, verify), count of total in the stage's unit (bytes shown as
   MB/GB), throughput and time left.
-- `LineReporter` — when stderr is not a terminal (CI logs, ``nohup``, notebooks): a line when a
-  stage starts, one every `LINE_SECONDS` seconds while it runs, and one when it ends, e.g.
+- `LineReporter` — when stderr is not a terminal (CI logs, ``nohup``, notebooks): for a stage
+  that runs longer than `FIRST_LINE_SECONDS`, a line then, one every `LINE_SECONDS` seconds
+  (``MOE_UPCYCLE_PROGRESS_SECONDS`` overrides) and one when it ends, e.g.
   ``write: 1.2 GB of 6.8 GB (18%), 410 MB/s, about 14s left``.
 - nothing (the default, and ``-q``).
 
@@ -22,15 +23,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.table import Column
 from rich.text import Text
 
 LINE_SECONDS = 5.0  # at most one plain progress line per stage this often
+FIRST_LINE_SECONDS = 2.0  # a stage that ends sooner prints no plain line at all
 
 
 @dataclass
@@ -193,34 +197,40 @@ def describe(st: Stage, now: Optional[float] = None) -> str:
 
 
 class LineReporter(Reporter):
-    """Plain lines for logs: start, every `interval` seconds per stage, end."""
+    """Plain lines for logs: none for a stage that ends within `first` seconds; else a line at
+    `first` seconds, then every `interval` seconds, and one when it ends."""
 
-    def __init__(self, emit: Callable[..., None], interval: float = LINE_SECONDS,
+    def __init__(self, emit: Callable[..., None], interval: Optional[float] = None, first: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic):
+        env = os.environ.get("MOE_UPCYCLE_PROGRESS_SECONDS")
         self.emit = emit
-        self.interval = interval
+        self.interval = interval if interval is not None else float(env) if env else LINE_SECONDS
+        self.first = first if first is not None else min(FIRST_LINE_SECONDS, self.interval)
         self.clock = clock
-        self._last: dict[int, float] = {}
+        self._next: dict[int, float] = {}
+        self._shown: set[int] = set()
 
     def _print(self, line: str) -> None:
         self.emit(line, highlight=False, soft_wrap=True, markup=False)
 
     def started(self, st: Stage) -> None:
         st.started = self.clock()
-        self._last[id(st)] = st.started
-        total = f" ({human_count(st.total, st.unit)})" if st.total else ""
-        self._print(f"{st.name}: started{total}" + (f" — {st.note}" if st.note else ""))
+        self._next[id(st)] = st.started + self.first
 
     def changed(self, st: Stage) -> None:
         now = self.clock()
-        if now - self._last.get(id(st), 0.0) >= self.interval:
-            self._last[id(st)] = now
+        if now >= self._next.get(id(st), float("inf")):
+            self._next[id(st)] = now + self.interval
+            self._shown.add(id(st))
             self._print(describe(st, now))
 
     def finished(self, st: Stage) -> None:
-        self._last.pop(id(st), None)
-        done = f"{human_count(st.completed, st.unit)} " if st.completed else ""
-        self._print(f"{st.name}: done {done}in {_seconds(self.clock() - st.started)}")
+        self._next.pop(id(st), None)
+        elapsed = self.clock() - st.started
+        if id(st) in self._shown or elapsed >= self.first:
+            self._shown.discard(id(st))
+            done = f"{human_count(st.completed, st.unit)} " if st.completed else ""
+            self._print(f"{st.name}: done {done}in {_seconds(elapsed)}" + (f" — {st.note}" if st.note else ""))
 
 
 class _CountColumn(ProgressColumn):
@@ -251,9 +261,12 @@ class RichReporter(Reporter):
     """One rich progress display; each stage is a task that stays listed once done."""
 
     def __init__(self, console: Console):
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), _CountColumn(), _RateColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=console,
-                                 transient=False)
+        fixed = dict(no_wrap=True, overflow="ellipsis")
+        self.progress = Progress(TextColumn("{task.description}", table_column=Column(**fixed)),
+                                 BarColumn(bar_width=20), _CountColumn(table_column=Column(**fixed)),
+                                 _RateColumn(table_column=Column(**fixed)), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[note]}", table_column=Column(ratio=1, **fixed)),
+                                 console=console, transient=False, expand=True)
         self._tasks: dict[int, int] = {}
         self._running = False
 
@@ -274,8 +287,12 @@ class RichReporter(Reporter):
             total = st.total if st.total else max(st.completed, 1)
             self.progress.update(task, completed=total if st.completed == 0 else st.completed, total=total,
                                  note=st.note)
+        if not self._tasks:  # nothing runs: stop the live display so results print below it, not inside
+            self.close()
 
     def close(self) -> None:
         if self._running:
-            self.progress.stop()
+            self.progress.stop()  # the finished bars stay on screen; the next stage starts a new display
             self._running = False
+            for task in list(self.progress.task_ids):
+                self.progress.remove_task(task)
