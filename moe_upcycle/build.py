@@ -202,8 +202,9 @@ def upcycle(
             checked = verify_folder(stage, config.base_model, hashes=False, config=config, plan=plan)
         with progress_stage("init drift"):
             drift = build_drift(config, plan, base.path, stage)
-        card_lines = (checked.lines() if checked else []) + ([drift.summary()] if drift else [])
-        write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path])
+        card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
+        write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path],
+                         {ref: s.path for ref, s in sources.items()})
         # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
         verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
         write_recipe(stage, config, hashes, skip=() if config.checksums else writer.files, verification=verification)

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from . import names
 from .card import parameter_counts
+from .card_facts import readable_count
 from .config import UpcycleConfig
 from .guards import free_bytes
 from .model_files import TOKENIZER_FILES
@@ -185,8 +186,8 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     table.add_row("experts", f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}")
     table.add_row("gate mode", s.gate_mode)
     table.add_row("dtype", s.dtype)
-    table.add_row("parameters", f"{s.total_params:,} total ({s.total_params / 1e9:.2f}B), {s.active_params:,} "
-                                f"active per token ({s.active_params / 1e9:.2f}B)"
+    table.add_row("parameters", f"{readable_count(s.total_params)} total, {readable_count(s.active_params)} "
+                                f"active per token"
                   + ("; tied embeddings stored once" if s.tied_embeddings else ""))
     table.add_row("tensors", str(s.num_tensors))
     table.add_row("output size", f"{human_bytes(s.output_bytes)} ({s.output_bytes:,} bytes) in {s.num_shards} "
