@@ -135,7 +135,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
                   f"published.\n" if local else "")
     how = "\n".join(making_of(config))
     recipe = yaml.safe_dump(_public_recipe(config, named), sort_keys=False, allow_unicode=True)
-    verify = "\n".join(verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
+    verify = "\n".join(named.without_paths(line, sources or {}) for line in verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
     tied = "\nThe input and output embeddings are tied (stored once).\n" if plan.tied_embeddings else ""
     note = f"\n> **License:** {license_note}\n" if license_note else ""
     return f"""---

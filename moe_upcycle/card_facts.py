@@ -69,6 +69,13 @@ class Sources:
             return f"[{h}](https://huggingface.co/{h})"
         return f"{LOCAL} `{Path(ref).expanduser().name or ref}`"
 
+    def without_paths(self, text: str, paths: Mapping[str, Optional[Path]]) -> str:
+        """`text` with every local source's reference and folder replaced by its plain name."""
+        for ref in sorted(self.local(), key=len, reverse=True):
+            for form in {str(paths.get(ref) or ""), str(Path(ref).expanduser().resolve()), ref} - {""}:
+                text = text.replace(form, self.plain(ref))
+        return text
+
     def plain(self, ref: str) -> str:
         """A source without markdown: its hub id or ``local model ft0``."""
         return self.hub.get(ref) or f"{LOCAL} {Path(ref).expanduser().name or ref}"
