@@ -20,6 +20,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from .errors import ConfigError, DependencyError, SourceError
+from .hints import install_hint
 from .progress import stage
 
 ROUTER_INPUT = "post_attention_layernorm"  # the module whose output each layer's router scores
@@ -112,7 +113,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
 
     if quantize and importlib.util.find_spec("bitsandbytes") is None:
         raise DependencyError(f"quantize: {quantize} loading needs bitsandbytes, which is not installed; "
-                              f"pip install 'moe-upcycle[quant]', or remove quantize:")
+                              f"{install_hint('quant')}, or remove quantize:")
     dev = resolve_device(device)
     if quantize and dev == "cpu":
         raise DependencyError(f"quantize: {quantize} needs a CUDA GPU (bitsandbytes); use device: cuda or remove "

@@ -193,8 +193,10 @@ def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise DependencyError("--plot needs matplotlib, which is not installed; pip install 'moe-upcycle[plot]' "
-                              "(or drop --plot)") from None
+        from .hints import install_hint
+
+        raise DependencyError(f"--plot needs matplotlib, which is not installed; {install_hint('plot')}, "
+                              f"or drop --plot") from None
     share = result.prompt_share().numpy()
     labels = [p if len(p) <= 40 else p[:37] + "..." for p in (q.replace("\n", " ") for q in result.prompts)]
     n_experts = len(result.expert_names)

@@ -133,8 +133,10 @@ def resolve_model(ref: str, field_name: str) -> Path:
             return Path(snapshot_download(ref, local_files_only=True))
         except Exception:
             looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}")
+    from .hints import missing_model_hint
+
     raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
-                      f"give a local folder, or download the hub model first (huggingface-cli download {ref})")
+                      f"{missing_model_hint(ref)}")
 
 
 def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
