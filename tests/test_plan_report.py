@@ -139,7 +139,7 @@ def test_build_dry_run_prints_plan(tiny_llama, write_yaml, tmp_path):
     res = runner.invoke(app, ["build", str(cfg), str(tmp_path / "out"), "--dry-run"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     total, active = 260_416, 162_112  # 4 copies of tiny_llama's MLP, 2 active
-    assert f"{total:,} total" in res.stdout and f"{active:,} active per token" in res.stdout
+    assert f"{total:,} (0.26M) total" in res.stdout and f"{active:,} (0.16M) active per token" in res.stdout
     assert "— fits" in res.stdout and not (tmp_path / "out").exists()
 
 
