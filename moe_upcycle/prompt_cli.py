@@ -19,6 +19,9 @@ from .cli import app, cli_errors, console, out
 prompts_app = typer.Typer(no_args_is_help=True, help="Work on expert prompt sets.")
 app.add_typer(prompts_app, name="prompts")
 
+# gate modes whose routers need no prompts, and what they use instead
+PROMPTLESS_GATE_MODES = {"kmeans": "k-means of the calibration text", "random": "random rows",
+                         "uniform_random": "random rows", "uniform": "zeros"}
 EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cache (default: packaged all-MiniLM-L6-v2)."
 
 
@@ -43,7 +46,11 @@ def lint(
     from .lint import DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, PAIR_THRESHOLD, lint_config
 
     cfg = load_config(config)
-    if not any(e.positive_prompts for e in cfg.experts):
+    if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
+        out.print(f"Nothing to lint: gate_mode {cfg.gate_mode} makes routers without prompts "
+                  f"({PROMPTLESS_GATE_MODES[cfg.gate_mode]}).", highlight=False)
+        return
+    if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from resolved
         raise ConfigError(f"{config}: no expert has positive_prompts, so there is nothing to lint; list experts "
                           f"with positive_prompts")
     report = lint_config(cfg, load_embedder(embedder, batch_size=batch_size),
