@@ -15,12 +15,11 @@ that lean to some expert score about 0.2 with margins under 0.06; the defaults t
 ones and leave the ambiguous ones out. Each expert then gets its K best-scoring candidates.
 
 The updated config is written as new YAML; the input file is only replaced with ``in_place``.
-YAML comments of the input are not kept (the file is re-serialised).
+The input's comments and layout are kept (a ruamel.yaml round trip, see `recipe_yaml`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,8 @@ from .config import UpcycleConfig, load_config
 from .embed import Embedder, load_embedder
 from .errors import ConfigError, OutputError
 from .lint import DUPLICATE_THRESHOLD
+from .pool import PoolFormat, read_pool_file
+from .recipe_yaml import add_prompts
 
 KNN = 3
 MIN_SIMILARITY = 0.20
@@ -48,41 +49,13 @@ class Pick:
     margin: float  # similarity minus the best similarity to any other expert
 
 
-def read_pool(path: Union[str, Path]) -> list[str]:
-    """Read candidate prompts: JSONL with a "text" or "prompt" field, or plain text one per line.
-
-    A file whose first non-blank line starts with ``{`` (or that ends in .jsonl) is read as JSONL.
-    Blank lines are skipped; repeated prompts are kept once, in first-seen order.
+def read_pool(path: Union[str, Path], fmt: PoolFormat = "auto") -> list[str]:
+    """Read candidate prompts: JSONL, paragraphs (blank-line separated) or lines — see `pool`.
 
     Raises:
         ConfigError: the file is missing, or a JSONL line has no usable text (file and line named).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--pool {path}: file not found; give a text file (one prompt per line) or JSONL")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    first = next((ln for ln in lines if ln.strip()), "")
-    is_jsonl = path.suffix == ".jsonl" or first.lstrip().startswith("{")
-    prompts, problems = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not is_jsonl:
-            prompts.append(line.strip())
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(f"{path}:{n}: not valid JSON ({exc.msg})")
-            continue
-        text = row.get("text", row.get("prompt")) if isinstance(row, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            problems.append(f"{path}:{n}: needs a non-empty \"text\" or \"prompt\" field")
-            continue
-        prompts.append(text.strip())
-    if problems:
-        raise ConfigError(*problems)
-    return list(dict.fromkeys(prompts))
+    return read_pool_file(path, fmt).prompts
 
 
 def grow_prompts(config: UpcycleConfig, pool: list[str], embedder: Optional[Embedder] = None, *,
@@ -175,14 +148,13 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, list[Pick
             raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
         if target.exists() and not force:
             raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
-    data = yaml.safe_load(src.read_text(encoding="utf-8"))
+    original = src.read_text(encoding="utf-8")
+    data = yaml.safe_load(original)
     config = load_config(dict(data))
-    for raw, expert in zip(data.get("experts") or [], config.expert_list()):
-        added = [p.text for p in picks.get(expert.name, [])]
-        if added:
-            raw["positive_prompts"] = list(raw.get("positive_prompts") or []) + added
-    load_config(dict(data))  # the result must still be a valid config
-    text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)
+    added = {i: [p.text for p in picks.get(expert.name, [])]
+             for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
+    text = add_prompts(original, added)  # comments and layout kept
+    load_config(dict(yaml.safe_load(text)))  # the result must still be a valid config
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half

@@ -79,7 +79,11 @@ def lint(
 def grow(
     config: Path = typer.Argument(..., metavar="CONFIG",
                                   help="The YAML recipe whose experts get more prompts."),
-    pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (one per line) or JSONL with \"text\"/\"prompt\"."),
+    pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (paragraphs separated by blank lines, "
+                                                  "or one per line when there is no blank line) or JSONL with "
+                                                  "\"text\"/\"prompt\"."),
+    pool_format: str = typer.Option("auto", "--pool-format", help="How to cut the pool: auto, paragraphs, lines "
+                                                                   "or jsonl."),
     per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the new YAML (default CONFIG.grown.yaml)."),
     in_place: bool = typer.Option(False, "--in-place", help="Replace CONFIG itself."),
@@ -91,10 +95,16 @@ def grow(
     """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
     from .config import load_config
     from .embed import load_embedder
-    from .grow import MARGIN, MIN_SIMILARITY, grow_prompts, read_pool, write_grown_config
+    from .errors import ConfigError
+    from .grow import MARGIN, MIN_SIMILARITY, grow_prompts, write_grown_config
+    from .pool import read_pool_file
 
+    if pool_format not in ("auto", "paragraphs", "lines", "jsonl"):
+        raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use auto, paragraphs, lines or jsonl")
     cfg = load_config(config)
-    candidates = read_pool(pool)
+    read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
+    candidates = read.prompts
+    out.print(f"Pool: {read.describe(pool)}.", highlight=False)
     picks = grow_prompts(cfg, candidates, load_embedder(embedder), per_expert=per_expert,
                          margin=MARGIN if margin is None else margin,
                          min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
