@@ -23,6 +23,7 @@ from . import cli_help  # noqa: F401  (boolean flags are shown as flags in --hel
 from .errors import UpcycleError, UpcycleWarning
 from .progress import for_console, reporting
 from .quiet import libraries_quiet
+from .tables import fit
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
@@ -286,19 +287,19 @@ def route(
         text = p["prompt"].replace("\n", " ")
         per_prompt.add_row(text if len(text) <= 50 else text[:47] + "...", str(p["tokens"]), p["top_expert"],
                            *[f"{p['top1_share'][n]:.2f}" for n in names])
-    out.print(per_prompt)
+    out.print(fit(per_prompt, out, optional=("tokens",)))
     load = Table(title=f"per layer: top-{data['experts_per_token']} expert load "
                        f"(entropy in bits, balanced = {data['max_entropy_bits']:.2f})")
     for col in ("layer", *names, "entropy"):
         load.add_column(col)
     for row in data["layers"]:
         load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
-    out.print(load)
+    out.print(fit(load, out))
     if score is not None:
         from .prompt_cli import routing_tables
 
         for table in routing_tables(score):
-            out.print(table)
+            out.print(fit(table, out))
     if plot is not None:
         out.print(f"saved {plot}", highlight=False)
 

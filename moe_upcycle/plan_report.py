@@ -21,6 +21,7 @@ from rich.table import Table
 from . import names
 from .card import parameter_counts
 from .card_facts import readable_count
+from .tables import fit
 from .config import UpcycleConfig
 from .guards import free_bytes
 from .model_files import TOKENIZER_FILES
@@ -202,7 +203,7 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     for c in s.components:
         comp.add_row(c.template, str(c.count), "x".join(map(str, c.shape)), c.kind, c.source, f"{c.params:,}",
                      human_bytes(c.nbytes))
-    console.print(comp)
+    console.print(fit(comp, console, optional=("source", "params")))
     for line in s.sharing + s.notes:
         console.print(line, highlight=False)
     if s.disk_free_bytes is None:

@@ -15,6 +15,7 @@ import typer
 from rich.table import Table
 
 from .cli import app, cli_errors, console, out
+from .tables import fit
 
 prompts_app = typer.Typer(no_args_is_help=True, help="Work on expert prompt sets.")
 app.add_typer(prompts_app, name="prompts")
@@ -60,7 +61,7 @@ def lint(
         print(json.dumps(report.to_dict(), indent=2))
     else:
         for table in lint_tables(report):
-            out.print(table)
+            out.print(fit(table, out, optional=("negatives", "cosine")))
         problems = report.problems(max_offenders=MAX_BUILD_OFFENDERS)  # the table lists more
         for line in problems:
             console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
@@ -115,7 +116,7 @@ def grow(
     for name, chosen in picks.items():
         for p in chosen:
             table.add_row(name, p.text, f"{p.similarity:.2f}", f"{p.margin:.2f}")
-    out.print(table)
+    out.print(fit(table, out, optional=("margin",)))
     total = sum(len(v) for v in picks.values())
     out.print(f"[green]Wrote[/] {written}: {total} prompt(s) added "
               f"({', '.join(f'{k} +{len(v)}' for k, v in picks.items())}).", highlight=False)
