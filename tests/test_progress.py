@@ -181,3 +181,22 @@ def test_transformers_bars_are_off_inside_and_restored():
     with libraries_quiet():
         assert not tf_logging.is_progress_bar_enabled()
     assert tf_logging.is_progress_bar_enabled()
+
+
+def test_qwen_build_output_holds_only_our_lines(tiny_qwen2, write_yaml, tmp_path):
+    """transformers' "Loading weights" bars and torch's zero-element warning (drift check of a
+    qwen2_moe without shared expert) do not reach the user."""
+    from huggingface_hub.utils import enable_progress_bars
+    from transformers.utils import logging as tf_logging
+
+    tf_logging.enable_progress_bar()
+    enable_progress_bars()
+    config = write_yaml({"base_model": str(tiny_qwen2), "num_experts": 4, "gate_mode": "random",
+                         "architecture": "qwen2_moe", "expert_init": {"method": "drop", "ratio": 0.5}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        result = runner.invoke(app, ["build", str(config), str(tmp_path / "moe")])
+    assert result.exit_code == 0, result.output
+    assert "init drift from the dense model" in result.stdout  # the drift check did load both models
+    for noise in ("Loading weights", "zero-element", "UserWarning", "it/s"):
+        assert noise not in result.stderr
