@@ -21,7 +21,7 @@ from rich.table import Table
 from . import __version__
 from . import cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
 from .errors import UpcycleError, UpcycleWarning
-from .progress import for_console, reporting
+from .progress import for_console, reporting, stage
 from .quiet import libraries_quiet
 from .tables import fit
 
@@ -226,7 +226,11 @@ def _warn_prompt_lint(config: Path) -> None:
         cfg = load_config(config)
     except UpcycleError:
         return  # the build reports it, with every problem
-    for line in quick_lint(cfg):
+    if not any(e.positive_prompts for e in cfg.expert_list()):
+        return
+    with stage("prompt lint", note="--no-lint skips it"):
+        lines = quick_lint(cfg)
+    for line in lines:
         console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
 
 

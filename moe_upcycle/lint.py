@@ -250,7 +250,7 @@ def quick_lint(config: UpcycleConfig, embedder_name: Optional[str] = None) -> li
     Returns:
         Warning lines; empty when no expert has prompts or nothing is wrong.
     """
-    if not any(e.positive_prompts for e in config.experts):
+    if not any(e.positive_prompts for e in config.expert_list()):  # *_prompts_from resolved
         return []
     try:
         report = lint_config(config, load_embedder(embedder_name))

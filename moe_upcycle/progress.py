@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -150,7 +151,7 @@ def for_console(console: Console, quiet: bool = False) -> Reporter:
         return Reporter()
     if console.is_terminal and not console.is_dumb_terminal:
         return RichReporter(console)
-    return LineReporter(console.print)
+    return LineReporter(console.print, heartbeat=True)
 
 
 def human_count(value: float, unit: str) -> str:
@@ -182,6 +183,8 @@ def describe(st: Stage, now: Optional[float] = None) -> str:
         'write: 1.0 GB of 4.0 GB (25%), 500.0 MB/s, about 6s left'
     """
     elapsed = max((time.monotonic() if now is None else now) - st.started, 1e-9)
+    if not st.completed and not st.total:  # nothing to count yet (loading a model): say how long
+        return f"{st.name}: running for {_seconds(elapsed)}" + (f" — {st.note}" if st.note else "")
     done = human_count(st.completed, st.unit)
     if st.total:
         line = f"{st.name}: {done.removesuffix(' ' + st.unit)} of {human_count(st.total, st.unit)} " \
@@ -198,39 +201,75 @@ def describe(st: Stage, now: Optional[float] = None) -> str:
 
 class LineReporter(Reporter):
     """Plain lines for logs: none for a stage that ends within `first` seconds; else a line at
-    `first` seconds, then every `interval` seconds, and one when it ends."""
+    `first` seconds, then every `interval` seconds, and one when it ends. With `heartbeat`, a
+    background thread keeps the lines coming while a stage reports nothing (loading a model)."""
 
     def __init__(self, emit: Callable[..., None], interval: Optional[float] = None, first: Optional[float] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, heartbeat: bool = False):
         env = os.environ.get("MOE_UPCYCLE_PROGRESS_SECONDS")
         self.emit = emit
         self.interval = interval if interval is not None else float(env) if env else LINE_SECONDS
         self.first = first if first is not None else min(FIRST_LINE_SECONDS, self.interval)
         self.clock = clock
         self._next: dict[int, float] = {}
+        self._open: dict[int, Stage] = {}
         self._shown: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.heartbeat = heartbeat
 
     def _print(self, line: str) -> None:
         self.emit(line, highlight=False, soft_wrap=True, markup=False)
 
     def started(self, st: Stage) -> None:
         st.started = self.clock()
-        self._next[id(st)] = st.started + self.first
+        with self._lock:
+            self._next[id(st)] = st.started + self.first
+            self._open[id(st)] = st
+        if self.heartbeat and self._thread is None and self.interval > 0:
+            self._thread = threading.Thread(target=self._beat, name="progress-lines", daemon=True)
+            self._thread.start()
+
+    def _due(self, st: Stage) -> Optional[str]:
+        now = self.clock()
+        with self._lock:
+            if now < self._next.get(id(st), float("inf")):
+                return None
+            self._next[id(st)] = now + max(self.interval, 1e-9)
+            self._shown.add(id(st))
+        return describe(st, now)
 
     def changed(self, st: Stage) -> None:
-        now = self.clock()
-        if now >= self._next.get(id(st), float("inf")):
-            self._next[id(st)] = now + self.interval
-            self._shown.add(id(st))
-            self._print(describe(st, now))
+        line = self._due(st)
+        if line:
+            self._print(line)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(0.5, self.interval)):
+            with self._lock:
+                running = list(self._open.values())
+            for st in running:
+                line = self._due(st)
+                if line:
+                    self._print(line)
 
     def finished(self, st: Stage) -> None:
-        self._next.pop(id(st), None)
-        elapsed = self.clock() - st.started
-        if id(st) in self._shown or elapsed >= self.first:
+        with self._lock:
+            self._next.pop(id(st), None)
+            self._open.pop(id(st), None)
+            shown = id(st) in self._shown
             self._shown.discard(id(st))
+        elapsed = self.clock() - st.started
+        if shown or elapsed >= self.first:
             done = f"{human_count(st.completed, st.unit)} " if st.completed else ""
             self._print(f"{st.name}: done {done}in {_seconds(elapsed)}" + (f" — {st.note}" if st.note else ""))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 class _CountColumn(ProgressColumn):

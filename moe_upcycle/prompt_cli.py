@@ -15,6 +15,7 @@ import typer
 from rich.table import Table
 
 from .cli import app, cli_errors, console, out
+from .progress import stage
 from .tables import fit
 
 prompts_app = typer.Typer(no_args_is_help=True, help="Work on expert prompt sets.")
@@ -54,9 +55,14 @@ def lint(
     if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from resolved
         raise ConfigError(f"{config}: no expert has positive_prompts, so there is nothing to lint; list experts "
                           f"with positive_prompts")
-    report = lint_config(cfg, load_embedder(embedder, batch_size=batch_size),
-                         pair_threshold=PAIR_THRESHOLD if threshold is None else threshold,
-                         duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None else duplicate_threshold)
+    with stage("load embedder", note=embedder or "all-MiniLM-L6-v2"):
+        loaded = load_embedder(embedder, batch_size=batch_size)
+    n_prompts = sum(len(e.positive_prompts) + len(e.negative_prompts) for e in cfg.expert_list())
+    with stage("embed prompts", note=f"{n_prompts} prompts"):
+        report = lint_config(cfg, loaded,
+                             pair_threshold=PAIR_THRESHOLD if threshold is None else threshold,
+                             duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None
+                             else duplicate_threshold)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -106,9 +112,12 @@ def grow(
     read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
     candidates = read.prompts
     out.print(f"Pool: {read.describe(pool)}.", highlight=False)
-    picks = grow_prompts(cfg, candidates, load_embedder(embedder), per_expert=per_expert,
-                         margin=MARGIN if margin is None else margin,
-                         min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
+    with stage("load embedder", note=embedder or "all-MiniLM-L6-v2"):
+        loaded = load_embedder(embedder)
+    with stage("embed prompts", note=f"{len(candidates)} candidates"):
+        picks = grow_prompts(cfg, candidates, loaded, per_expert=per_expert,
+                             margin=MARGIN if margin is None else margin,
+                             min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, picks, output=output, in_place=in_place, force=force)
     table = Table(title=f"prompts added from {pool.name} ({len(candidates)} candidates)")
     for col in ("expert", "prompt", "similarity", "margin"):

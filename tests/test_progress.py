@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 import warnings
 
 import pytest
@@ -50,7 +51,7 @@ def test_describe_counts_units_and_unknown_totals():
     st = Stage("router inputs", 480, "prompts×layers", progress.Reporter(), completed=120, started=0.0)
     assert describe(st, now=4.0) == "router inputs: 120 of 480 prompts×layers (25%), 30.0 prompts×layers/s, about 12s left"
     st = Stage("load base model", None, "steps", progress.Reporter(), started=0.0, note="/m")
-    assert describe(st, now=1.0) == "load base model: 0 steps — /m"
+    assert describe(st, now=7.0) == "load base model: running for 7s — /m"
 
 
 def test_rich_reporter_shows_bytes_of_total_not_question_marks():
@@ -200,3 +201,14 @@ def test_qwen_build_output_holds_only_our_lines(tiny_qwen2, write_yaml, tmp_path
     assert "init drift from the dense model" in result.stdout  # the drift check did load both models
     for noise in ("Loading weights", "zero-element", "UserWarning", "it/s"):
         assert noise not in result.stderr
+
+
+def test_heartbeat_reports_a_silent_stage():
+    lines: list[str] = []
+    reporter = LineReporter(lambda text, **_: lines.append(text), interval=0.2, first=0.2, heartbeat=True)
+    with reporting(reporter):
+        with stage("load embedder", note="all-MiniLM-L6-v2"):
+            time.sleep(0.9)  # never advances, like loading a model
+    running = [line for line in lines if line.startswith("load embedder: running for ")]
+    assert len(running) >= 2 and all(line.endswith(" — all-MiniLM-L6-v2") for line in running)
+    assert re.fullmatch(r"load embedder: done in \d+s — all-MiniLM-L6-v2", lines[-1])
