@@ -197,9 +197,11 @@ def upcycle(
         hashes = dict(writer.sha256)
         checked = None
         if verify:
+            from .capture import resolve_device
             from .verify import verify as verify_folder
 
-            checked = verify_folder(stage, config.base_model, hashes=False, config=config, plan=plan)
+            checked = verify_folder(stage, config.base_model, hashes=False, config=config, plan=plan,
+                                    device=resolve_device(config.device))  # the recipe's device: (auto)
         with progress_stage("init drift"):
             drift = build_drift(config, plan, base.path, stage)
         card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])

@@ -21,6 +21,7 @@ import torch
 from .errors import DependencyError, SourceError
 from .build import RECIPE_NAME
 from .capture import encode, pad_batch, resolve_device
+from .progress import stage
 from .prompt_sets import read_prompt_file
 
 
@@ -136,8 +137,9 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     dev = resolve_device(device)
     kwargs = {"dtype": torch.float32} if dev == "cpu" else {"dtype": torch.bfloat16, "device_map": "auto"}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
+        with stage("load MoE", note=str(folder)):
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
     except Exception as exc:
         raise SourceError(f"{folder}: cannot load the MoE with transformers ({type(exc).__name__}: {exc})") from None
     n_experts = int(getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0))
@@ -167,13 +169,14 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     input_device = model.get_input_embeddings().weight.device
     handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), stage("route", total=len(encoded), unit="prompts") as st:
             for start in range(0, len(encoded), batch_size):
                 idx = list(range(start, min(start + batch_size, len(encoded))))
                 ids, attn, real = pad_batch([encoded[i] for i in idx], pad_id, "right")
                 state["real"] = real
                 state["row_of_token"] = torch.tensor(idx)[:, None].expand_as(real).reshape(-1)
                 model.base_model(input_ids=ids.to(input_device), attention_mask=attn.to(input_device), use_cache=False)
+                st.advance(len(idx))
     finally:
         for h in handles:
             h.remove()
