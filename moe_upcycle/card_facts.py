@@ -9,38 +9,27 @@ the sources' ``config.json``; no tensors.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Mapping, Optional
 
 from .config import ExpertConfig, UpcycleConfig
+from .hints import is_hub_id
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 LOCAL = "local model"
-
-
-def looks_like_hub_id(ref: str) -> bool:
-    """``org/name`` with the characters the hub allows (``./x``, ``/abs/x`` and ``~/x`` are paths).
-
-    Example:
-        >>> looks_like_hub_id("mistralai/Mistral-7B-v0.1"), looks_like_hub_id("./ft0"), looks_like_hub_id("ft0")
-        (True, False, False)
-    """
-    return bool(HUB_ID.match(ref)) and not ref.startswith((".", "~")) and ".." not in ref
 
 
 def hub_id(ref: str, path: Optional[Path]) -> Optional[str]:
     """The hub id of a source: `ref` itself when it is one and no local folder of that name was
     used, else the ``_name_or_path`` its config.json records when that is a hub id; else None."""
     local_folder = path is not None and Path(ref).expanduser().is_dir()
-    if looks_like_hub_id(ref) and not local_folder:
+    if is_hub_id(ref) and not local_folder:
         return ref
     if path is not None and (Path(path) / "config.json").is_file():
         try:
             named = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
         except (OSError, ValueError, AttributeError):
             named = None
-        if isinstance(named, str) and looks_like_hub_id(named) and not Path(named).expanduser().exists():
+        if isinstance(named, str) and is_hub_id(named) and not Path(named).expanduser().exists():
             return named
     return None
 

@@ -8,8 +8,11 @@ older versions); a local path is never given a download command.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 # extra name -> the packages it installs (mirrors [project.optional-dependencies] in pyproject.toml)
 EXTRAS = {"plot": "matplotlib", "quant": "bitsandbytes", "test": "pytest hypothesis"}
@@ -26,8 +29,13 @@ def install_hint(extra: str) -> str:
 
 
 def is_hub_id(ref: str) -> bool:
-    """``org/name`` that is not a path (no leading ``.``, ``/`` or ``~``, exactly one slash)."""
-    return "/" in ref and not ref.startswith((".", "/", "~")) and ref.count("/") == 1 and ".." not in ref
+    """``org/name`` with the characters the hub allows; ``./x``, ``/abs/x``, ``~/x`` and ``x`` are paths.
+
+    Example:
+        >>> is_hub_id("mistralai/Mistral-7B-v0.1"), is_hub_id("./ft0"), is_hub_id("ft0"), is_hub_id("a/b/c")
+        (True, False, False, False)
+    """
+    return bool(HUB_ID.match(ref)) and not ref.startswith((".", "~")) and ".." not in ref
 
 
 def download_command(ref: str, *files: str) -> str:

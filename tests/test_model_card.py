@@ -13,7 +13,8 @@ from markdown_it import MarkdownIt
 from typer.testing import CliRunner
 
 from moe_upcycle import upcycle
-from moe_upcycle.card_facts import cell, looks_like_hub_id, readable_count
+from moe_upcycle.card_facts import cell, readable_count
+from moe_upcycle.hints import is_hub_id
 from moe_upcycle.cli import app
 from moe_upcycle.config import load_config
 
@@ -150,5 +151,5 @@ def test_readable_count_and_cells():
     assert readable_count(591_232) == "591,232 (0.59M)"
     assert readable_count(1_100_048_384) == "1,100,048,384 (1.10B)"
     assert cell("a|b\n c") == "a\\|b c"
-    assert looks_like_hub_id("meta-llama/Llama-3.2-1B") and not looks_like_hub_id("/abs/path")
-    assert not looks_like_hub_id("../x/y") and not looks_like_hub_id("a/b/c")
+    assert is_hub_id("meta-llama/Llama-3.2-1B") and not is_hub_id("/abs/path")
+    assert not is_hub_id("../x/y") and not is_hub_id("a/b/c") and not is_hub_id("./ft0")
