@@ -104,7 +104,8 @@ def init_text(init) -> str:
         kind = "absolute std" if init.absolute else "std relative to each matrix"
         return f"copies plus seeded Gaussian noise ({kind} {init.scale:g})"
     if init.method == "drop":
-        return f"Drop-Upcycling: a seeded {init.ratio:.0%} of each expert's neurons re-initialised"
+        ratio = 0.5 if init.ratio is None else init.ratio  # the default of inits.slot_transforms
+        return f"Drop-Upcycling: a seeded {ratio:.0%} of each expert's neurons re-initialised"
     if init.method == "split":
         how = ", after a seeded shuffle" if init.shuffle else ""
         return f"each FFN split into {init.granularity} fine-grained experts{how}"

