@@ -278,8 +278,8 @@ class _CountColumn(ProgressColumn):
     def render(self, task: Task) -> Text:
         unit = task.fields.get("unit", "steps")
         done = human_count(task.completed, unit)
-        if task.total is None:
-            return Text(done)
+        if task.total is None:  # nothing to count: the elapsed time says it is alive
+            return Text(done if task.completed else f"{_seconds(task.elapsed or 0)} elapsed")
         if unit == "bytes":
             return Text(f"{done}/{human_count(task.total, unit)}")
         return Text(f"{task.completed:,.0f}/{task.total:,.0f} {unit}")
