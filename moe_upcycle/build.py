@@ -36,6 +36,7 @@ from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields,
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 from moe_upcycle.checkpoint.ownership import input_paths
 from moe_upcycle.inputs.paths import resolve_or_raise
+from moe_upcycle.terminal.progress import stage as progress_stage  # `stage` names the staging folder in `upcycle`
 
 
 @dataclass
@@ -80,8 +81,10 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
         sources = meta_sources(source_refs(config))
     else:
         sources = open_sources(source_refs(config))
-    plan = make_plan(config, sources)
-    check_source_dtypes(plan, sources)
+    with progress_stage("plan", total=1) as st:
+        plan = make_plan(config, sources)
+        check_source_dtypes(plan, sources)
+        st.advance(note=f"{len(plan.steps)} tensors")
     return config, sources, plan
 
 
@@ -151,18 +154,24 @@ def upcycle(
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
     gating, writing, checking = gate_params(config), write_params(config), check_params(config)
-    gates = compute_gates(gating, plan, base)
-    shared_gates = shared_gate_rows(gating, plan, base)
+    with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
+        gates = compute_gates(gating, plan, base)
+        shared_gates = shared_gate_rows(gating, plan, base)
+        st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
     gate_warnings = parallel_experts(gates, plan.expert_names)
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     with staged_output(target, force) as stage:
         metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it
         writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums, metadata)
         try:
-            for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed, shared_gates):
-                writer.write(step.name, tensor)
-                on_step(step, plan)
-            writer.close()
+            with progress_stage("write", total=plan.total_bytes, unit="bytes") as st:
+                for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed,
+                                                 shared_gates):
+                    writer.write(step.name, tensor)
+                    on_step(step, plan)
+                    st.advance(step.nbytes, note=step.name)
+                st.update(note="sha256 and fsync of the last shard" if writing.checksums else "fsync of the last shard")
+                writer.close()
         except BaseException:
             writer.abort()
             raise
@@ -173,11 +182,15 @@ def upcycle(
         checked = None
         if verify:
             from moe_upcycle.check.verify import verify as verify_folder
+            from moe_upcycle.gates.capture import resolve_device
 
-            checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan)
-        drift = build_drift(checking, plan, base.path, stage)
-        card_lines = (checked.lines() if checked else []) + ([drift.summary()] if drift else [])
-        write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path])
+            checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
+                                    device=resolve_device(gating.device))  # the recipe's device (auto)
+        with progress_stage("init drift"):
+            drift = build_drift(checking, plan, base.path, stage)
+        card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
+        write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path],
+                         {ref: s.path for ref, s in sources.items()})
         # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
         verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
         write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files, verification=verification)

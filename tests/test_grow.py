@@ -43,7 +43,8 @@ def test_read_pool_jsonl_and_text(tmp_path):
     assert len(pool) == 16 and pool[0].startswith("Write a Python script") and pool[6].startswith("What is the sum")
     text = tmp_path / "pool.txt"
     text.write_text("first prompt\n\n  second prompt  \nfirst prompt\n")
-    assert read_pool(text) == ["first prompt", "second prompt"]
+    assert read_pool(text, "lines") == ["first prompt", "second prompt"]
+    assert read_pool(text) == ["first prompt", "second prompt\nfirst prompt"]  # blank line: paragraphs
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"label": "x"}\nnot json\n')
     with pytest.raises(ConfigError) as err:

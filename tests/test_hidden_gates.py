@@ -146,7 +146,7 @@ def test_gate_center_removes_shared_component(loaded, stories):
 
 def test_quantize_without_bitsandbytes_is_a_clear_error(stories, monkeypatch):
     monkeypatch.setattr(cap.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(DependencyError, match=r"quantize: 4bit .* bitsandbytes.*moe-upcycle\[quant\]"):
+    with pytest.raises(DependencyError, match=r"quantize: 4bit .* bitsandbytes.*pip install bitsandbytes .*pip install -e '\.\[quant\]'"):
         cap.load_base(stories, device="cpu", quantize="4bit")
 
 

@@ -126,7 +126,7 @@ def test_plan_cli_from_config_only(tmp_path, write_yaml):
     res = runner.invoke(app, ["plan", str(cfg), "--from-config", "-o", str(tmp_path / "out")],
                         env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
-    assert "46,702,792,704 total (46.70B), 12,879,925,248 active per token (12.88B)" in res.stdout
+    assert "46,702,792,704 (46.70B) total, 12,879,925,248 (12.88B) active per token" in res.stdout
     assert "93,405,585,408 bytes) in 19 shard(s)" in res.stdout
     assert "Disk: needs 93.4 GB" in res.stdout
     # without --from-config the missing weights are reported as usual
@@ -139,7 +139,7 @@ def test_build_dry_run_prints_plan(tiny_llama, write_yaml, tmp_path):
     res = runner.invoke(app, ["build", str(cfg), str(tmp_path / "out"), "--dry-run"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     total, active = 260_416, 162_112  # 4 copies of tiny_llama's MLP, 2 active
-    assert f"{total:,} total" in res.stdout and f"{active:,} active per token" in res.stdout
+    assert f"{total:,} (0.26M) total" in res.stdout and f"{active:,} (0.16M) active per token" in res.stdout
     assert "— fits" in res.stdout and not (tmp_path / "out").exists()
 
 

@@ -70,15 +70,15 @@ def test_same_config_and_seed_give_identical_files(tiny_llama, tmp_path):
 def test_model_card_front_matter_and_body(licensed_base, tmp_path):
     result = upcycle({"base_model": str(licensed_base), "num_experts": 4, "gate_mode": "random"}, tmp_path / "moe")
     card = (result.output / "README.md").read_text()
-    assert _front_matter(card) == {
-        "base_model": [str(licensed_base)], "base_model_relation": "merge", "library_name": "transformers",
+    assert _front_matter(card) == {  # a local base has no hub id: no base_model (the hub rejects paths)
+        "base_model_relation": "merge", "library_name": "transformers",
         "pipeline_tag": "text-generation", "license": "apache-2.0",
         "tags": ["moe", "mixtral", "upcycling", "moe-upcycle"],
     }
     assert "| total | 260,416 (0.26M) |" in card and "| active per token | 162,112 (0.16M) |" in card
     assert "4 experts,\n2 active per token, gate mode `random`, dtype `float32`" in card
-    assert f"| 3 | expert_3 | {licensed_base} | 0 | none |" in card
-    assert f"```yaml\nbase_model: {licensed_base}\nnum_experts: 4\ngate_mode: random\n```" in card
+    assert f"| 3 | expert_3 | local model `{licensed_base.name}` | 0 | none |" in card and str(licensed_base) not in card
+    assert f"```yaml\nbase_model: {licensed_base.name}\nnum_experts: 4\ngate_mode: random\n```" in card
     assert "Not run. Run `moe-upcycle verify <this folder>`" in card
     assert 'AutoModelForCausalLM.from_pretrained("path/to/this/folder")' in card
     assert "License:" not in card
@@ -132,7 +132,7 @@ def test_build_verify_puts_results_in_card_and_recipe(licensed_base, tmp_path, w
     card = (out / "README.md").read_text()
     assert "Checked with `moe-upcycle verify`" in card and "**passed**" in card
     assert "| top-1 agreement | 100.0% of" in card and "| mean KL(dense‖moe) |" in card
-    assert f"| dense base | {licensed_base} |" in card
+    assert f"| dense base | local model {licensed_base.name} |" in card
     recipe = json.loads((out / "moe_upcycle.json").read_text())
     assert recipe["verify"]["ok"] is True and recipe["verify"]["comparison"]["max_abs_diff"] < 1e-4  # stories logits reach ~20: 5e-6 of them
     assert "folder" not in recipe["verify"] and recipe["sha256"]["README.md"] == _sha(out / "README.md")

@@ -96,7 +96,8 @@ def test_plot_without_matplotlib_is_a_clear_error(moe, tmp_path, monkeypatch):
     result = runner.invoke(app, ["route", str(moe.output), "--prompts", str(prompts), "--plot",
                                  str(tmp_path / "r.png"), "--device", "cpu"])
     assert result.exit_code == 1
-    assert "--plot needs matplotlib" in result.output and "moe-upcycle[plot]" in result.output
+    assert "--plot needs matplotlib" in result.output and "pip install matplotlib" in result.output
+    assert "pip install -e '.[plot]'" in result.output and "'moe-upcycle[plot]'" not in result.output
 
 
 def test_route_rejects_a_dense_model(stories, tmp_path):

@@ -23,6 +23,7 @@ from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
+from moe_upcycle.terminal.progress import stage
 
 
 
@@ -137,8 +138,9 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     dev = resolve_device(device)
     kwargs = {"dtype": torch.float32} if dev == "cpu" else {"dtype": torch.bfloat16, "device_map": "auto"}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
+        with stage("load MoE", note=str(folder)):
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
     except Exception as exc:
         raise SourceError(f"{folder}: cannot load the MoE with transformers ({type(exc).__name__}: {exc})") from None
     n_experts = int(getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0))
@@ -168,7 +170,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     input_device = model.get_input_embeddings().weight.device
     handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), stage("route", total=len(encoded), unit="prompts") as st:
             for start in range(0, len(encoded), batch_size):
                 idx = list(range(start, min(start + batch_size, len(encoded))))
                 ids, attn, real = pad_batch([encoded[i] for i in idx], pad_id, "right")
@@ -176,6 +178,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
                 state["real"] = real
                 state["row_of_token"] = torch.tensor(idx)[:, None].expand_as(real).reshape(-1)
                 model.base_model(input_ids=ids.to(input_device), attention_mask=attn.to(input_device), use_cache=False)
+                st.advance(len(idx))
     finally:
         for h in handles:
             h.remove()
@@ -195,8 +198,10 @@ def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise DependencyError("--plot needs matplotlib, which is not installed; pip install 'moe-upcycle[plot]' "
-                              "(or drop --plot)") from None
+        from moe_upcycle.terminal.hints import install_hint
+
+        raise DependencyError(f"--plot needs matplotlib, which is not installed; {install_hint('plot')}, "
+                              f"or drop --plot") from None
     share = result.prompt_share().numpy()
     labels = [p if len(p) <= 40 else p[:37] + "..." for p in (q.replace("\n", " ") for q in result.prompts)]
     n_experts = len(result.expert_names)

@@ -44,10 +44,12 @@ from moe_upcycle.planning.replan import RecordedBuild, recorded_build
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.check.moe_folder import require_moe
+from moe_upcycle.terminal.progress import advance, stage, staged
 
 IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
 IDENTITY_MIN_AGREEMENT = 0.95
 EDITABLE_FILES = ("README.md",)  # a publisher may edit the card (e.g. the license); not a failure
+VERIFY_STEPS = 5  # progress: files and plan, load the MoE, run it, load the dense base, run it
 
 
 def default_prompts() -> list[str]:
@@ -130,6 +132,12 @@ def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
 
 def check_hashes(folder: Path, recipe: dict, result: VerifyResult) -> None:
     """Compare every file's sha256 with the one recorded at build time."""
+    listed = [folder / name for name in recipe.get("sha256", {})]
+    with stage("hash", total=sum(p.stat().st_size for p in listed if p.is_file()), unit="bytes") as st:
+        _check_hashes(folder, recipe, result, st)
+
+
+def _check_hashes(folder: Path, recipe: dict, result: VerifyResult, st) -> None:
     for name, digest in sorted(recipe.get("sha256", {}).items()):
         path = folder / name
         if not path.is_file():
@@ -139,6 +147,7 @@ def check_hashes(folder: Path, recipe: dict, result: VerifyResult) -> None:
         with open(path, "rb") as fh:
             for chunk in iter(lambda: fh.read(2**24), b""):
                 h.update(chunk)
+                st.advance(len(chunk), note=name)
         if h.hexdigest() != digest:
             if name in EDITABLE_FILES:
                 result.notes.append(f"{name} was edited after the build (its sha256 differs from {RECIPE_NAME})")
@@ -165,6 +174,7 @@ def check_against_plan(tensors: dict[str, TensorInfo], plan: Plan, result: Verif
                                    f"{s.dtype}")
 
 
+@staged("verify", total=VERIFY_STEPS)
 def verify(
     folder: Union[str, Path],
     base: Union[str, Path, None] = None,
@@ -236,6 +246,7 @@ def verify(
         check_against_plan(tensors, plan, result)
     _check_config(folder, plan, result)
 
+    advance("verify", note="loading the MoE with transformers")
     try:
         moe = load_causal_lm(folder, dtype="auto", device=device)  # as a user would: the folder's own dtype
     except Exception as exc:  # any loading failure is the finding, whatever transformers raises
@@ -253,6 +264,7 @@ def verify(
         result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
     max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
     inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
+    advance("verify", note=f"running the MoE on {len(prompt_list)} prompts")
     try:
         user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
     except Exception as exc:  # e.g. grouped_mm on unaligned bf16 experts: the output does not run as written
@@ -269,6 +281,7 @@ def verify(
         load_causal_lm(folder, device=device), prompt_list, continuation_prompts=0, inputs=inputs)
     gc.collect()
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
+    advance("verify", note="loading the dense base")
 
     base_path = _resolve_base(base, check, result)
     dense_run = None
@@ -281,7 +294,9 @@ def verify(
             raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
                               f"{exc}); pass a working --base DENSE") from None
         _note_tokenizer_difference(dense.tokenizer, prompt_list, inputs, result)
+        advance("verify", note=f"running the dense base on {len(prompt_list)} prompts")
         dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
+        advance("verify", note="compared")
         del dense
         gc.collect()
         result.comparison = compare_logits(dense_run.logits, moe_run.logits)

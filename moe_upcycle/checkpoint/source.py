@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from moe_upcycle.errors import SourceError
+from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.inputs.paths import resolve_or_raise
 from moe_upcycle.checkpoint.weight_files import choose_weights, duplicate_problems
@@ -166,9 +167,10 @@ def resolve_model(ref: str, field_name: str) -> Path:
         except Exception:
             at = f" at revision {revision!r}" if revision else ""
             looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
-    download = f"huggingface-cli download {repo}" + (f" --revision {revision}" if revision else "")
+    from moe_upcycle.terminal.hints import missing_model_hint
+
     raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
-                      f"give a local folder, or download the hub model first ({download})")
+                      f"{missing_model_hint(ref)}")
 
 
 def open_sources(refs: dict[str, str],
@@ -185,11 +187,13 @@ def open_sources(refs: dict[str, str],
     """
     opener = opener or open_checkpoint
     sources, problems = {}, []
-    for ref, field_name in refs.items():
-        try:
-            sources[ref] = opener(ref, field_name)
-        except SourceError as exc:
-            problems += exc.problems
+    with stage("read headers", total=len(refs), unit="models") as st:
+        for ref, field_name in refs.items():
+            try:
+                sources[ref] = opener(ref, field_name)
+            except SourceError as exc:
+                problems += exc.problems
+            st.advance(note=ref)
     if problems:
         raise SourceError(*problems)
     return sources

@@ -1,4 +1,4 @@
-"""The Typer app and what every command shares: the consoles and the error handling.
+"""The Typer app and what every command shares: consoles, -q/--version/--debug, progress and error handling.
 
 Commands live in `commands` and `prompt_commands`; they register themselves on `app`. Only
 `UpcycleError` is caught: it is printed and the exit code is 1. Any other exception is a bug and
@@ -18,6 +18,8 @@ from rich.markup import escape
 
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import symlink_loop
+from moe_upcycle.terminal.progress import for_console, reporting
+from moe_upcycle.terminal.quiet import libraries_quiet
 from moe_upcycle.terminal.signals import exit_code, signal_name, terminations_raise
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -25,11 +27,32 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 console = Console(stderr=True)
 out = Console()
 DEBUG = {"on": False}
+QUIET = {"on": False}
+DEVICE_HELP = "Where the models run: auto (a GPU when torch sees one, else cpu), cpu, cuda or cuda:N."
+
+
+def _version(value: bool) -> None:
+    if value:
+        from moe_upcycle import __version__
+
+        typer.echo(f"moe-upcycle {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors.")) -> None:
+def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors."),
+          quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress display and no notes on stderr; "
+                                                                   "results, warnings and errors only."),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
     DEBUG["on"] = debug
+    QUIET["on"] = quiet
+
+
+def note(text: str) -> None:
+    """An informational line on stderr (left out with -q)."""
+    if not QUIET["on"]:
+        console.print(text, highlight=False, soft_wrap=True)
 
 
 def cli_errors(fn: Callable) -> Callable:
@@ -38,7 +61,8 @@ def cli_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with terminations_raise(sigint=True), _warnings_printed():  # SIGTERM/SIGHUP clean up like Ctrl-C
+            with (terminations_raise(sigint=True), _warnings_printed(), libraries_quiet(),  # SIGTERM/SIGHUP: as Ctrl-C
+                  reporting(for_console(console, QUIET["on"]))):
                 return fn(*args, **kwargs)
         except UpcycleError as exc:
             if DEBUG["on"]:

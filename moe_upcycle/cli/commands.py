@@ -6,19 +6,19 @@ arguments.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
+from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, app, cli_errors, console, note, out  # noqa: F401
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
-
-from moe_upcycle.cli.app import DEBUG, app, cli_errors, console, out  # noqa: F401
+from moe_upcycle.terminal.progress import stage
+from moe_upcycle.terminal.tables import fit
 
 
 def print_plan(result) -> None:
@@ -31,7 +31,8 @@ def print_plan(result) -> None:
 @app.command()
 @cli_errors
 def build(
-    config: Path = typer.Argument(..., help="The YAML recipe (mergekit-moe configs are accepted unchanged)."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe (mergekit-moe configs are accepted unchanged)."),
     out_dir: Optional[Path] = typer.Argument(None, metavar="OUT", help="Output folder (else -o, else output: in the YAML)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty output folder (atomically)."),
@@ -44,7 +45,8 @@ def build(
     no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
     checksums: Optional[bool] = typer.Option(None, "--checksums/--no-checksums",
                                              help="Record the sha256 of every shard (default on; costs more CPU than writing)."),
-    device: Optional[str] = typer.Option(None, help="Where hidden-state gates run the base model: auto, cpu, cuda, cuda:N."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP + " Used by hidden-state gates (default: the "
+                                                                  "recipe's device:, which defaults to auto)."),
     batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
     mergekit: bool = typer.Option(False, "--mergekit", help="Compute routers exactly as mergekit-moe 0.1.5 does "
                                                             "(same as gate_source: mergekit)."),
@@ -64,21 +66,14 @@ def build(
                            allow_unknown_keys=allow_unknown_keys, gate_source=gate_source))
         return
     if verify:
-        console.print("verify: the output will be loaded with transformers and compared with the base after writing",
-                      highlight=False)
-    with _progress() as progress:
-        task = progress.add_task("writing", total=None)
-
-        def on_step(step, plan) -> None:
-            progress.update(task, total=plan.total_bytes, advance=step.nbytes, description=f"writing {step.name}")
-
-        result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
-                         device=device, batch_size=batch_size, checksums=checksums, on_step=on_step, verify=verify,
-                         allow_unknown_keys=allow_unknown_keys, gate_source=gate_source)
+        note("verify: the output will be loaded with transformers and compared with the base after writing")
+    result = upcycle(config, target, force=force, tensor_policy=policy, max_shard_size=max_shard_size,
+                     device=device, batch_size=batch_size, checksums=checksums, verify=verify,
+                     allow_unknown_keys=allow_unknown_keys, gate_source=gate_source)
     for line in result.notes:
-        console.print(f"[bold cyan]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        note(f"[bold cyan]note:[/] {escape(line)}")
     for line in result.sharing:
-        console.print(line, highlight=False)
+        note(line)
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
@@ -96,7 +91,8 @@ def build(
 @app.command()
 @cli_errors
 def plan(
-    config: Path = typer.Argument(..., help="The YAML recipe."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder, for the free-disk check "
                                                                        "(else output: in the YAML)."),
     from_config: bool = typer.Option(False, "--from-config", help="Describe the models from their config.json "
@@ -126,7 +122,7 @@ def verify_cmd(
     hashes: bool = typer.Option(True, "--hashes/--skip-hashes", help="Check every file's sha256 against "
                                                                       "moe_upcycle.json."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Length of the greedy continuations."),
-    device: str = typer.Option("cpu", "--device", help="Where to run both models, e.g. cpu or cuda."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Check that OUT loads with transformers and how far it is from the dense base. Exit 1 on failure."""
@@ -134,9 +130,10 @@ def verify_cmd(
 
     from moe_upcycle.check.verify import verify
     from moe_upcycle.check.verify_report import print_verify
+    from moe_upcycle.gates.capture import resolve_device
 
     result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
-                    hashes=hashes, max_new_tokens=max_new_tokens, device=device)
+                    hashes=hashes, max_new_tokens=max_new_tokens, device=resolve_device(device))
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
     else:
@@ -147,7 +144,8 @@ def verify_cmd(
 
 @app.command()
 @cli_errors
-def demo(folder: Path = typer.Argument(Path("demo_out"), help="Scratch folder for the demo models.")) -> None:
+def demo(folder: Path = typer.Argument(Path("demo_out"), metavar="FOLDER",
+                                       help="Scratch folder for the demo models.")) -> None:
     """Generate a tiny dense Llama, upcycle it to 4 experts and show the MoE reproduces its logits."""
     from moe_upcycle.cli.demo import run_demo
 
@@ -168,9 +166,11 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False) -> None:
             cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     except UpcycleError:
         return  # the build reports it, with every problem
-    if not any(e.positive_prompts for e in cfg.experts):  # only prompts listed in the YAML are linted here
+    if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from sets included
         return
-    for line in quick_lint(expert_prompts(cfg.expert_list())):
+    with stage("prompt lint", note="--no-lint skips it"):
+        lines = quick_lint(expert_prompts(cfg.expert_list()))
+    for line in lines:
         console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
 
 
@@ -185,7 +185,7 @@ def route(
                                            "(nearest expert centroid of the recorded prompts)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
     as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
     batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
 ) -> None:
     """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
@@ -231,19 +231,19 @@ def route(
         text = p["prompt"].replace("\n", " ")
         per_prompt.add_row(text if len(text) <= 50 else text[:47] + "...", str(p["tokens"]), p["top_expert"],
                            *[f"{p['top1_share'][n]:.2f}" for n in names])
-    out.print(per_prompt)
+    out.print(fit(per_prompt, out, optional=("tokens",)))
     load = Table(title=f"per layer: top-{data['experts_per_token']} expert load "
                        f"(entropy in bits, balanced = {data['max_entropy_bits']:.2f})")
     for col in ("layer", *names, "entropy"):
         load.add_column(col)
     for row in data["layers"]:
         load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
-    out.print(load)
+    out.print(fit(load, out))
     if score is not None:
         from moe_upcycle.cli.tables import routing_tables
 
         for table in routing_tables(score):
-            out.print(table)
+            out.print(fit(table, out))
     if plot is not None:
         out.print(f"saved {plot}", highlight=False)
 
@@ -262,8 +262,4 @@ def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[
         experts = expert_prompts(load_config(recipe["config"]).expert_list())
     return labels_for(texts, labels, experts, label_by or "")
 
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=console, transient=True, disable=not sys.stderr.isatty())
 

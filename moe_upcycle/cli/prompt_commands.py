@@ -15,17 +15,23 @@ from rich.table import Table
 
 from moe_upcycle.cli.app import app, cli_errors, console, out
 from moe_upcycle.cli.tables import lint_tables
+from moe_upcycle.terminal.progress import stage
+from moe_upcycle.terminal.tables import fit
 
 prompts_app = typer.Typer(no_args_is_help=True, help="Work on expert prompt sets.")
 app.add_typer(prompts_app, name="prompts")
 
+# gate modes whose routers need no prompts, and what they use instead
+PROMPTLESS_GATE_MODES = {"kmeans": "k-means of the calibration text", "random": "random rows",
+                         "uniform_random": "random rows", "uniform": "zeros"}
 EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cache (default: packaged all-MiniLM-L6-v2)."
 
 
 @app.command()
 @cli_errors
 def lint(
-    config: Path = typer.Argument(..., help="The YAML recipe whose expert prompts are checked."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe whose expert prompts are checked."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when a pair of experts is above the threshold."),
     threshold: Optional[float] = typer.Option(None, "--threshold", min=-1.0, max=1.0,
@@ -43,17 +49,26 @@ def lint(
     from moe_upcycle.recipe.resolve import expert_prompts
 
     cfg = load_config(config)
-    if not any(e.positive_prompts for e in cfg.experts):
+    if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
+        out.print(f"Nothing to lint: gate_mode {cfg.gate_mode} makes routers without prompts "
+                  f"({PROMPTLESS_GATE_MODES[cfg.gate_mode]}).", highlight=False)
+        return
+    if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from resolved
         raise ConfigError(f"{config}: no expert has positive_prompts, so there is nothing to lint; list experts "
                           f"with positive_prompts")
-    report = lint_config(expert_prompts(cfg.expert_list()), load_embedder(embedder, batch_size=batch_size),
-                         pair_threshold=PAIR_THRESHOLD if threshold is None else threshold,
-                         duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None else duplicate_threshold)
+    with stage("load embedder", note=embedder or "all-MiniLM-L6-v2"):
+        loaded = load_embedder(embedder, batch_size=batch_size)
+    n_prompts = sum(len(e.positive_prompts) + len(e.negative_prompts) for e in cfg.expert_list())
+    with stage("embed prompts", note=f"{n_prompts} prompts"):
+        report = lint_config(expert_prompts(cfg.expert_list()), loaded,
+                             pair_threshold=PAIR_THRESHOLD if threshold is None else threshold,
+                             duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None
+                             else duplicate_threshold)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         for table in lint_tables(report):
-            out.print(table)
+            out.print(fit(table, out, optional=("negatives", "cosine")))
         problems = report.problems(max_offenders=MAX_BUILD_OFFENDERS)  # the table lists more
         for line in problems:
             console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
@@ -70,8 +85,13 @@ def lint(
 @prompts_app.command("grow")
 @cli_errors
 def grow(
-    config: Path = typer.Argument(..., help="The YAML recipe whose experts get more prompts."),
-    pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (one per line) or JSONL with \"text\"/\"prompt\"."),
+    config: Path = typer.Argument(..., metavar="CONFIG",
+                                  help="The YAML recipe whose experts get more prompts."),
+    pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (paragraphs separated by blank lines, "
+                                                  "or one per line when there is no blank line) or JSONL with "
+                                                  "\"text\"/\"prompt\"."),
+    pool_format: str = typer.Option("auto", "--pool-format", help="How to cut the pool: auto, paragraphs, lines "
+                                                                   "or jsonl."),
     per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the new YAML (default CONFIG.grown.yaml)."),
     in_place: bool = typer.Option(False, "--in-place", help="Replace CONFIG itself."),
@@ -81,17 +101,26 @@ def grow(
     embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
 ) -> None:
     """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
-    from moe_upcycle.recipe.schema import load_config
+    from moe_upcycle.errors import ConfigError
     from moe_upcycle.prompts.embed import load_embedder
-    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, grow_prompts, read_pool
+    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, grow_prompts
+    from moe_upcycle.prompts.pool import read_pool_file
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.rewrite import write_grown_config
+    from moe_upcycle.recipe.schema import load_config
 
+    if pool_format not in ("auto", "paragraphs", "lines", "jsonl"):
+        raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use auto, paragraphs, lines or jsonl")
     cfg = load_config(config)
-    candidates = read_pool(pool)
-    picks = grow_prompts(expert_prompts(cfg.expert_list()), candidates, load_embedder(embedder), per_expert=per_expert,
-                         margin=MARGIN if margin is None else margin,
-                         min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
+    read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
+    candidates = read.prompts
+    out.print(f"Pool: {read.describe(pool)}.", highlight=False)
+    with stage("load embedder", note=embedder or "all-MiniLM-L6-v2"):
+        loaded = load_embedder(embedder)
+    with stage("embed prompts", note=f"{len(candidates)} candidates"):
+        picks = grow_prompts(expert_prompts(cfg.expert_list()), candidates, loaded, per_expert=per_expert,
+                             margin=MARGIN if margin is None else margin,
+                             min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
                                  output=output, in_place=in_place, force=force)
     table = Table(title=f"prompts added from {pool.name} ({len(candidates)} candidates)")
@@ -100,7 +129,7 @@ def grow(
     for name, chosen in picks.items():
         for p in chosen:
             table.add_row(name, p.text, f"{p.similarity:.2f}", f"{p.margin:.2f}")
-    out.print(table)
+    out.print(fit(table, out, optional=("margin",)))
     total = sum(len(v) for v in picks.values())
     out.print(f"[green]Wrote[/] {written}: {total} prompt(s) added "
               f"({', '.join(f'{k} +{len(v)}' for k, v in picks.items())}).", highlight=False)

@@ -21,6 +21,8 @@ import torch
 
 from moe_upcycle.errors import ConfigError, DependencyError, SourceError
 from moe_upcycle.inputs.text import check_texts, check_token_ids
+from moe_upcycle.terminal.hints import install_hint
+from moe_upcycle.terminal.progress import stage
 
 ROUTER_INPUT = "post_attention_layernorm"  # the module whose output each layer's router scores
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
@@ -112,7 +114,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
 
     if quantize and importlib.util.find_spec("bitsandbytes") is None:
         raise DependencyError(f"quantize: {quantize} loading needs bitsandbytes, which is not installed; "
-                              f"pip install 'moe-upcycle[quant]', or remove quantize:")
+                              f"{install_hint('quant')}, or remove quantize:")
     dev = resolve_device(device)
     if quantize and dev == "cpu":
         raise DependencyError(f"quantize: {quantize} needs a CUDA GPU (bitsandbytes); use device: cuda or remove "
@@ -230,6 +232,7 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
             if real is None:
                 real = state["real"][x.device] = state["real_cpu"].to(x.device)
             on_output(layer, x, real, state["rows"])
+            state["stage"].advance(len(state["rows"]))
             if layer == last:
                 raise _StopForward
         return hook
@@ -237,7 +240,8 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
     handles = [norm.register_forward_hook(hook_for(i)) for i, norm in enumerate(loaded.norms)]
     decoder = loaded.model.base_model
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), stage("router inputs", total=len(order) * len(loaded.norms),
+                                           unit="prompts×layers") as state["stage"]:
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
                 ids, attn, real = pad_batch([encoded[i] for i in rows], pad_id, side)

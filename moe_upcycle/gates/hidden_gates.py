@@ -46,7 +46,8 @@ from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode, encode_windows,
                       load_base)
 from moe_upcycle.errors import ConfigError, SourceError
-from moe_upcycle.gates.kmeans import spherical_kmeans
+from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
+from moe_upcycle.terminal.progress import stage
 
 DECISIVE_LOGIT_GAP = 4.0
 MAX_TOKEN_LOGIT_GAP = 16.0
@@ -146,15 +147,18 @@ def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts
         encoded = out
     inputs = capture_router_inputs(loaded, encoded, [], num_experts, "tokens", batch_size)
     centroids, means = [], []
-    for layer, points in enumerate(inputs.points or []):
-        try:
-            clusters = spherical_kmeans(points, num_experts, seed)
-        except ValueError as exc:
-            raise ConfigError(f"calibration_text: {calibration_text} gives {points.shape[0]} tokens; layer {layer}: "
-                              f"{exc}; add more text") from None
-        sums = torch.nn.functional.one_hot(clusters.assignment, num_experts).T.float() @ points  # (E, H)
-        centroids.append(clusters.centroids)
-        means.append(sums / clusters.sizes[:, None].float())
+    with stage("k-means", total=len(inputs.points or []) * RESTARTS, unit="runs") as st:
+        for layer, points in enumerate(inputs.points or []):
+            def on_run(iterations: int, layer: int = layer) -> None:
+                st.advance(note=f"layer {layer}: {iterations} iterations, {points.shape[0]} tokens")
+            try:
+                clusters = spherical_kmeans(points, num_experts, seed, on_run=on_run)
+            except ValueError as exc:
+                raise ConfigError(f"calibration_text: {calibration_text} gives {points.shape[0]} tokens; layer "
+                                  f"{layer}: {exc}; add more text") from None
+            sums = torch.nn.functional.one_hot(clusters.assignment, num_experts).T.float() @ points  # (E, H)
+            centroids.append(clusters.centroids)
+            means.append(sums / clusters.sizes[:, None].float())
     return torch.stack(centroids), torch.stack(means), inputs.token_norm
 
 
@@ -170,7 +174,8 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path) -
         UpcycleError: the model cannot be loaded, the device or an extra is missing, or the
             prompts/calibration text are unusable.
     """
-    loaded = load_base(base_path, params.device, params.dtype, params.quantize)
+    with stage("load base model", note=str(base_path)):
+        loaded = load_base(base_path, params.device, params.dtype, params.quantize)
     if len(loaded.norms) != num_layers:
         raise SourceError(f"base_model: transformers built {len(loaded.norms)} layers but config.json says {num_layers}")
     if params.mode == "kmeans":

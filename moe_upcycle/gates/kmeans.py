@@ -9,6 +9,7 @@ the clustering. This module clusters tensors; it does not read text or run model
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -33,7 +34,8 @@ class Clusters:
     iterations: int
 
 
-def spherical_kmeans(points: torch.Tensor, k: int, seed: int) -> Clusters:
+def spherical_kmeans(points: torch.Tensor, k: int, seed: int,
+                     on_run: Optional[Callable[[int], None]] = None) -> Clusters:
     """Cluster `points` (N, H) by cosine into `k` clusters.
 
     k-means++ seeding (on cosine distance) from a CPU generator seeded with `seed`, then Lloyd
@@ -45,6 +47,7 @@ def spherical_kmeans(points: torch.Tensor, k: int, seed: int) -> Clusters:
         points: (N, H) float tensor; rows of zero length are not allowed.
         k: number of clusters.
         seed: random seed; same points and seed give the same clusters.
+        on_run: called with the number of Lloyd iterations after each of the `RESTARTS` runs (progress).
 
     Returns:
         The clusters.
@@ -65,6 +68,8 @@ def spherical_kmeans(points: torch.Tensor, k: int, seed: int) -> Clusters:
     best, best_score = None, float("-inf")
     for _ in range(RESTARTS):
         run = _lloyd(x, _plus_plus(x, k, gen), k)
+        if on_run is not None:
+            on_run(run.iterations)
         score = float((x * run.centroids[run.assignment]).sum())
         if score > best_score + 1e-9:
             best, best_score = run, score

@@ -26,6 +26,7 @@ from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.planning.runtimes import Verdict, compatibility
+from moe_upcycle.terminal.tables import fit
 
 HIDDEN_GATE_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
 SMALL_FILES_BYTES = 2**20  # config.json, README.md, moe_upcycle.json: far below 1 MiB
@@ -74,6 +75,22 @@ class PlanSummary:
     @property
     def fits_on_disk(self) -> Optional[bool]:
         return None if self.disk_free_bytes is None else self.disk_needed_bytes <= self.disk_free_bytes
+
+
+def readable_count(n: int) -> str:
+    """Exact count with a short form: ``591,232 (0.59M)``, ``46,702,792,704 (46.70B)``.
+
+    Example:
+        >>> readable_count(591_232), readable_count(46_702_792_704), readable_count(4_096)
+        ('591,232 (0.59M)', '46,702,792,704 (46.70B)', '4,096 (4.1K)')
+    """
+    if n >= 10**9:
+        short = f"{n / 1e9:.2f}B"
+    elif n >= 10**5:
+        short = f"{n / 1e6:.2f}M"
+    else:
+        short = f"{n / 1e3:.1f}K"
+    return f"{n:,} ({short})"
 
 
 def parameter_counts(plan: Plan) -> tuple[int, int]:
@@ -214,8 +231,8 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     table.add_row("experts", f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}")
     table.add_row("gate mode", s.gate_mode)
     table.add_row("dtype", s.dtype)
-    table.add_row("parameters", f"{s.total_params:,} total ({s.total_params / 1e9:.2f}B), {s.active_params:,} "
-                                f"active per token ({s.active_params / 1e9:.2f}B)"
+    table.add_row("parameters", f"{readable_count(s.total_params)} total, {readable_count(s.active_params)} "
+                                f"active per token"
                   + ("; tied embeddings stored once" if s.tied_embeddings else ""))
     table.add_row("tensors", str(s.num_tensors))
     table.add_row("output size", f"{human_bytes(s.output_bytes)} ({s.output_bytes:,} bytes) in {s.num_shards} "
@@ -230,7 +247,7 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     for c in s.components:
         comp.add_row(c.template, str(c.count), "x".join(map(str, c.shape)), c.kind, c.source, f"{c.params:,}",
                      human_bytes(c.nbytes))
-    console.print(comp)
+    console.print(fit(comp, console, optional=("source", "params")))
     for line in s.sharing + s.notes:
         console.print(line, highlight=False)
     if s.runtimes:

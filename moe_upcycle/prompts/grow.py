@@ -15,12 +15,11 @@ that lean to some expert score about 0.2 with margins under 0.06; the defaults t
 ones and leave the ambiguous ones out. Each expert then gets its K best-scoring candidates.
 
 The updated config is written by `recipe.rewrite`; the input file is only replaced with ``in_place``.
-YAML comments of the input are not kept (the file is re-serialised).
+The input's comments and layout are kept (a ruamel.yaml round trip, see `recipe.yaml_write`).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -31,6 +30,7 @@ from moe_upcycle.recipe.params import ExpertPrompts
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.prompts.lint import DUPLICATE_THRESHOLD
+from moe_upcycle.prompts.pool import PoolFormat, read_pool_file
 
 KNN = 3
 MIN_SIMILARITY = 0.20
@@ -46,41 +46,13 @@ class Pick:
     margin: float  # similarity minus the best similarity to any other expert
 
 
-def read_pool(path: Union[str, Path]) -> list[str]:
-    """Read candidate prompts: JSONL with a "text" or "prompt" field, or plain text one per line.
-
-    A file whose first non-blank line starts with ``{`` (or that ends in .jsonl) is read as JSONL.
-    Blank lines are skipped; repeated prompts are kept once, in first-seen order.
+def read_pool(path: Union[str, Path], fmt: PoolFormat = "auto") -> list[str]:
+    """Read candidate prompts: JSONL, paragraphs (blank-line separated) or lines — see `pool`.
 
     Raises:
         ConfigError: the file is missing, or a JSONL line has no usable text (file and line named).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--pool {path}: file not found; give a text file (one prompt per line) or JSONL")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    first = next((ln for ln in lines if ln.strip()), "")
-    is_jsonl = path.suffix == ".jsonl" or first.lstrip().startswith("{")
-    prompts, problems = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not is_jsonl:
-            prompts.append(line.strip())
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(f"{path}:{n}: not valid JSON ({exc.msg})")
-            continue
-        text = row.get("text", row.get("prompt")) if isinstance(row, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            problems.append(f"{path}:{n}: needs a non-empty \"text\" or \"prompt\" field")
-            continue
-        prompts.append(text.strip())
-    if problems:
-        raise ConfigError(*problems)
-    return list(dict.fromkeys(prompts))
+    return read_pool_file(path, fmt).prompts
 
 
 def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Optional[Embedder] = None, *,

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import yaml
 
 from moe_upcycle import __version__
-from moe_upcycle.planning.plan_report import parameter_counts
+from moe_upcycle.planning.plan_report import parameter_counts, readable_count
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.schema import UpcycleConfig
 from moe_upcycle.planning.runtimes import runtime_section
+from moe_upcycle.publish.card_facts import Sources, cell, making_of
 
 LICENSE_KEYS = ("license", "license_name", "license_link")
 
@@ -70,7 +71,7 @@ def choose_license(source_paths: Sequence[Path]) -> tuple[Optional[dict], str]:
 
 
 def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
-               source_paths: Sequence[Path] = ()) -> str:
+               source_paths: Sequence[Path] = (), sources: Optional[Mapping[str, Optional[Path]]] = None) -> str:
     """The model card text.
 
     Args:
@@ -78,11 +79,14 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
         plan: the build plan (architecture, experts, parameter counts).
         verify_lines: markdown from `verify.VerifyResult.lines`, when verification ran.
         source_paths: folders of the base (first) and expert models, read for their license.
+        sources: reference -> folder of every model the recipe names, read for hub ids
+            (``_name_or_path``); default: the references alone.
     """
-    bases = list(dict.fromkeys([config.base_model] + [e.source_model for e in config.experts]))
+    named = Sources(config, sources or {})
+    bases = named.base_models()  # hub ids only: the hub rejects local paths in base_model
     license_keys, license_note = choose_license(list(source_paths))
     front = {
-        "base_model": bases,
+        **({"base_model": bases} if bases else {}),
         "base_model_relation": "merge",
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
@@ -94,33 +98,45 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
         front_text += "\n# license: (set the base model's license here; see the note below)"
     total, active = parameter_counts(plan)
     experts = config.expert_list()
-    rows = "\n".join(f"| {i} | {e.name} | {e.source_model} | {len(e.positive_prompts)} | {_changes(e)} |"
-                     for i, e in enumerate(experts))
-    recipe = yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), sort_keys=False, allow_unicode=True)
-    verify = "\n".join(verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
+    rows = "\n".join(f"| {i} | {cell(e.name)} | {named.name(e.source_model)} | {len(e.positive_prompts)} | "
+                     f"{cell(_changes(e))} |" for i, e in enumerate(experts))
+    shared = "".join(f"| shared {i} | {cell(e.name or '-')} | {named.name(e.source_model)} | {len(e.positive_prompts)} "
+                     f"| {cell(_changes(e))} |\n" for i, e in enumerate(config.shared_experts))
+    local = named.local()
+    local_note = (f"\nMade from {len(local)} local model(s) with no hub id ("
+                  f"{', '.join(named.name(r) for r in local)}), so `base_model` lists "
+                  f"{'only the hub models' if bases else 'none'}; add their hub ids before publishing if they are "
+                  f"published.\n" if local else "")
+    how = "\n".join(making_of(config))
+    recipe = yaml.safe_dump(_public_recipe(config, named), sort_keys=False, allow_unicode=True)
+    verify = "\n".join(named.without_paths(line, sources or {}) for line in verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
     stored = ("stored twice: llama.cpp requires output.weight" if any(st.name == "lm_head.weight" for st in plan.steps)
               else "stored once")
-    tied = f" The input and output embeddings are tied ({stored})." if plan.tied_embeddings else ""
+    tied = f"\nThe input and output embeddings are tied ({stored}).\n" if plan.tied_embeddings else ""
     note = f"\n> **License:** {license_note}\n" if license_note else ""
     return f"""---
 {front_text}
 ---
 
-# {plan.architecture} MoE upcycled from {config.base_model}
-{note}
-Built with [moe-upcycle](https://pypi.org/project/moe-upcycle/) {__version__}: {len(experts)} experts,
+# {plan.architecture} MoE upcycled from {named.plain(config.base_model)}
+{note}{local_note}
+Built with moe-upcycle {__version__}: {len(experts)} experts,
 {plan.experts_per_token} active per token, gate mode `{config.gate_mode}`, dtype `{str(plan.dtype).removeprefix("torch.")}`.
 
 | parameters | count |
 |---|---|
-| total | {total:,} ({_short(total)}) |
-| active per token | {active:,} ({_short(active)}) |
+| total | {readable_count(total)} |
+| active per token | {readable_count(active)} |
 {tied}
 ## Experts
 
 | # | name | source model | positive prompts | changes |
 |---|------|--------------|------------------|---------|
 {rows}
+{shared}
+## How the experts were made
+
+{how}
 
 ## Recipe
 
@@ -147,19 +163,30 @@ print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))
 """
 
 
+def _public_recipe(config: UpcycleConfig, named: Sources) -> dict:
+    """The recipe for the card: local folders shown by name only (the full paths are in moe_upcycle.json)."""
+    data = config.model_dump(mode="json", exclude_defaults=True)
+    shown = {ref: named.hub[ref] or Path(ref).expanduser().name for ref in named.refs}
+    data["base_model"] = shown.get(data["base_model"], data["base_model"])
+    for key in ("experts", "shared_experts"):
+        for e in data.get(key, []):
+            e["source_model"] = shown.get(e["source_model"], e["source_model"])
+    if data.get("output"):
+        data["output"] = Path(data["output"]).name
+    return data
+
+
 def _changes(expert) -> str:
     parts = []
     if expert.noise_scale:
         parts.append(f"noise {expert.noise_scale:g}")
     if expert.residual_scale is not None and expert.residual_scale != 1.0:
         parts.append(f"down_proj x{expert.residual_scale:g}")
+    if expert.expert_init is not None:
+        parts.append(f"init {expert.expert_init.method}")
     return ", ".join(parts) or "none"
 
 
-def _short(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
 def write_model_card(folder: Path, config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
-                     source_paths: Sequence[Path] = ()) -> None:
-    (folder / "README.md").write_text(model_card(config, plan, verify_lines, source_paths), encoding="utf-8")
+                     source_paths: Sequence[Path] = (), sources: Optional[Mapping[str, Optional[Path]]] = None) -> None:
+    (folder / "README.md").write_text(model_card(config, plan, verify_lines, source_paths, sources), encoding="utf-8")

@@ -1,7 +1,8 @@
 """Write a recipe back with grown prompt sets (``moe-upcycle prompts grow``).
 
-The YAML is read again, so keys the user wrote stay as written; the result is validated before it
-replaces anything, and it is written atomically.
+The YAML is edited as text through a ruamel.yaml round trip (`yaml_write.add_prompts`), so the
+user's comments, quotes and layout stay; the result is validated before it replaces anything, and
+it is written atomically.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import yaml
 
 from moe_upcycle.errors import OutputError
 from moe_upcycle.recipe.schema import load_config
+from moe_upcycle.recipe.yaml_write import add_prompts
 
 
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
@@ -48,14 +50,13 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
             raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
         if target.exists() and not force:
             raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
-    data = yaml.safe_load(src.read_text(encoding="utf-8"))
+    original = src.read_text(encoding="utf-8")
+    data = yaml.safe_load(original)
     config = load_config(dict(data))
-    for raw, expert in zip(data.get("experts") or [], config.expert_list()):
-        added = list(picks.get(expert.name, []))
-        if added:
-            raw["positive_prompts"] = list(raw.get("positive_prompts") or []) + added
-    load_config(dict(data))  # the result must still be a valid config
-    text = yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)
+    added = {i: list(picks.get(expert.name, []))
+             for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
+    text = add_prompts(original, added)  # comments and layout kept
+    load_config(dict(yaml.safe_load(text)))  # the result must still be a valid config
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half

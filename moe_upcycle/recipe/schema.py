@@ -248,7 +248,7 @@ class UpcycleConfig(_Strict):
     @field_validator("architecture", mode="before")
     @classmethod
     def _architecture_name(cls, value: Any) -> Any:
-        from .mergekit_names import architecture_name
+        from moe_upcycle.recipe.mergekit_names import architecture_name
 
         return architecture_name(value) if isinstance(value, str) else value
 

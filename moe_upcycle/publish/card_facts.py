@@ -1,0 +1,145 @@
+"""What the model card says about where the model came from and how it was made.
+
+`card` lays the card out; this module supplies its facts in a form a publisher can upload as is:
+hub ids for ``base_model`` (never local paths), readable parameter counts, markdown-safe table
+cells, and a short account of how the experts and their router rows were made. It reads only
+the sources' ``config.json``; no tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping, Optional
+
+from moe_upcycle.planning.plan_report import readable_count  # noqa: F401  (re-exported)
+from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
+from moe_upcycle.terminal.hints import is_hub_id
+
+LOCAL = "local model"
+
+
+def hub_id(ref: str, path: Optional[Path]) -> Optional[str]:
+    """The hub id of a source: `ref` itself when it is one and no local folder of that name was
+    used, else the ``_name_or_path`` its config.json records when that is a hub id; else None."""
+    local_folder = path is not None and Path(ref).expanduser().is_dir()
+    if is_hub_id(ref) and not local_folder:
+        return ref
+    if path is not None and (Path(path) / "config.json").is_file():
+        try:
+            named = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        if isinstance(named, str) and is_hub_id(named) and not Path(named).expanduser().exists():
+            return named
+    return None
+
+
+class Sources:
+    """How each model reference of a recipe is named in the card: its hub id, else "local model `name`"."""
+
+    def __init__(self, config: UpcycleConfig, paths: Mapping[str, Optional[Path]]):
+        refs = [config.base_model] + [e.source_model for e in config.expert_list()]
+        refs += [e.source_model for e in config.shared_experts]
+        self.refs = list(dict.fromkeys(refs))
+        self.hub = {ref: hub_id(ref, paths.get(ref)) for ref in self.refs}
+
+    def base_models(self) -> list[str]:
+        """Hub ids of every source (base, experts, shared experts), each once, base first."""
+        return list(dict.fromkeys(h for h in (self.hub[r] for r in self.refs) if h))
+
+    def local(self) -> list[str]:
+        """References with no hub id."""
+        return [r for r in self.refs if not self.hub[r]]
+
+    def name(self, ref: str) -> str:
+        """Markdown for a source: ``[org/name](https://huggingface.co/org/name)`` or ``local model `ft0```."""
+        h = self.hub.get(ref)
+        if h:
+            return f"[{h}](https://huggingface.co/{h})"
+        return f"{LOCAL} `{Path(ref).expanduser().name or ref}`"
+
+    def without_paths(self, text: str, paths: Mapping[str, Optional[Path]]) -> str:
+        """`text` with every local source's reference and folder replaced by its plain name."""
+        for ref in sorted(self.local(), key=len, reverse=True):
+            for form in {str(paths.get(ref) or ""), str(Path(ref).expanduser().resolve()), ref} - {""}:
+                text = text.replace(form, self.plain(ref))
+        return text
+
+    def plain(self, ref: str) -> str:
+        """A source without markdown: its hub id or ``local model ft0``."""
+        return self.hub.get(ref) or f"{LOCAL} {Path(ref).expanduser().name or ref}"
+
+
+def cell(text: object) -> str:
+    """Text safe inside a markdown table cell: one line, pipes escaped.
+
+    Example:
+        >>> cell("a | b\\nc")
+        'a \\\\| b c'
+    """
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def init_text(init) -> str:
+    """An `ExpertInit` in words."""
+    if init.method == "copy":
+        return "exact copies of the source FFN"
+    if init.method == "noise":
+        kind = "absolute std" if init.absolute else "std relative to each matrix"
+        return f"copies plus seeded Gaussian noise ({kind} {init.scale:g})"
+    if init.method == "drop":
+        ratio = 0.5 if init.ratio is None else init.ratio  # the default of inits.slot_transforms
+        return f"Drop-Upcycling: a seeded {ratio:.0%} of each expert's neurons re-initialised"
+    if init.method == "split":
+        how = ", after a seeded shuffle" if init.shuffle else ""
+        return f"each FFN split into {init.granularity} fine-grained experts{how}"
+    return str(init.method)
+
+
+def _prompt_source(expert: ExpertConfig) -> str:
+    pos = f"{len(expert.positive_prompts)} positive prompts"
+    if expert.positive_prompts_from:
+        pos += f" (set `{expert.positive_prompts_from}`)" if "/" not in expert.positive_prompts_from and \
+            "." not in expert.positive_prompts_from else " (from a file)"
+    if expert.negative_prompts:
+        pos += f", {len(expert.negative_prompts)} negative"
+    return pos
+
+
+def gate_text(config: UpcycleConfig) -> str:
+    """Where the router rows came from, in one sentence."""
+    mode = config.gate_mode
+    if mode == "random":
+        return f"random rows, normal(0, {config.router_init_std:g}) (seed {config.seed})"
+    if mode == "uniform_random":
+        return f"random rows, U(-1/sqrt(hidden), 1/sqrt(hidden)) as nn.Linear initialises them (seed {config.seed})"
+    if mode == "uniform":
+        return "zeros: every expert gets the same score, routing starts uniform"
+    if mode == "cheap_embed":
+        return "the mean token embedding of each expert's positive prompts (minus its negative prompts), no forward pass"
+    if mode == "kmeans":
+        name = Path(str(config.calibration_text)).name
+        return (f"spherical k-means (seed {config.seed}) of the base model's router inputs "
+                f"(post_attention_layernorm outputs) on the calibration text `{name}`; each centroid is a row")
+    reduce = "last real token" if mode == "hidden_last" else "mean over real tokens"
+    center = ", centred over experts" if config.gate_center else ""
+    scale = f", rows of length {config.gate_scale:g}" if config.gate_scale else ", length set per layer"
+    return (f"the base model's router inputs (post_attention_layernorm outputs, {reduce}) on each expert's "
+            f"prompts, positive minus negative{center}{scale}")
+
+
+def making_of(config: UpcycleConfig) -> list[str]:
+    """Markdown bullets: how the experts and their routers were made."""
+    lines = [f"- Experts: {init_text(config.expert_init)}.",
+             f"- Router (gate mode `{config.gate_mode}`): {gate_text(config)}."]
+    if config.gate_mode in ("hidden", "hidden_avg", "hidden_last", "cheap_embed"):
+        for e in config.expert_list():
+            lines.append(f"  - `{cell(e.name)}`: {_prompt_source(e)}")
+    if config.shared_experts:
+        gate = config.shared_expert_gate or "default"
+        lines.append(f"- Shared expert: {len(config.shared_experts)} source FFN(s) concatenated, sigmoid gate "
+                     f"`{gate}`.")
+    if config.attention_from == "average":
+        lines.append("- Attention, norms and embeddings: the mean over the expert source models.")
+    return lines

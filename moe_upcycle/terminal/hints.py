@@ -1,0 +1,54 @@
+"""Commands that error messages suggest, written so that they work where the user is.
+
+moe-upcycle is installed from a clone (it is not on a package index), so an extra is installed
+with ``pip install -e '.[plot]'`` from the clone, or simply by installing the package it brings.
+A hub model is downloaded with the ``hf`` command of huggingface_hub (``huggingface-cli`` on
+older versions); a local path is never given a download command.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+# extra name -> the packages it installs (mirrors [project.optional-dependencies] in pyproject.toml)
+EXTRAS = {"plot": "matplotlib", "quant": "bitsandbytes", "test": "pytest hypothesis"}
+
+
+def install_hint(extra: str) -> str:
+    """How to install an optional dependency.
+
+    Example:
+        >>> install_hint("plot")
+        "pip install matplotlib (or, in a clone of moe-upcycle: pip install -e '.[plot]')"
+    """
+    return f"pip install {EXTRAS[extra]} (or, in a clone of moe-upcycle: pip install -e '.[{extra}]')"
+
+
+def is_hub_id(ref: str) -> bool:
+    """``org/name`` with the characters the hub allows; ``./x``, ``/abs/x``, ``~/x`` and ``x`` are paths.
+
+    Example:
+        >>> is_hub_id("mistralai/Mistral-7B-v0.1"), is_hub_id("./ft0"), is_hub_id("ft0"), is_hub_id("a/b/c")
+        (True, False, False, False)
+    """
+    return bool(HUB_ID.match(ref)) and not ref.startswith((".", "~")) and ".." not in ref
+
+
+def download_command(ref: str, *files: str) -> str:
+    """The command that puts hub model `ref` (or only `files` of it) into the local cache."""
+    tool = "huggingface-cli download" if shutil.which("hf") is None and shutil.which("huggingface-cli") else "hf download"
+    return " ".join([tool, ref, *files])
+
+
+def missing_model_hint(ref: str) -> str:
+    """What to do about a model reference that is neither a folder nor in the cache (``org/name@revision`` too)."""
+    repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    if is_hub_id(repo):
+        at = ("--revision", revision) if revision else ()
+        return (f"give a local folder, or download the hub model first ({download_command(repo, *at)}; "
+                f"`moe-upcycle plan --from-config` needs only {download_command(repo, 'config.json', *at)})")
+    return f"check the path: there is no folder {Path(ref).expanduser()}; give the folder of a saved model"
