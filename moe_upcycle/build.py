@@ -25,7 +25,7 @@ from .gate_checks import parallel_experts
 from .gates import compute_gates
 from .guards import check_free_space, check_source_dtypes
 from .model_files import copy_tokenizer_files, moe_config, write_config
-from .output_dir import check_target, staged_output
+from .output_dir import check_target, make_parent, staged_output
 from .plan import Plan, Step, make_plan
 from .plan_report import PlanSummary, summarize
 from .report import sharing_report
@@ -163,6 +163,7 @@ def upcycle(
     summary = summarize(config, plan, sources, sharing, target)
     if dry_run:
         return BuildResult(config, plan, None, sharing, summary=summary)
+    make_parent(target)
     check_target(target, force, [s.path for s in sources.values() if s.path])
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]

@@ -43,8 +43,12 @@ def default_gate_scale(hidden_size: int) -> float:
     return 16.0 / math.sqrt(hidden_size)
 
 
-def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint,
+                  device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
     """Router weights for every layer, fp32, shape (num_experts, hidden).
+
+    `device` (default CPU) is where ``random``/``uniform_random``/``uniform`` rows are drawn, with a
+    generator of that device seeded with ``config.seed`` (CPU and CUDA draw different rows).
 
     Raises:
         ConfigError: prompts missing for a prompt-based mode, or a mode not available.
@@ -53,7 +57,7 @@ def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[i
     num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
     mode = config.gate_mode
     check_prompts(config)
-    gen = torch.Generator().manual_seed(config.seed)
+    gen = torch.Generator(device=device or "cpu").manual_seed(config.seed)
     group_size = inits.granularity(config)  # > 1 for expert_init: split
     gates: dict[int, torch.Tensor] = {}
     if mode == "cheap_embed":
@@ -68,12 +72,12 @@ def compute_gates(config: UpcycleConfig, plan: Plan, base: Checkpoint) -> dict[i
         return compute_hidden_gates(config, plan.num_layers, base.path)
     for layer in range(plan.num_layers):
         if mode == "random":
-            g = torch.randn(num_experts, hidden, generator=gen) * config.router_init_std
+            g = torch.randn(num_experts, hidden, generator=gen, device=gen.device) * config.router_init_std
         elif mode == "uniform_random":
             bound = 1.0 / math.sqrt(hidden)
-            g = torch.rand(num_experts, hidden, generator=gen) * (2 * bound) - bound
+            g = torch.rand(num_experts, hidden, generator=gen, device=gen.device) * (2 * bound) - bound
         else:  # uniform
-            g = torch.zeros(num_experts, hidden)
+            g = torch.zeros(num_experts, hidden, device=gen.device)
         gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
     return gates
 

@@ -6,6 +6,16 @@ transforms — but reads tensors from the model's state dict and places them int
 ``MixtralForCausalLM`` instead of writing files. Every output parameter gets its own storage:
 nothing aliases the dense model or another expert, so training one expert never moves another.
 
+The MoE is built where the dense model is: same dtype, each parameter on the device of the dense
+module it comes from (a model on a GPU stays there; one spread by accelerate's ``device_map`` is
+spread and dispatched the same way, see `placement`), and every random draw is made on that
+device with a generator seeded per (seed, tensor). The same seed gives the same experts on every
+run on one device type; CPU and CUDA generators differ, so a CUDA model gets other (equally
+distributed) random neurons and routers than a CPU one. ``copy`` and unshuffled ``split`` involve
+no randomness in the experts and are identical everywhere. Its config carries the
+``experts_implementation`` that `experts_impl` picks for its shapes, so ``save_pretrained`` →
+``from_pretrained`` runs the same kernel.
+
 It does not load or save checkpoints (use `build.upcycle` for files), and it holds the whole MoE
 in memory (that is its purpose). Prompt-based gate modes need a tokenizer and files, so only
 ``random``, ``uniform_random`` and ``uniform`` are offered here.
@@ -22,8 +32,10 @@ import torch
 from .config import ExpertInit, load_config
 from .errors import ConfigError
 from .execute import iter_tensors
+from .experts_impl import experts_implementation_for
 from .gates import compute_gates
 from .model_files import moe_config
+from .placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from .plan import Plan, make_plan
 from .source import Checkpoint, TensorInfo
 
@@ -83,10 +95,12 @@ def upcycle_model(
         dtype: "float32", "bfloat16" or "float16"; default: the dense model's parameter dtype.
 
     Returns:
-        A ``MixtralForCausalLM`` in training mode whose every parameter has its own storage.
+        A ``MixtralForCausalLM`` in training mode whose every parameter has its own storage, on
+        the dense model's device(s).
 
     Raises:
-        ConfigError: an invalid option (reported with the option's name).
+        ConfigError: an invalid option (reported with the option's name), or a dense model whose
+            weights are offloaded (on the meta device).
         PlanError: the dense model cannot be upcycled (e.g. an unsupported architecture).
 
     Example:
@@ -104,14 +118,16 @@ def upcycle_model(
         "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef,
         "output_router_logits": output_router_logits, "dtype": dtype,
     })
+    placement = dense_placement(dense_model)
     source = state_dict_source(dense_model)
     sources = {IN_MEMORY_REF: source}
     plan = make_plan(config, sources)
-    gates = compute_gates(config, plan, source)
+    gates = compute_gates(config, plan, source, device=placement.main)
     cfg = moe_config(plan, config.router_aux_loss_coef, config.router_jitter_noise, config.output_router_logits)
     model = empty_moe_model(cfg, plan)
-    fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed))
-    return model.train()
+    fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
+    move_buffers(model, placement)
+    return dispatch_like(model, placement).train()
 
 
 def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
@@ -121,18 +137,22 @@ def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
 
     kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
     hf_config = AutoConfig.for_model(cfg["model_type"], **kwargs)
-    intermediate = int(cfg["intermediate_size"])
-    extra = {}
-    if (intermediate * plan.dtype.itemsize) % 16:
-        # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size
-        extra["experts_implementation"] = "eager"
+    # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size
+    impl = cfg.get("experts_implementation") or experts_implementation_for(cfg, plan.dtype)
+    extra = {"experts_implementation": impl} if impl else {}
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=plan.dtype, **extra)
+    if impl:
+        # a plain config attribute is written by save_pretrained (the private one is not), and
+        # from_pretrained reads it back: the reloaded model runs the kernel this one runs
+        model.config.experts_implementation = impl
     return model
 
 
-def fill_model(model: torch.nn.Module, plan: Plan, tensors) -> None:
+def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[DensePlacement] = None) -> None:
     """Place every planned tensor into `model`, each parameter in storage of its own.
+
+    Each parameter is allocated on ``placement.device_for(name)`` (the CPU without a placement).
 
     Checkpoint names (``block_sparse_moe.experts.3.w1.weight``) are placed directly when the
     model has them (transformers 4.x), else into the fused 3-D expert parameters of
@@ -146,7 +166,9 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors) -> None:
     places = {step.name: _place(step.name, params) for step in plan.steps}
     # allocated before iterating: `iter_tensors` runs under inference_mode, and tensors made
     # there could never become trainable parameters
-    fresh = {target: torch.empty(params[target].shape, dtype=plan.dtype) for target, _ in places.values()}
+    fresh = {target: torch.empty(params[target].shape, dtype=plan.dtype,
+                                 device=placement.device_for(target) if placement else "cpu")
+             for target, _ in places.values()}
     filled = dict.fromkeys(fresh, 0)
     for step, tensor in tensors:
         target, index = places[step.name]

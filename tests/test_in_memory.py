@@ -37,7 +37,8 @@ def test_copy_is_a_mixtral_equal_to_dense(dense_stories):
     assert moe.config.num_local_experts == 4 and moe.config.num_experts_per_tok == 2
     assert moe.lm_head.weight is moe.model.embed_tokens.weight  # stories ties embeddings
     assert all(p.requires_grad and p.device.type == "cpu" for p in moe.parameters())
-    torch.testing.assert_close(logits(moe.eval(), ids), logits(dense, ids), atol=1e-5, rtol=0)
+    ref = logits(dense, ids)  # fp32 rounding relative to the logits' size (sum order differs per kernel)
+    torch.testing.assert_close(logits(moe.eval(), ids), ref, atol=2e-6 * float(ref.abs().max()), rtol=0)
 
 
 def test_split_in_memory_is_exact(dense_stories):

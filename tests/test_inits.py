@@ -58,7 +58,8 @@ def eager_logits(folder: Path, text: str = PROMPT_TEXT) -> torch.Tensor:
 
 def test_copy_equals_dense_and_reports_zero_drift(stories, tmp_path):
     result = build(stories, tmp_path / "moe", "copy", report_init_drift=True)
-    torch.testing.assert_close(model_logits(result.output), model_logits(stories), atol=1e-5, rtol=0)
+    dense = model_logits(stories)  # fp32 rounding relative to the logits' size (sum order differs per kernel)
+    torch.testing.assert_close(model_logits(result.output), dense, atol=2e-6 * float(dense.abs().max()), rtol=0)
     assert build(stories, tmp_path / "auto", "copy").drift is None  # auto: copy is exact by construction
     assert result.drift is not None and result.drift.top1_agreement == 1.0 and result.drift.mean_kl < 1e-9
     assert result.drift.tokens > 50
