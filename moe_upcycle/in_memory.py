@@ -41,7 +41,8 @@ from .source import Checkpoint, TensorInfo
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
-_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123])\.weight$")
+_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\.weight$")
+_PROJ_AS_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # Qwen MoE names -> Mixtral's
 
 
 @dataclass
@@ -78,11 +79,13 @@ def upcycle_model(
     router_aux_loss_coef: Optional[float] = None,
     output_router_logits: bool = False,
     dtype: Optional[str] = None,
+    architecture: Optional[str] = None,
 ) -> torch.nn.Module:
-    """Turn a dense model into a Mixtral MoE model in memory, ready for continued training.
+    """Turn a dense model into an MoE model in memory (Mixtral by default), ready for continued training.
 
     Args:
-        dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` (left untouched).
+        dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` / Qwen2 / Qwen3 (left
+            untouched), on any device(s).
         num_experts: routed experts per layer.
         experts_per_token: top-k.
         expert_init: "copy", or a mapping such as ``{"method": "drop", "ratio": 0.5}`` (the YAML
@@ -93,9 +96,12 @@ def upcycle_model(
         router_jitter_noise, router_aux_loss_coef, output_router_logits: MoE training knobs
             written into the model's config.
         dtype: "float32", "bfloat16" or "float16"; default: the dense model's parameter dtype.
+        architecture: the output architecture ("mixtral", "qwen2_moe", "qwen3_moe"...); default:
+            the one a build picks for the dense family.
 
     Returns:
-        A ``MixtralForCausalLM`` in training mode whose every parameter has its own storage, on
+        A ``MixtralForCausalLM`` (or the `architecture`'s class) in training mode whose every
+        parameter has its own storage, on
         the dense model's device(s).
 
     Raises:
@@ -117,6 +123,7 @@ def upcycle_model(
         "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,
         "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef,
         "output_router_logits": output_router_logits, "dtype": dtype,
+        **({"architecture": architecture} if architecture else {}),
     })
     placement = dense_placement(dense_model)
     source = state_dict_source(dense_model)
@@ -196,7 +203,7 @@ def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
         return renamed, None
     m = _FUSED_EXPERT.match(renamed)
     if m:
-        e, w, prefix = int(m["expert"]), m["w"], m["prefix"]
+        e, w, prefix = int(m["expert"]), _PROJ_AS_W.get(m["w"], m["w"]), m["prefix"]
         if w == "w2":
             return f"{prefix}.down_proj", (e,)
         gate_up = f"{prefix}.gate_up_proj"
