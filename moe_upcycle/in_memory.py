@@ -10,8 +10,8 @@ The MoE is built where the dense model is: same dtype, each parameter on the dev
 module it comes from (a model on a GPU stays there; one spread by accelerate's ``device_map`` is
 spread and dispatched the same way, see `placement`), and every random draw is made on that
 device with a generator seeded per (seed, tensor). The same seed gives the same experts on every
-run on one device type; CPU and CUDA generators differ, so a CUDA model gets other (equally
-distributed) random neurons and routers than a CPU one. ``copy`` and unshuffled ``split`` involve
+run on one device type (on CUDA: one GPU model); CPU and CUDA generators differ, so a CUDA model
+gets other (equally distributed) random neurons and routers than a CPU one. ``copy`` and unshuffled ``split`` involve
 no randomness in the experts and are identical everywhere. Its config carries the
 ``experts_implementation`` that `experts_impl` picks for its shapes, so ``save_pretrained`` →
 ``from_pretrained`` runs the same kernel.
