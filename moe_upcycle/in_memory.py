@@ -13,8 +13,9 @@ device with a generator seeded per (seed, tensor). The same seed gives the same 
 run on one device type (on CUDA: one GPU model); CPU and CUDA generators differ, so a CUDA model
 gets other (equally distributed) random neurons and routers than a CPU one. ``copy`` and unshuffled ``split`` involve
 no randomness in the experts and are identical everywhere. Its config carries the
-``experts_implementation`` that `experts_impl` picks for its shapes, so ``save_pretrained`` →
-``from_pretrained`` runs the same kernel.
+``experts_implementation`` that `experts_impl` picks for its shapes (in its dtype and in bf16, as
+fp32 master weights are often cast before saving), so ``save_pretrained`` → ``from_pretrained``
+runs the same kernel.
 
 It does not load or save checkpoints (use `build.upcycle` for files), and it holds the whole MoE
 in memory (that is its purpose). Prompt-based gate modes need a tokenizer and files, so only
@@ -144,8 +145,10 @@ def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
 
     kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
     hf_config = AutoConfig.for_model(cfg["model_type"], **kwargs)
-    # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size
-    impl = cfg.get("experts_implementation") or experts_implementation_for(cfg, plan.dtype)
+    # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size.
+    # Checked for 2-byte dtypes too: fp32 master weights are often cast to bf16 before save_pretrained
+    impl = cfg.get("experts_implementation") or experts_implementation_for(cfg, plan.dtype) \
+        or experts_implementation_for(cfg, torch.bfloat16)
     extra = {"experts_implementation": impl} if impl else {}
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=plan.dtype, **extra)
