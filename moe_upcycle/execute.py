@@ -33,7 +33,7 @@ from .writer import TensorParts
 
 
 def slot_generator(seed: int, step: Step, device: inits.DeviceLike = None) -> torch.Generator:
-    """A generator on `device` (default CPU) seeded from (seed, tensor name): stable whatever order slots are made in."""
+    """A generator on `device` (default CPU) seeded from (seed, tensor name): stable whatever the slot order."""
     digest = hashlib.sha256(f"{seed}:{step.name}".encode()).digest()
     return torch.Generator(device=device or "cpu").manual_seed(int.from_bytes(digest[:8], "little"))
 

@@ -11,8 +11,8 @@ module it comes from (a model on a GPU stays there; one spread by accelerate's `
 spread and dispatched the same way, see `placement`), and every random draw is made on that
 device with a generator seeded per (seed, tensor). The same seed gives the same experts on every
 run on one device type (on CUDA: one GPU model); CPU and CUDA generators differ, so a CUDA model
-gets other (equally distributed) random neurons and routers than a CPU one. ``copy`` and unshuffled ``split`` involve
-no randomness in the experts and are identical everywhere. Its config carries the
+gets other (equally distributed) random neurons and routers than a CPU one. ``copy`` and
+unshuffled ``split`` involve no randomness in the experts and are identical everywhere. Its config carries the
 ``experts_implementation`` that `experts_impl` picks for its shapes (in its dtype and in bf16, as
 fp32 master weights are often cast before saving), so ``save_pretrained`` → ``from_pretrained``
 runs the same kernel.
@@ -42,7 +42,8 @@ from .source import Checkpoint, TensorInfo
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
-_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\.weight$")
 _PROJ_AS_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # Qwen MoE names -> Mixtral's
 
 
@@ -102,8 +103,7 @@ def upcycle_model(
 
     Returns:
         A ``MixtralForCausalLM`` (or the `architecture`'s class) in training mode whose every
-        parameter has its own storage, on
-        the dense model's device(s).
+        parameter has its own storage, on the dense model's device(s).
 
     Raises:
         ConfigError: an invalid option (reported with the option's name), or a dense model whose

@@ -226,11 +226,12 @@ def main() -> None:
         return
     print(f"[{device_name}, torch {torch.__version__}]")
     for r in out.get("capture", []):
-        print(f"capture {r['hidden']}x{r['layers']} batch {r['batch_size']:>3}: plain {r['plain_tokens_per_s']:>9} tok/s, "
-              f"gates {r['gates_tokens_per_s']:>9} tok/s, ratio {r['ratio']:.3f} (target >= 0.9)")
+        print(f"capture {r['hidden']}x{r['layers']} batch {r['batch_size']:>3}: "
+              f"plain {r['plain_tokens_per_s']:>9} tok/s, gates {r['gates_tokens_per_s']:>9} tok/s, "
+              f"ratio {r['ratio']:.3f} (target >= 0.9)")
     for r in out.get("upcycle", []):
-        print(f"upcycle_model {r['hidden']}x{r['layers']} -> {EXPERTS} experts ({r['params_b']} B params), {r['init']:<5}: "
-              f"{r['seconds']:6.2f} s, device and dtype kept: {r['device_and_dtype_kept']}")
+        print(f"upcycle_model {r['hidden']}x{r['layers']} -> {EXPERTS} experts ({r['params_b']} B params), "
+              f"{r['init']:<5}: {r['seconds']:6.2f} s, device and dtype kept: {r['device_and_dtype_kept']}")
     for r in out.get("round_trip", []):
         print(f"round trip {r['init']:<5}: loss {r['loss_before']:.3f} -> {r['loss_after']:.3f} ({args.steps} steps), "
               f"fp32 reload logits rel diff {r['max_logit_diff_rel_fp32']:.1e}, shipped {r['shipped_dtype']} / "

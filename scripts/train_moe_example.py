@@ -15,7 +15,8 @@ are held out) with each recipe, all from the same upcycled start:
 Prints the held-out and training cross-entropy (language-model loss only, no aux loss) before and
 after, and the time per step. Deterministic (seeded); numbers vary only with the CPU's summation order.
 
-Usage: python scripts/train_moe_example.py [--model tests/data/stories260K --steps 100 --batch-size 16 --recipes 'bf16;fp32' --json]
+Usage: python scripts/train_moe_example.py [--model tests/data/stories260K --steps 100 --batch-size 16
+       --recipes 'bf16;fp32' --json]
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--recipes", default="", help="';'-separated name prefixes of the recipes to run (default: all)")
+    parser.add_argument("--recipes", default="",
+                        help="';'-separated name prefixes of the recipes to run (default: all)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
