@@ -1,7 +1,7 @@
 """Train an upcycled MoE for a few steps on CPU and print the loss before and after, per precision recipe.
 
 The README's training recipe, measured. stories260K (vendored under tests/data) is loaded in
-bf16, upcycled in memory (`upcycle_model`, 4 experts, top-2, drop-upcycling), and trained for
+bf16, upcycled in memory (`upcycle_model`, 4 experts, top-2, drop-upcycling or ``--init copy``), and trained for
 ``--steps`` AdamW steps on the shipped prompt sets (even-numbered prompts; the odd-numbered ones
 are held out) with each recipe, all from the same upcycled start:
 
@@ -62,9 +62,13 @@ def lm_loss(model, windows: torch.Tensor, autocast: bool, batch_size: int = 64) 
     return total / count
 
 
-def train(dense, recipe: str, train_ids: torch.Tensor, heldout_ids: torch.Tensor, steps: int, batch_size: int) -> dict:
+INITS = {"drop": {"method": "drop", "ratio": 0.5}, "copy": "copy"}
+
+
+def train(dense, recipe: str, train_ids: torch.Tensor, heldout_ids: torch.Tensor, steps: int, batch_size: int,
+          init: str = "drop") -> dict:
     dtype, autocast, lr = RECIPES[recipe]
-    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init={"method": "drop", "ratio": 0.5},
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init=INITS[init],
                         seed=0, router_aux_loss_coef=0.01, output_router_logits=True, dtype=dtype)
     before = (lm_loss(moe.eval(), train_ids, autocast), lm_loss(moe, heldout_ids, autocast))
     opt = torch.optim.AdamW(moe.parameters(), lr=lr, weight_decay=0.0)
@@ -92,6 +96,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--recipes", default="",
                         help="';'-separated name prefixes of the recipes to run (default: all)")
+    parser.add_argument("--init", choices=sorted(INITS), default="drop", help="expert_init (drop: ratio 0.5)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
@@ -105,12 +110,12 @@ def main() -> None:
     train_ids, heldout_ids = token_windows(tokenizer, prompts[0::2]), token_windows(tokenizer, prompts[1::2])
     recipes = [r for r in RECIPES if not args.recipes or any(r.startswith(p) for p in args.recipes.split(";"))]
     if not args.json:
-        print(f"stories260K -> 4 experts (drop 0.5), {len(train_ids)} train / {len(heldout_ids)} held-out windows of "
+        print(f"stories260K -> 4 experts ({args.init}), {len(train_ids)} train / {len(heldout_ids)} held-out windows of "
               f"{SEQ_LEN} tokens, {args.steps} AdamW steps of {args.batch_size}, CPU")
         print(f"{'recipe':<38} {'train loss':>17} {'held-out loss':>17} {'ms/step':>8}", flush=True)
     results = []
     for recipe in recipes:  # one row as each finishes
-        r = train(dense, recipe, train_ids, heldout_ids, args.steps, args.batch_size)
+        r = train(dense, recipe, train_ids, heldout_ids, args.steps, args.batch_size, args.init)
         results.append(r)
         if not args.json:
             print(f"{r['recipe']:<38} {r['train_before']:7.3f} -> {r['train_after']:6.3f} "

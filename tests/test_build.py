@@ -25,7 +25,8 @@ def test_copy_upcycle_reproduces_dense_logits(fixture, request, tmp_path):
     cfg = json.loads((result.output / "config.json").read_text())
     assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == 4
     assert cfg["num_experts_per_tok"] == 2
-    torch.testing.assert_close(model_logits(result.output), model_logits(base), atol=1e-5, rtol=0)
+    dense = model_logits(base)  # fp32 rounding relative to the logits' size (sum order differs per kernel)
+    torch.testing.assert_close(model_logits(result.output), dense, atol=2e-6 * float(dense.abs().max()), rtol=0)
 
 
 def test_stories_output_keys_and_tied_embeddings(stories, tmp_path):
