@@ -78,7 +78,8 @@ def test_copy_upcycle_every_pair_loads_and_reproduces_dense(fixture, arch, reque
     model = load(result.output, CLASSES[arch])
     assert type(model).__name__ == CLASSES[arch]
     assert model.config.num_experts_per_tok == 2
-    torch.testing.assert_close(logits(model, result.output), dense_logits(base), atol=1e-5, rtol=0)
+    dense = dense_logits(base)  # fp32 rounding relative to the logits' size (sum order differs per kernel)
+    torch.testing.assert_close(logits(model, result.output), dense, atol=2e-6 * float(dense.abs().max()), rtol=0)
 
 
 @pytest.mark.parametrize("fixture,expected", [("tiny_llama", "mixtral"), ("tiny_mistral", "mixtral"),

@@ -28,7 +28,8 @@ def test_exact_split_one_shared_expert(fixture, request, tmp_path):
     result = upcycle(_cfg(base, [{"source_model": str(base)}], routed_scale=0.5), tmp_path / "moe")
     assert any("exactly the dense FFN" in n for n in result.plan.notes), result.plan.notes
     assert not tensor(result.output, "model.layers.0.mlp.shared_expert_gate.weight").any()
-    torch.testing.assert_close(model_logits(result.output), model_logits(base), atol=1e-5, rtol=0)
+    dense = model_logits(base)  # fp32 rounding relative to the logits' size (sum order differs per kernel)
+    torch.testing.assert_close(model_logits(result.output), dense, atol=2e-6 * float(dense.abs().max()), rtol=0)
 
 
 def test_two_shared_experts_become_one_with_summed_size_and_stay_exact(tiny_qwen2, tmp_path):
