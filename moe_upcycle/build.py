@@ -14,7 +14,7 @@ from typing import Callable, Optional, Union
 
 
 from moe_upcycle.check.drift import InitDrift, build_drift
-from moe_upcycle.checkpoint.output_dir import RECIPE_NAME, check_target, staged_output  # noqa: F401 (RECIPE_NAME: public)
+from moe_upcycle.checkpoint.output_dir import RECIPE_NAME, check_target, make_parent, staged_output  # noqa: F401 (RECIPE_NAME: public)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.errors import ConfigError, OutputError
@@ -149,6 +149,7 @@ def upcycle(
     summary = summarize(config, plan, sources, sharing, target)
     if dry_run:
         return BuildResult(config, plan, None, sharing, summary=summary)
+    make_parent(target)
     check_target(target, force, [s.path for s in sources.values() if s.path],
                  input_paths(recipe_source, config, ()))
     check_free_space(target, summary.disk_needed_bytes)

@@ -6,6 +6,17 @@ transforms — but reads tensors from the model's state dict and places them int
 ``MixtralForCausalLM`` instead of writing files. Every output parameter gets its own storage:
 nothing aliases the dense model or another expert, so training one expert never moves another.
 
+The MoE is built where the dense model is: same dtype, each parameter on the device of the dense
+module it comes from (a model on a GPU stays there; one spread by accelerate's ``device_map`` is
+spread and dispatched the same way, see `placement`), and every random draw is made on that
+device with a generator seeded per (seed, tensor). The same seed gives the same experts on every
+run on one device type (on CUDA: one GPU model); CPU and CUDA generators differ, so a CUDA model
+gets other (equally distributed) random neurons and routers than a CPU one. ``copy`` and
+unshuffled ``split`` involve no randomness in the experts and are identical everywhere. Its config carries the
+``experts_implementation`` that `planning.model_config.experts_implementation_for` picks for its shapes (in its dtype and in bf16, as
+fp32 master weights are often cast before saving), so ``save_pretrained`` → ``from_pretrained``
+runs the same kernel.
+
 It does not load or save checkpoints (use `build.upcycle` for files), and it holds the whole MoE
 in memory (that is its purpose). Prompt-based gate modes need a tokenizer and files, so only
 ``random``, ``uniform_random`` and ``uniform`` are offered here.
@@ -27,10 +38,14 @@ from moe_upcycle.gates.router import compute_gates
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.plan import Plan, make_plan
 from moe_upcycle.checkpoint.source import Checkpoint, TensorInfo
+from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
+from moe_upcycle.planning.model_config import experts_implementation_for
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
-_FUSED_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123])\.weight$")
+_FUSED_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\.weight$")
+_PROJ_AS_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # Qwen MoE names -> Mixtral's
 
 
 @dataclass
@@ -67,11 +82,13 @@ def upcycle_model(
     router_aux_loss_coef: Optional[float] = None,
     output_router_logits: bool = False,
     dtype: Optional[str] = None,
+    architecture: Optional[str] = None,
 ) -> torch.nn.Module:
-    """Turn a dense model into a Mixtral MoE model in memory, ready for continued training.
+    """Turn a dense model into an MoE model in memory (Mixtral by default), ready for continued training.
 
     Args:
-        dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` (left untouched).
+        dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` / Qwen2 / Qwen3 (left
+            untouched), on any device(s).
         num_experts: routed experts per layer.
         experts_per_token: top-k.
         expert_init: "copy", or a mapping such as ``{"method": "drop", "ratio": 0.5}`` (the YAML
@@ -82,12 +99,16 @@ def upcycle_model(
         router_jitter_noise, router_aux_loss_coef, output_router_logits: MoE training knobs
             written into the model's config.
         dtype: "float32", "bfloat16" or "float16"; default: the dense model's parameter dtype.
+        architecture: the output architecture ("mixtral", "qwen2_moe", "qwen3_moe"...); default:
+            the one a build picks for the dense family.
 
     Returns:
-        A ``MixtralForCausalLM`` in training mode whose every parameter has its own storage.
+        A ``MixtralForCausalLM`` (or the `architecture`'s class) in training mode whose every
+        parameter has its own storage, on the dense model's device(s).
 
     Raises:
-        ConfigError: an invalid option (reported with the option's name).
+        ConfigError: an invalid option (reported with the option's name), or a dense model whose
+            weights are offloaded (on the meta device).
         PlanError: the dense model cannot be upcycled (e.g. an unsupported architecture).
 
     Example:
@@ -104,16 +125,19 @@ def upcycle_model(
         "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,
         "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef,
         "output_router_logits": output_router_logits, "dtype": dtype,
+        **({"architecture": architecture} if architecture else {}),
     })
+    placement = dense_placement(dense_model)
     source = state_dict_source(dense_model)
     sources = {IN_MEMORY_REF: source}
     plan = make_plan(config, sources)
-    gates = compute_gates(gate_params(config), plan, source)
+    gates = compute_gates(gate_params(config), plan, source, device=placement.main)
     router = router_fields(config)
     cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
     model = empty_moe_model(cfg, plan)
-    fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed))
-    return model.train()
+    fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
+    move_buffers(model, placement)
+    return dispatch_like(model, placement).train()
 
 
 def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
@@ -123,18 +147,24 @@ def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
 
     kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
     hf_config = AutoConfig.for_model(cfg["model_type"], **kwargs)
-    intermediate = int(cfg["intermediate_size"])
-    extra = {}
-    if (intermediate * plan.dtype.itemsize) % 16:
-        # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size
-        extra["experts_implementation"] = "eager"
+    # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size.
+    # Checked for 2-byte dtypes too: fp32 master weights are often cast to bf16 before save_pretrained
+    impl = cfg.get("experts_implementation") or experts_implementation_for(cfg, plan.dtype) \
+        or experts_implementation_for(cfg, torch.bfloat16)
+    extra = {"experts_implementation": impl} if impl else {}
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=plan.dtype, **extra)
+    if impl:
+        # a plain config attribute is written by save_pretrained (the private one is not), and
+        # from_pretrained reads it back: the reloaded model runs the kernel this one runs
+        model.config.experts_implementation = impl
     return model
 
 
-def fill_model(model: torch.nn.Module, plan: Plan, tensors) -> None:
+def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[DensePlacement] = None) -> None:
     """Place every planned tensor into `model`, each parameter in storage of its own.
+
+    Each parameter is allocated on ``placement.device_for(name)`` (the CPU without a placement).
 
     Checkpoint names (``block_sparse_moe.experts.3.w1.weight``) are placed directly when the
     model has them (transformers 4.x), else into the fused 3-D expert parameters of
@@ -148,7 +178,9 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors) -> None:
     places = {step.name: _place(step.name, params) for step in plan.steps}
     # allocated before iterating: `iter_tensors` runs under inference_mode, and tensors made
     # there could never become trainable parameters
-    fresh = {target: torch.empty(params[target].shape, dtype=plan.dtype) for target, _ in places.values()}
+    fresh = {target: torch.empty(params[target].shape, dtype=plan.dtype,
+                                 device=placement.device_for(target) if placement else "cpu")
+             for target, _ in places.values()}
     filled = dict.fromkeys(fresh, 0)
     for step, tensor in tensors:
         target, index = places[step.name]
@@ -176,7 +208,7 @@ def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
         return renamed, None
     m = _FUSED_EXPERT.match(renamed)
     if m:
-        e, w, prefix = int(m["expert"]), m["w"], m["prefix"]
+        e, w, prefix = int(m["expert"]), _PROJ_AS_W.get(m["w"], m["w"]), m["prefix"]
         if w == "w2":
             return f"{prefix}.down_proj", (e,)
         gate_up = f"{prefix}.gate_up_proj"

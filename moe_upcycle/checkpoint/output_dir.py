@@ -63,6 +63,20 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
         raise OutputError(f"the parent folder of the output, {target.parent}, does not exist; create it first")
 
 
+def make_parent(target: Path) -> None:
+    """Create the output's missing parent folders (``out/`` of ``out/my-moe``), like ``mkdir -p``.
+
+    Raises:
+        OutputError: a parent cannot be created (a file is in the way, no permission).
+    """
+    parent = Path(target).expanduser().resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create the parent folder of the output, {parent}: {exc.strerror or exc}; "
+                          f"create it or choose another output path") from None
+
+
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """SIGTERM and SIGHUP raise `signals.Terminated` (a KeyboardInterrupt), so cleanup runs."""

@@ -5,7 +5,9 @@ for models larger than one GPU, optional 4/8-bit through bitsandbytes), tokenize
 calibration windows, pads them into batches (position ids from the attention mask, so padding
 never changes a result) and runs forward passes whose hooks fold each batch into per-layer
 running sums over real tokens (no pad, no special tokens). The forward pass stops after the last
-router input. Hidden states of all prompts are never kept.
+router input. Hidden states of all prompts are never kept. The hooks never wait for the device:
+sums stay on the device the layer runs on, in fp32, reduced straight from the model-dtype
+activations (no fp32 copy of a layer's output), and come to the CPU once, at the end.
 
 It computes no gate rows: `hidden_gates` does, and `route` reuses the batching here.
 """
@@ -208,6 +210,16 @@ def pad_batch(rows: list[Encoded], pad_id: int, side: str) -> tuple[torch.Tensor
     return ids, attn, real
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """Copy a small CPU tensor to `device` without making the host wait for the GPU's queue.
+
+    A copy from pageable memory synchronises the stream; from pinned memory it is queued like a kernel.
+    """
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
                 on_output: Callable[[int, torch.Tensor, torch.Tensor, list[int]], None],
                 padding_side: Optional[str] = None) -> None:
@@ -229,8 +241,8 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
         def hook(module, args, output):
             x = output[0] if isinstance(output, tuple) else output
             real = state["real"].get(x.device)
-            if real is None:
-                real = state["real"][x.device] = state["real_cpu"].to(x.device)
+            if real is None:  # a layer on another device (device_map spread): device to device
+                real = state["real"][x.device] = next(iter(state["real"].values())).to(x.device)
             on_output(layer, x, real, state["rows"])
             state["stage"].advance(len(state["rows"]))
             if layer == last:
@@ -246,9 +258,11 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
                 rows = order[start:start + batch_size]
                 ids, attn, real = pad_batch([encoded[i] for i in rows], pad_id, side)
                 positions = (attn.cumsum(1) - 1).clamp_min(0)  # same positions whatever the padding
-                state.update(rows=rows, real_cpu=real, real={})
                 dev = loaded.input_device
                 check_token_ids(ids, loaded.model.get_input_embeddings().num_embeddings, tok)
+                # the mask goes to the device with the inputs, before the forward pass: a host-to-device
+                # copy from inside a hook would wait for every kernel queued before it
+                state.update(rows=rows, real_cpu=real, real={torch.device(dev): to_device(real, dev)})
                 try:
                     decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
                             use_cache=False)
@@ -279,33 +293,54 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     """
     n_layers = len(loaded.norms)
     group_of = torch.tensor(groups, dtype=torch.long) if groups else torch.zeros(0, dtype=torch.long)
-    acc: dict[int, torch.Tensor] = {}
-    norm_sum = torch.zeros(n_layers, dtype=torch.float64)
+    acc: dict[int, torch.Tensor] = {}  # layer -> (G, H) fp32 on the layer's device
+    norm_acc: dict[int, torch.Tensor] = {}  # layer -> () fp64 on the layer's device
     points: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-    tokens = {"n": 0}
+    n_tokens = sum(sum(e.real) for e in encoded)  # counted on the host, from the tokenizer's output
+    batch: dict = {"rows": None}  # per-batch values derived once per device, reused by every layer
+
+    def per_batch(rows: list[int], real: torch.Tensor, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if batch["rows"] is not rows:
+            batch.clear()
+            batch["rows"] = rows
+        key = (what, real.device)
+        if key not in batch:
+            batch[key] = make()
+        return batch[key]
 
     def on_output(layer: int, x: torch.Tensor, real: torch.Tensor, rows: list[int]) -> None:
-        # x: (B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply
-        xf = torch.where(real[..., None], x.float(), 0.0)  # (B, T, H) fp32
-        norm_sum[layer] += float(xf.norm(dim=-1).sum())
-        if layer == 0:
-            tokens["n"] += int(real.sum())
-        if reduce == "tokens":
-            points[layer].append(xf[real].cpu())
+        # x: (B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply.
+        # Nothing here reads a value back to the host: every reduction stays queued on x's device.
+        xm = torch.where(real[..., None], x, 0)  # (B, T, H) model dtype
+        norm = torch.linalg.vector_norm(xm, dim=-1, dtype=torch.float32).sum()  # fp32 accumulation
+        if layer not in norm_acc:
+            norm_acc[layer] = torch.zeros((), dtype=torch.float64, device=x.device)
+        norm_acc[layer] += norm
+        if reduce == "tokens":  # bounded k-means samples, kept on the device until the end
+            flat = per_batch(rows, real, "flat", lambda: real.flatten().nonzero().squeeze(1))  # one sync per batch
+            points[layer].append(xm.flatten(0, 1).index_select(0, flat).float())
             return
         if reduce == "mean":
-            per = xf.sum(dim=1) / real.sum(dim=1, keepdim=True)  # (B, H)
+            count = per_batch(rows, real, "count", lambda: real.sum(dim=1, keepdim=True))  # (B, 1)
+            per = xm.sum(dim=1, dtype=torch.float32) / count  # (B, H) fp32
         else:  # last real token of each row
-            t = real.shape[1]
-            last = t - 1 - real.flip(1).int().argmax(dim=1)  # (B,)
-            per = xf[torch.arange(x.shape[0], device=x.device), last]
+            last = per_batch(rows, real, "last", lambda: real.shape[1] - 1 - real.flip(1).int().argmax(dim=1))
+            per = xm[torch.arange(x.shape[0], device=x.device), last].float()
         if layer not in acc:
             acc[layer] = torch.zeros(num_groups, x.shape[-1], dtype=torch.float32, device=x.device)
-        acc[layer].index_add_(0, group_of[rows].to(x.device), per)
+        index = per_batch(rows, real, "groups", lambda: to_device(group_of[rows], real.device))
+        acc[layer].index_add_(0, index, per)
 
     run_batches(loaded, encoded, batch_size, on_output, padding_side)
     counts = torch.bincount(group_of, minlength=num_groups) if reduce != "tokens" else torch.zeros(num_groups)
-    sums = torch.stack([acc[i].cpu() for i in range(n_layers)]) if acc else torch.zeros(0)
-    token_norm = (norm_sum / max(tokens["n"], 1)).float()
-    pts = [torch.cat(p) if p else torch.zeros(0) for p in points] if reduce == "tokens" else None
+    sums = _to_cpu([acc[i] for i in range(n_layers)]) if acc else torch.zeros(0)
+    norms = _to_cpu([norm_acc[i] for i in range(n_layers)]) if norm_acc else torch.zeros(n_layers, dtype=torch.float64)
+    token_norm = (norms / max(n_tokens, 1)).float()
+    pts = [torch.cat(p).cpu() if p else torch.zeros(0) for p in points] if reduce == "tokens" else None
     return RouterInputs(sums, counts, token_norm, pts)
+
+
+def _to_cpu(per_layer: list[torch.Tensor]) -> torch.Tensor:
+    """Stack per-layer accumulators (on one or several devices) into one CPU tensor: one transfer at the end."""
+    first = per_layer[0].device
+    return torch.stack([t.to(first) for t in per_layer]).cpu()

@@ -47,8 +47,12 @@ def default_gate_scale(hidden_size: int) -> float:
     return 16.0 / math.sqrt(hidden_size)
 
 
-def compute_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
+                  device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
     """Router weights for every layer, fp32, shape (num_experts, hidden).
+
+    `device` (default CPU) is where ``random``/``uniform_random``/``uniform`` rows are drawn, with a
+    generator of that device seeded with ``params.seed`` (CPU and CUDA draw different rows).
 
     Raises:
         ConfigError: prompts missing for a prompt-based mode, or a mode not available.
@@ -57,7 +61,7 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int,
     num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
     mode = params.mode
     check_prompts(params)
-    gen = torch.Generator().manual_seed(params.seed)
+    gen = torch.Generator(device=device or "cpu").manual_seed(params.seed)
     group_size = params.group_size  # > 1 for expert_init: split
     if params.source == "mergekit":
         from moe_upcycle.gates.mergekit_gates import compute_mergekit_gates
@@ -76,12 +80,12 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int,
         return compute_hidden_gates(params, plan.num_layers, base.path)
     for layer in range(plan.num_layers):
         if mode == "random":
-            g = torch.randn(num_experts, hidden, generator=gen) * params.init_std
+            g = torch.randn(num_experts, hidden, generator=gen, device=gen.device) * params.init_std
         elif mode == "uniform_random":
             bound = 1.0 / math.sqrt(hidden)
-            g = torch.rand(num_experts, hidden, generator=gen) * (2 * bound) - bound
+            g = torch.rand(num_experts, hidden, generator=gen, device=gen.device) * (2 * bound) - bound
         else:  # uniform
-            g = torch.zeros(num_experts, hidden)
+            g = torch.zeros(num_experts, hidden, device=gen.device)
         gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
     return gates
 

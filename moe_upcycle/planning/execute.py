@@ -34,22 +34,24 @@ from moe_upcycle.checkpoint.writer import TensorParts
 from moe_upcycle.planning.llamacpp import half_gate
 
 
-def slot_generator(seed: int, step: Step) -> torch.Generator:
-    """A generator seeded from (seed, tensor name): stable whatever order slots are made in."""
+def slot_generator(seed: int, step: Step, device: inits.DeviceLike = None) -> torch.Generator:
+    """A generator on `device` (default CPU) seeded from (seed, tensor name): stable whatever the slot order."""
     digest = hashlib.sha256(f"{seed}:{step.name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.Generator(device=device or "cpu").manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 def apply_transforms(tensor: torch.Tensor, step: Step, seed: int) -> torch.Tensor:
-    """Apply a slot's transforms in fp32 (always on a fresh copy)."""
+    """Apply a slot's transforms in fp32 (always on a fresh copy), on the tensor's device."""
     out = tensor.float().clone()
+    dev = out.device
     for name, value in step.transforms:
         if name == "noise":  # mergekit's noise_scale: absolute Gaussian noise
-            out += torch.randn(out.shape, generator=slot_generator(seed, step)) * value
+            out += torch.randn(out.shape, generator=slot_generator(seed, step, dev), device=dev) * value
         elif name == "scale":
             out *= value
         elif name in inits.TRANSFORMS:
-            out = inits.apply_transform(out, name, value, step.layer, step.expert, seed, slot_generator(seed, step))
+            out = inits.apply_transform(out, name, value, step.layer, step.expert, seed,
+                                        slot_generator(seed, step, dev))
         else:
             raise ValueError(f"unknown transform {name!r}")
     return out
@@ -112,9 +114,10 @@ def iter_tensors(
             elif step.kind == "half_gate":
                 tensor = half_gate(step.shape, step.dtype)
             elif step.kind == "average":  # fp32 mean, one part in memory at a time
-                total = torch.zeros(step.shape, dtype=torch.float32)
+                total = None  # on the parts' device (an in-memory model may be on a GPU)
                 for part in step.parts:
-                    total += slot(part).float()
+                    x = slot(part).float()
+                    total = x.clone() if total is None else total.add_(x)
                 tensor = (total / len(step.parts)).to(step.dtype)
             elif step.parts and step.part_dim == 0:
                 tensor = TensorParts(step.shape, step.dtype, streamed(step.parts))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -37,6 +37,7 @@ from moe_upcycle.recipe.schema import ExpertInit, UpcycleConfig
 
 # transform names handled here (execute also knows "noise" (absolute) and "scale")
 TRANSFORMS = ("rel_noise", "drop", "slice")
+DeviceLike = Union[torch.device, str, None]
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,14 @@ class Slice:
     shuffle: bool
 
 
-def keyed_generator(seed: int, *parts: Any) -> torch.Generator:
-    """A CPU generator seeded from (seed, parts) by sha256: independent of call order."""
+def keyed_generator(seed: int, *parts: Any, device: DeviceLike = None) -> torch.Generator:
+    """A generator on `device` (default CPU) seeded from (seed, parts) by sha256: independent of call order.
+
+    CPU and CUDA generators are different algorithms (Mersenne Twister, Philox): the same seed
+    gives different draws on each, but always the same draws on the same device type.
+    """
     digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.Generator(device=device or "cpu").manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 def drop_count(intermediate: int, ratio: float) -> int:
@@ -74,15 +79,18 @@ def drop_count(intermediate: int, ratio: float) -> int:
     return int(ratio * intermediate + 0.5)
 
 
-def drop_indices(intermediate: int, ratio: float, seed: int, layer: int, expert: int) -> torch.Tensor:
-    """The sorted neuron indices dropped for (layer, expert); one set for gate, up and down."""
-    perm = torch.randperm(intermediate, generator=keyed_generator(seed, "drop", layer, expert))
+def drop_indices(intermediate: int, ratio: float, seed: int, layer: int, expert: int,
+                 device: DeviceLike = None) -> torch.Tensor:
+    """The sorted neuron indices dropped for (layer, expert); one set for gate, up and down (drawn on `device`)."""
+    gen = keyed_generator(seed, "drop", layer, expert, device=device)
+    perm = torch.randperm(intermediate, generator=gen, device=gen.device)
     return perm[: drop_count(intermediate, ratio)].sort().values
 
 
-def split_permutation(intermediate: int, seed: int, layer: int, group: int) -> torch.Tensor:
-    """The neuron order whose consecutive slices form virtual group `group`'s experts."""
-    return torch.randperm(intermediate, generator=keyed_generator(seed, "split", layer, group))
+def split_permutation(intermediate: int, seed: int, layer: int, group: int, device: DeviceLike = None) -> torch.Tensor:
+    """The neuron order whose consecutive slices form virtual group `group`'s experts (drawn on `device`)."""
+    gen = keyed_generator(seed, "split", layer, group, device=device)
+    return torch.randperm(intermediate, generator=gen, device=gen.device)
 
 
 def granularity(config: UpcycleConfig) -> int:
@@ -128,25 +136,26 @@ def apply_transform(out: torch.Tensor, name: str, value: Any, layer: int, expert
         name, value: the transform, as planned by `slot_transforms`.
         layer, expert: the slot, which keys the neuron sets (shared by gate/up/down of an expert).
         seed: the build seed.
-        slot_gen: a generator keyed on the slot's name, for values drawn for this matrix only.
+        slot_gen: a generator keyed on the slot's name, for values drawn for this matrix only, on
+            `out`'s device (every draw is made where the matrix is: nothing crosses devices).
     """
     if name == "rel_noise":
-        return out + torch.randn(out.shape, generator=slot_gen) * (value * out.std())
+        return out + torch.randn(out.shape, generator=slot_gen, device=out.device) * (value * out.std())
     if name == "drop":
         n_neurons = out.shape[value.axis]
-        idx = drop_indices(n_neurons, value.ratio, seed, layer, expert)
+        idx = drop_indices(n_neurons, value.ratio, seed, layer, expert, device=out.device)
         shape = list(out.shape)
         shape[value.axis] = len(idx)
-        fresh = torch.randn(shape, generator=slot_gen) * out.std() + out.mean()
+        fresh = torch.randn(shape, generator=slot_gen, device=out.device) * out.std() + out.mean()
         out.index_copy_(value.axis, idx, fresh)
         return out
     if name == "slice":
         n_neurons = out.shape[value.axis]
         width = n_neurons // value.granularity
         if value.shuffle:
-            order = split_permutation(n_neurons, seed, layer, value.group)
+            order = split_permutation(n_neurons, seed, layer, value.group, device=out.device)
         else:
-            order = torch.arange(n_neurons)
+            order = torch.arange(n_neurons, device=out.device)
         keep = order[value.index * width:(value.index + 1) * width]
         return out.index_select(value.axis, keep).contiguous()
     raise ValueError(f"unknown transform {name!r}")

@@ -14,7 +14,7 @@ device (transformers 4.x ignores the field).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -42,6 +42,20 @@ def experts_implementation(hidden: int, intermediate: int, dtype: torch.dtype) -
     """
     row_bytes = (hidden * dtype.itemsize, intermediate * dtype.itemsize)
     return "eager" if any(b % GROUPED_MM_ALIGN_BYTES for b in row_bytes) else None
+
+
+def experts_implementation_for(config: dict, dtype: Union[torch.dtype, str]) -> Optional[str]:
+    """`experts_implementation` for an MoE config.json dict (its hidden and expert intermediate sizes).
+
+    Example:
+        >>> experts_implementation_for({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 172},
+        ...                            torch.bfloat16)
+        'eager'
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    expert_size = config[output_layout(config["model_type"]).expert_size_key]
+    return experts_implementation(int(config["hidden_size"]), int(expert_size), dtype)
 
 
 def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0,

@@ -1,0 +1,116 @@
+"""The research path on a GPU (issue 16): every init x {model on CUDA, spread CUDA + CPU} keeps its devices and
+dtype, is deterministic per seed, trains, saves, reloads with dtype="auto" and generates; gate capture on CUDA
+matches the CPU's. Run with ``pytest -m cuda``; every test skips without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPT_TEXT
+from moe_upcycle.gates import capture as cap
+from moe_upcycle import upcycle_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+INITS = {
+    "copy": "copy",
+    "noise": {"method": "noise", "scale": 0.01},
+    "drop": {"method": "drop", "ratio": 0.5},
+    "split": {"method": "split", "granularity": 2, "shuffle": True},
+}
+
+
+def load_dense(folder, dtype, placement: str):
+    """stories260K on the GPU (``cuda``) or spread: embeddings and layer 0 on the GPU, the rest on the CPU."""
+    from accelerate import dispatch_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    if placement == "cuda":
+        model = model.to("cuda")
+    else:  # weights really on both devices (main_device cpu: nothing offloaded to meta)
+        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+                      "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": 0}
+        model = dispatch_model(model, device_map=device_map, main_device="cpu")
+    return model, AutoTokenizer.from_pretrained(str(folder))
+
+
+def logits(model, ids):
+    with torch.inference_mode():
+        return model.eval()(input_ids=ids).logits.float().cpu()
+
+
+def close(actual, expected, rel):
+    torch.testing.assert_close(actual, expected, atol=rel * float(expected.abs().max()), rtol=0)
+
+
+def devices_of(model) -> dict[str, str]:
+    return {n: str(p.device) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("placement", ["cuda", "spread"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("init", INITS)
+def test_every_init_on_cuda_trains_saves_reloads_and_generates(stories, tmp_path, init, dtype, placement):
+    from transformers import AutoModelForCausalLM
+
+    dense, tok = load_dense(stories, dtype, placement)
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init=INITS[init], seed=3)
+    again = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init=INITS[init], seed=3)
+    # same dtype, each layer where the dense layer was
+    assert {p.dtype for p in moe.parameters()} == {dtype}
+    where = devices_of(moe)
+    for layer in range(2):
+        dense_dev = str(dense.model.layers[layer].mlp.gate_proj.weight.device)
+        assert {d for n, d in where.items() if n.startswith(f"model.layers.{layer}.")} == {dense_dev}
+    if placement == "cuda":
+        assert set(where.values()) == {"cuda:0"}
+    # deterministic per seed on the device
+    a, b = moe.state_dict(), again.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ids = tok(PROMPT_TEXT, return_tensors="pt")["input_ids"].to(dense.device if placement == "cuda" else "cpu")
+    if init in ("copy", "split"):  # function-preserving inits: equal to the dense model on the device
+        close(logits(moe, ids), logits(dense, ids), 1e-5 if dtype == torch.float32 else 3e-2)
+    # one training step, then save -> from_pretrained(dtype="auto") -> the same logits and generations
+    moe.train()(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(moe.parameters(), lr=0.05).step()
+    moe.eval().save_pretrained(tmp_path / "trained")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype="auto", device_map="cuda")
+    assert next(reloaded.parameters()).dtype == dtype
+    ids_gpu = ids.to("cuda")
+    close(logits(reloaded, ids_gpu), logits(moe, ids), 1e-5 if dtype == torch.float32 else 3e-2)
+    with torch.inference_mode():
+        out = reloaded.generate(input_ids=ids_gpu, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape == (1, ids.shape[1] + 8)
+
+
+@pytest.mark.parametrize("init", ["noise", "drop", "split"])
+def test_random_inits_on_cuda_are_drawn_on_the_gpu_and_depend_on_the_seed(stories, init):
+    dense, _ = load_dense(stories, torch.bfloat16, "cuda")
+    a = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init=INITS[init], seed=1).state_dict()
+    b = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init=INITS[init], seed=2).state_dict()
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    assert a[key].device.type == "cuda" and not torch.equal(a[key], b[key])
+
+
+def test_gate_capture_on_cuda_matches_cpu(stories):
+    texts = ["Once upon a time there was a cat.", "The dog ran to the park.", "Lily had a red ball.", "Tom was sad."]
+    groups = [0, 0, 1, 1]
+    cpu = cap.load_base(stories, device="cpu", dtype="float32")
+    gpu = cap.load_base(stories, device="cuda", dtype="float32")
+    enc = cap.encode(cpu.tokenizer, texts, cpu.max_length)
+    ref = cap.capture_router_inputs(cpu, enc, groups, 2, "mean", batch_size=3)
+    got = cap.capture_router_inputs(gpu, enc, groups, 2, "mean", batch_size=3)
+    assert got.sums.device.type == "cpu" and got.sums.shape == ref.sums.shape
+    close(got.sums, ref.sums, 1e-4)
+    close(got.token_norm, ref.token_norm, 1e-4)
+    last_ref = cap.capture_router_inputs(cpu, enc, groups, 2, "last", batch_size=3)
+    last_gpu = cap.capture_router_inputs(gpu, enc, groups, 2, "last", batch_size=3)
+    close(last_gpu.sums, last_ref.sums, 1e-4)
+    pts_ref = cap.capture_router_inputs(cpu, enc, groups, 2, "tokens", batch_size=3).points
+    pts_gpu = cap.capture_router_inputs(gpu, enc, groups, 2, "tokens", batch_size=3).points
+    assert [p.shape for p in pts_gpu] == [p.shape for p in pts_ref]
+    for p, r in zip(pts_gpu, pts_ref):
+        close(p, r, 1e-4)
