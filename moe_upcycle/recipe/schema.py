@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -23,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key
+from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
 from moe_upcycle.recipe.values import strict_bools_and_numbers, short_repr
 from moe_upcycle.inputs.text import unicode_problem
@@ -410,15 +409,5 @@ def _fields_at(loc: list) -> list[str]:
         if isinstance(part, int) or model is None:
             continue
         field = model.model_fields.get(part)
-        model = _model_in(field.annotation) if field else None
+        model = model_in(field.annotation) if field else None
     return list(model.model_fields) if model else []
-
-
-def _model_in(annotation: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found:
-            return found
-    return None

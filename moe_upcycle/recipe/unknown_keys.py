@@ -92,15 +92,16 @@ def _walk(value: Any, model: Optional[type[BaseModel]], where: str, dropped: lis
         if field is None and intended_key(key, valid) is None:
             dropped.append(path)
             continue
-        out[key] = _walk(item, _model_in(field.annotation) if field else None, path, dropped)
+        out[key] = _walk(item, model_in(field.annotation) if field else None, path, dropped)
     return out
 
 
-def _model_in(annotation: Any) -> Optional[type[BaseModel]]:
+def model_in(annotation: Any) -> Optional[type[BaseModel]]:
+    """The pydantic model inside a field annotation (``list[ExpertConfig]`` -> ExpertConfig), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
-        found = _model_in(arg)
+        found = model_in(arg)
         if found:
             return found
     return None
