@@ -10,7 +10,7 @@ venv with transformers 4.57::
 It loads MOE with ``AutoModelForCausalLM.from_pretrained(..., output_loading_info=True)`` in fp32,
 fails on any missing, unexpected or mismatched key (or load error), checks the class is the one
 config.json names, and compares logits on seeded random token ids with the dense model's
-(``torch.testing.assert_close``, atol 1e-5: copies of one FFN are function-preserving). It prints
+(``torch.testing.assert_close`` within 1e-5 of the largest logit: copies of one FFN are function-preserving). It prints
 one JSON line and exits 0 when everything holds, 1 otherwise.
 
 ``--dtype float64`` (transformers 4.x only: 5.x's grouped expert matmul has no float64 kernel on CPU)
@@ -59,7 +59,7 @@ def load(folder: Path, dtype, **kwargs):
     return AutoModelForCausalLM.from_pretrained(str(folder), **{key: dtype}, **kwargs)
 
 
-def check(dense: Path, moe: Path, atol: float, dtype: str = "float32", seq_len: int = 16, batch: int = 2) -> dict:
+def check(dense: Path, moe: Path, rel: float, dtype: str = "float32", seq_len: int = 16, batch: int = 2) -> dict:
     import torch
     import transformers
 
@@ -80,7 +80,8 @@ def check(dense: Path, moe: Path, atol: float, dtype: str = "float32", seq_len: 
     result["max_abs_diff"] = float((got - want).abs().max())
     result["max_abs_logit"] = float(want.abs().max())
     try:
-        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+        # fp32 rounding scales with the largest logit, not with each element (summation order differs per CPU)
+        torch.testing.assert_close(got, want, atol=rel * result["max_abs_logit"], rtol=0)
         close = True
     except AssertionError:
         close = False
@@ -95,13 +96,13 @@ def main() -> int:
     parser.add_argument("--build", action="store_true", help="build MOE from DENSE first (with --force)")
     parser.add_argument("--experts", type=int, default=4, help="experts for --build")
     parser.add_argument("--gate-mode", default="random", help="gate mode for --build (uniform: routing weights exactly 1/2)")
-    parser.add_argument("--atol", type=float, default=1e-5)
+    parser.add_argument("--rel", type=float, default=1e-5, help="allowed |difference| as a fraction of max |logit|")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                         help="compute dtype for both models (float64 separates layout bugs from rounding)")
     args = parser.parse_args()
     if args.build:
         build(args.dense, args.moe, args.experts, args.gate_mode)
-    result = check(args.dense, args.moe, args.atol, args.dtype)
+    result = check(args.dense, args.moe, args.rel, args.dtype)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 
