@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench_gates import plain_pass  # the same hook-free batches as the CPU benchmark
 from moe_upcycle.gates import capture as cap
 from moe_upcycle import upcycle_model
 from moe_upcycle.recipe.prompt_sets import load_prompts, set_names
@@ -68,19 +69,6 @@ def loaded_model(model: torch.nn.Module, tokenizer) -> cap.LoadedModel:
     return cap.LoadedModel(model, tokenizer, norms, model.get_input_embeddings().weight.device, 2048)
 
 
-def plain_pass(loaded: cap.LoadedModel, encoded: list[cap.Encoded], batch_size: int) -> None:
-    """The batches `run_batches` makes (length-sorted, right padding), through the decoder without hooks."""
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
-    pad = loaded.tokenizer.pad_token_id or 0
-    with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            ids, attn, _ = cap.pad_batch([encoded[i] for i in order[start:start + batch_size]], pad, "right")
-            positions = (attn.cumsum(1) - 1).clamp_min(0)
-            dev = loaded.input_device
-            loaded.model.model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
-                               use_cache=False)
-
-
 def best_times(fns: dict, device: str, repeats: int) -> dict:
     """Best wall time of each function, run interleaved (a, b, a, b...) after one warm-up each."""
     best = {name: float("inf") for name in fns}
@@ -108,7 +96,7 @@ def bench_capture(shapes, batch_sizes, device, repeats, tokenizer) -> list[dict]
         loaded = loaded_model(model, tokenizer)
         for bs in batch_sizes:
             times = best_times({
-                "plain": lambda m=loaded, b=bs: plain_pass(m, encoded, b),
+                "plain": lambda m=loaded, b=bs: plain_pass(m, encoded, b, full=False),
                 "gates": lambda m=loaded, b=bs: cap.capture_router_inputs(m, encoded, groups, EXPERTS, "mean", b),
             }, device, repeats)
             rows.append({"hidden": hidden, "layers": layers, "batch_size": bs, "tokens": tokens,

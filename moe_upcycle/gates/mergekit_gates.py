@@ -79,6 +79,17 @@ def tokenize_prompts(prompts: Sequence[str], tokenizer) -> dict[str, torch.Tenso
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
+def _expert_rows(experts: Sequence[ExpertPrompts], vector_of) -> list[torch.Tensor]:
+    """Each expert's unit row: its positive prompts' vector minus its negatives', as mergekit does."""
+    rows = []
+    for expert in experts:
+        vec = vector_of(expert.positive)
+        if expert.negative:
+            vec = vec - vector_of(expert.negative)
+        rows.append(_unit(vec))
+    return rows
+
+
 def _unit(rows: torch.Tensor) -> torch.Tensor:
     return rows / rows.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8)
 
@@ -103,13 +114,7 @@ def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers
         per_prompt = states.sum(dim=2) / states.shape[2] if average else states[:, :, -1, :]  # (L, B, H)
         return per_prompt.sum(dim=1) / per_prompt.shape[1]
 
-    rows = []
-    for expert in experts:
-        vec = prompt_vector(expert.positive)
-        if expert.negative:
-            vec = vec - prompt_vector(expert.negative)
-        rows.append(_unit(vec))
-    return torch.stack(rows, dim=1).cpu()  # (L, E, H)
+    return torch.stack(_expert_rows(experts, prompt_vector), dim=1).cpu()  # (L, E, H)
 
 
 def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torch.Tensor:
@@ -122,13 +127,7 @@ def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torc
         h = embed[batch["input_ids"]]  # (B, T, H): mergekit's one-hot @ embed
         return _unit((h * batch["attention_mask"].unsqueeze(-1)).sum(dim=1).sum(dim=0))
 
-    rows = []
-    for expert in experts:
-        vec = summed(expert.positive)
-        if expert.negative:
-            vec = vec - summed(expert.negative)
-        rows.append(_unit(vec))
-    return torch.stack(rows)
+    return torch.stack(_expert_rows(experts, summed))
 
 
 def compute_mergekit_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:

@@ -9,8 +9,8 @@ check) or ``loader code`` (read, not run: vLLM's ``models/{mixtral,qwen2_moe,qwe
 ExLlamaV2's ``architecture.py``/``moe_mlp.py``, llama.cpp's ``src/models/*.cpp``).
 
 The facts it reads are those of the output as planned and configured (`OutputFacts`: the
-written config.json via `model_config.moe_config`, zero-size tensors, a constant-zero shared
-gate, attention biases), so a change to what the tool writes changes the verdicts with it. The
+written config.json via `model_config.moe_config`, zero-size tensors, attention biases, the
+`llamacpp` verdict), so a change to what the tool writes changes the verdicts with it. The
 rules per runtime are plain functions in `RULES`; what they encode:
 
 - transformers 5: reads every output (per-expert checkpoints are converted while loading).
@@ -57,7 +57,6 @@ class OutputFacts:
     layout: str  # "per_expert" or "fused"
     config: dict  # the config.json the build writes
     zero_size: tuple[str, ...]  # tensors with a 0 in their shape
-    zero_shared_gate: bool  # a shared expert with a constant-zero sigmoid gate
     o_proj_bias: bool  # attention output biases (self_attn.o_proj.bias)
     llamacpp: tuple[str, str] = ("exact", "")  # `llamacpp.verdict`: (status, why)
 
@@ -94,12 +93,9 @@ def output_facts(plan: Plan) -> OutputFacts:
     """The loader-relevant facts of a planned output (headers and config only)."""
     layout = names.output_layout(plan.architecture)
     zero = tuple(s.name for s in plan.steps if math.prod(s.shape) == 0)
-    gate = layout.shared_expert_gate
-    zero_gate = bool(gate) and any(s.kind == "zeros" and names.split_layer(s.name)[0] == gate for s in plan.steps)
     cfg = moe_config(plan)
     return OutputFacts(
         model_type=layout.model_type, layout=plan.layout, config=cfg, zero_size=zero,
-        zero_shared_gate=zero_gate and bool(cfg.get("shared_expert_intermediate_size")),
         o_proj_bias=any(s.name.endswith("self_attn.o_proj.bias") for s in plan.steps),
         llamacpp=llamacpp.verdict(plan),
     )
