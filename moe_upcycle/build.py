@@ -20,7 +20,7 @@ from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.errors import ConfigError, OutputError
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.router import compute_gates, shared_gate_rows
-from moe_upcycle.planning.execute import iter_tensors
+from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
 from moe_upcycle.planning.fused import SAFETENSORS_METADATA
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes
@@ -165,7 +165,7 @@ def upcycle(
         metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it
         writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums, metadata)
         try:
-            with progress_stage("write", total=plan.total_bytes, unit="bytes") as st:
+            with progress_stage("write", total=plan.total_bytes, unit="bytes") as st, threads_beside_writer():
                 for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed,
                                                  shared_gates):
                     writer.write(step.name, tensor)

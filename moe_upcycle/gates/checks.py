@@ -42,16 +42,17 @@ def parallel_experts(gates: dict[int, torch.Tensor], expert_names: list[str] | t
         One message per offending pair (empty when routing can tell every pair apart).
     """
     hits: dict[tuple[int, int], list[tuple[int, float]]] = {}
-    for layer in sorted(gates):
-        rows = torch.nn.functional.normalize(gates[layer].float(), dim=-1)
-        if rows.abs().sum() == 0:  # all-zero gates (gate_mode: uniform) route uniformly by design
-            continue
-        cos = rows @ rows.T
-        n = cos.shape[0]
-        for a in range(n):
-            for b in range(a + 1, n):
-                if cos[a, b] > threshold:
-                    hits.setdefault((a, b), []).append((layer, float(cos[a, b])))
+    # all-zero gates (gate_mode: uniform) route uniformly by design: not checked
+    layers = [layer for layer in sorted(gates) if bool(gates[layer].any())]
+    if layers:
+        # one batched product and one read-back: a tensor op per layer or pair is slow (each can
+        # wait on busy intra-op threads while a build's writer and hasher hold the cores)
+        rows = torch.nn.functional.normalize(torch.stack([gates[layer].float() for layer in layers]), dim=-1)
+        for layer, cos in zip(layers, (rows @ rows.transpose(1, 2)).tolist()):
+            for a, row in enumerate(cos):
+                for b in range(a + 1, len(row)):
+                    if row[b] > threshold:
+                        hits.setdefault((a, b), []).append((layer, row[b]))
     out = []
     for (a, b), found in hits.items():
         layers = [layer for layer, _ in found]
