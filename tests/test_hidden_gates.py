@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from moe_upcycle.gates import capture as cap
 from moe_upcycle.gates import hidden_gates as hg
 from moe_upcycle.recipe.schema import load_config
-from moe_upcycle.errors import ConfigError, DependencyError
+from moe_upcycle.errors import ConfigError, DependencyError, UpcycleWarning
 from moe_upcycle.recipe.resolve import expert_prompts, gate_params
 from tolerances import assert_close_rel
 from routing_prompts import CODE, STORY
@@ -144,10 +146,29 @@ def test_gate_center_removes_shared_component(loaded, stories):
     assert F.cosine_similarity(plain[:, 0], plain[:, 1], dim=-1).min() > 0.5
 
 
+def no_bitsandbytes(monkeypatch):
+    """bitsandbytes looks uninstalled; every other module is found as usual (transformers looks some up)."""
+    find_spec = cap.importlib.util.find_spec
+    monkeypatch.setattr(cap.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+
+
 def test_quantize_without_bitsandbytes_is_a_clear_error(stories, monkeypatch):
-    monkeypatch.setattr(cap.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(DependencyError, match=r"quantize: 4bit .* bitsandbytes.*pip install bitsandbytes .*pip install -e '\.\[quant\]'"):
+    no_bitsandbytes(monkeypatch)
+    with pytest.warns(UpcycleWarning, match="4bit"), pytest.raises(
+            DependencyError, match=r"quantize: 4bit .* bitsandbytes.*pip install bitsandbytes .*pip install -e '\.\[quant\]'"):
         cap.load_base(stories, device="cpu", quantize="4bit")
+
+
+def test_quantize_4bit_warns_that_its_gates_are_far_from_bf16(stories, monkeypatch):
+    no_bitsandbytes(monkeypatch)
+    with pytest.warns(UpcycleWarning, match=r"quantize: 4bit: .*far from bf16 .*min cosine 0\.756.*use quantize: 8bit"):
+        with pytest.raises(DependencyError):
+            cap.load_base(stories, device="cpu", quantize="4bit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 8bit: no such warning
+        with pytest.raises(DependencyError):
+            cap.load_base(stories, device="cpu", quantize="8bit")
 
 
 def test_cuda_requested_without_gpu_is_a_clear_error(stories, monkeypatch):
