@@ -16,7 +16,7 @@ import pytest
 
 import moe_upcycle.build
 import moe_upcycle.checkpoint.disk_space
-import moe_upcycle.checkpoint.writer
+import moe_upcycle.checkpoint.shard_file
 from failure_checks import REPO, assert_clean_failure, cli, leftovers, module_cmd, module_env
 from moe_upcycle import upcycle
 
@@ -36,34 +36,18 @@ def output_bytes(tiny_llama) -> int:
     return upcycle({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"}, dry_run=True).plan.total_bytes
 
 
-class _FillingFile:
-    """A file object that accepts `room` bytes, then fails like a full disk."""
-
-    def __init__(self, real, budget: list[int]):
-        self._real, self._budget = real, budget
-        self.name = real.name
-
-    def write(self, data) -> int:
-        n = memoryview(data).nbytes
-        if n > self._budget[0]:
-            raise OSError(errno.ENOSPC, "No space left on device", self.name)
-        self._budget[0] -= n
-        return self._real.write(data)
-
-    def flush(self) -> None:
-        self._real.flush()
-
-    def fileno(self) -> int:
-        return self._real.fileno()
-
-    def close(self) -> None:
-        self._real.close()
-
-
 def _disk_fills_after(monkeypatch, room: int) -> None:
+    """Shard writes accept `room` bytes in all, then fail like a full disk."""
     budget = [room]
-    monkeypatch.setattr(moe_upcycle.checkpoint.writer, "open", lambda path, mode: _FillingFile(open(path, mode), budget),
-                        raising=False)
+    write_all = moe_upcycle.checkpoint.shard_file._write_all
+
+    def filling(fd, view):
+        if len(view) > budget[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        budget[0] -= len(view)
+        write_all(fd, view)
+
+    monkeypatch.setattr(moe_upcycle.checkpoint.shard_file, "_write_all", filling)
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["new", "force-over-previous"])
@@ -245,7 +229,7 @@ def test_leftover_swap_folder_is_restored(tmp_path):
     old.mkdir()
     (old / "weights.txt").write_text("previous")
     with pytest.raises(RuntimeError):
-        with staged_output(target) as stage:
+        with staged_output(target):
             assert [p.name for p in target.iterdir()] == ["weights.txt"]  # restored before building
             raise RuntimeError("build failed")
     assert (target / "weights.txt").read_text() == "previous" and leftovers(target) == ["moe"]

@@ -5,35 +5,31 @@ written first and tensor bytes are appended as they arrive: memory stays near on
 OS write buffer, never a whole shard. Every tensor is written as its own bytes, so tensors that
 share memory (or are non-contiguous views) can never trip safetensors' "share memory" error.
 
-Each finished shard is flushed to disk (``fsync``) on a background thread while the next shard
-is written, and `close` waits for every flush: when the folder is renamed into place its shards
-are on disk, not only in the page cache, and the disk is kept busy instead of throttling the
-writer once the page cache fills up.
+The bytes of each shard go through `shard_file.ShardFile`: staging buffers written with direct
+I/O (no page cache) and hashed on their own threads. Each finished shard is flushed to disk
+(``fsync``) on a background thread while the next shard is written, and `close` waits for every
+flush: when the folder is renamed into place its shards are on disk.
 
 It does not decide where the folder goes or how it is made atomic: see `output_dir`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import struct
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
 from moe_upcycle.errors import OutputError
 from moe_upcycle.checkpoint.disk_space import disk_hint
+from moe_upcycle.checkpoint.shard_file import ShardFile
 from moe_upcycle.checkpoint.source import DTYPE_NAMES, tensor_nbytes
 
 INDEX_NAME = "model.safetensors.index.json"
-# Tensors are written and hashed in slices of this size, so hashing a slice overlaps writing the next.
-CHUNK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -90,47 +86,6 @@ def assign_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[lis
     return shards if shards[0] else []
 
 
-class BackgroundHash:
-    """sha256 computed on a worker thread, up to `depth` chunks behind the writes.
-
-    sha256 costs about as much CPU as the write itself (1.2-1.5 GB/s per core with SHA
-    instructions), so it runs beside the write syscalls: `update` hands a chunk over and only
-    waits when `depth` chunks are still pending (two, so a hash that is briefly slower than the
-    disk, e.g. while a shard is flushed, does not stall the writer). hashlib releases the GIL for
-    large buffers, so the two really run in parallel. The pending chunks are views of tensors,
-    kept alive until hashed; the single worker hashes them in order.
-
-    Example:
-        >>> h = BackgroundHash()
-        >>> h.update(b"abc"); h.hexdigest()[:12]
-        'ba7816bf8f01'
-    """
-
-    def __init__(self, depth: int = 2) -> None:
-        self._hash = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._pending: deque[Future] = deque()
-        self._depth = depth
-
-    def update(self, data) -> None:
-        while len(self._pending) >= self._depth:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(self._hash.update, data))
-
-    def _wait(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
-
-    def hexdigest(self) -> str:
-        """The digest of everything passed to `update` (waits for the last chunk)."""
-        self._wait()
-        self.close()
-        return self._hash.hexdigest()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 def shard_name(k: int, n: int) -> str:
     return f"model-{k:05d}-of-{n:05d}.safetensors"
 
@@ -164,12 +119,12 @@ class ShardedWriter:
         self.shards = assign_shards(specs, max_shard_bytes)
         self._order = [(k, spec) for k, shard in enumerate(self.shards) for spec in shard]
         self._pos = 0
-        self._fh: Optional[BinaryIO] = None
+        self._file: Optional[ShardFile] = None
         self._shard = -1
-        self._hash = None
         self._flusher = ThreadPoolExecutor(1, thread_name_prefix="fsync")
         self._flushes: list[Future] = []
-        self.bytes_written = 0
+        self.bytes_written = 0  # tensor bytes handed to the shard files
+        self._finished_bytes = 0  # bytes of the shards already finished (headers included)
         self.checksums = checksums  # sha256 of each shard while writing (costs more CPU than the write)
         self.sha256: dict[str, str] = {}  # file name -> hex digest, computed while writing
         self.metadata = metadata  # each shard's safetensors __metadata__ (default {"format": "pt"})
@@ -192,12 +147,11 @@ class ShardedWriter:
         for part in tensor.parts if isinstance(tensor, TensorParts) else (tensor,):
             if part.dtype != spec.dtype:
                 raise RuntimeError(f"writer got a {part.dtype} part for {spec.name} ({spec.dtype})")
-            data = part.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
-            if written + data.size > spec.nbytes:
+            data = part.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+            if written + data.numel() > spec.nbytes:
                 raise RuntimeError(f"parts of {spec.name} exceed its {spec.nbytes} bytes")
-            for start in range(0, len(data), CHUNK_BYTES):
-                self._write(data[start:start + CHUNK_BYTES])
-            written += data.size
+            self._write(data)
+            written += data.numel()
         if written != spec.nbytes:
             raise RuntimeError(f"parts of {spec.name} gave {written} of its {spec.nbytes} bytes")
         self.bytes_written += spec.nbytes
@@ -206,30 +160,34 @@ class ShardedWriter:
     def _open(self, k: int) -> None:
         self._finish_file()
         self._shard = k
-        self._fh = open(self.folder / self.files[k], "wb")
-        self._hash = BackgroundHash() if self.checksums else None
-        self._write(_header(self.shards[k], self.metadata))
-
-    def _write(self, data) -> None:
+        path = self.folder / self.files[k]
         try:
-            self._fh.write(data)
-            if self._hash is not None:
-                self._hash.update(data)
+            self._file = ShardFile(path, self.checksums)
         except OSError as exc:
-            raise OutputError(f"writing {self._fh.name} failed: {exc.strerror or exc}"
-                              + disk_hint(self.folder, self.total_bytes, self.bytes_written)) from None
+            raise OutputError(f"creating {path} failed: {exc.strerror or exc}") from None
+        header = _header(self.shards[k], self.metadata)
+        self._write(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+    def _write(self, data: torch.Tensor) -> None:
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise OutputError(f"writing {self._file.path} failed: {exc.strerror or exc}"
+                              + disk_hint(self.folder, self.total_bytes, self._finished_bytes + self._file.on_disk)) from None
 
     def _finish_file(self) -> None:
-        if self._fh is not None:
+        if self._file is not None:
+            file, self._file = self._file, None
             try:
-                self._fh.flush()
+                digest = file.finish()
             except OSError as exc:
-                raise OutputError(f"closing {self._fh.name} failed: {exc.strerror or exc}") from None
-            self._flushes.append(self._flusher.submit(_sync_and_close, self._fh))
-            if self._hash is not None:
-                self.sha256[self.files[self._shard]] = self._hash.hexdigest()
-            self._fh = None
-            self._hash = None
+                file.abort()
+                raise OutputError(f"writing {file.path} failed: {exc.strerror or exc}"
+                                  + disk_hint(self.folder, self.total_bytes, self._finished_bytes + file.on_disk)) from None
+            self._finished_bytes += file.size
+            self._flushes.append(self._flusher.submit(_sync_and_close, file))
+            if digest is not None:
+                self.sha256[self.files[self._shard]] = digest
 
     @property
     def total_bytes(self) -> int:
@@ -257,29 +215,18 @@ class ShardedWriter:
 
     def abort(self) -> None:
         """Close any open file without finishing (the caller discards the folder)."""
-        if self._fh is not None:
-            try:
-                self._fh.close()
-            except OSError:
-                pass
-            self._fh = None
+        if self._file is not None:
+            self._file.abort()
+            self._file = None
         try:
             self._wait_for_flushes()
         except Exception:  # noqa: BLE001 - the folder is discarded; the error that stopped the build is the one to report
             pass
-        if self._hash is not None:
-            self._hash.close()
-            self._hash = None
 
 
-def _sync_and_close(fh: BinaryIO) -> None:
+def _sync_and_close(file: ShardFile) -> None:
     """Flush a written shard to disk and close it (runs on the writer's fsync thread)."""
     try:
-        os.fsync(fh.fileno())
-        fh.close()
+        file.sync_and_close()
     except OSError as exc:
-        try:
-            fh.close()
-        except OSError:
-            pass
-        raise OutputError(f"flushing {fh.name} to disk failed: {exc.strerror or exc}") from None
+        raise OutputError(f"flushing {file.path} to disk failed: {exc.strerror or exc}") from None
