@@ -92,6 +92,7 @@ class ShardFile:
                 os.ftruncate(self.fd, self.size)
         finally:
             self._shutdown()
+            self._free = []  # the buffers go now, not when the fsync thread is done with this file
         return self._hash.hexdigest() if self._hash is not None else None
 
     def sync_and_close(self) -> None:
@@ -108,6 +109,7 @@ class ShardFile:
                 future.cancel()
         self._busy.clear()
         self._shutdown()
+        self._free, self._current = [], None
         try:
             os.close(self.fd)
         except OSError:
