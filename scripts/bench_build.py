@@ -288,7 +288,7 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: 
             out = work / f"out-moe-upcycle-{n}"
             shutil.rmtree(out, ignore_errors=True)
             settle()
-            run = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out), "--no-lint"],
+            run = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out)],
                           Run("moe-upcycle", n, round_), work / f"moe-upcycle-{n}.log", env)
             run.out_bytes = dir_bytes(out) if out.exists() else 0
             shutil.rmtree(out, ignore_errors=True)
@@ -309,7 +309,7 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: 
             if diagnose_hash:
                 settle()
                 nohash = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out),
-                                  "--no-checksums", "--no-lint"], Run("moe-upcycle --no-checksums", n, round_),
+                                  "--no-checksums"], Run("moe-upcycle --no-checksums", n, round_),
                                  work / f"nohash-{n}.log", env)
                 nohash.out_bytes = dir_bytes(out) if out.exists() else 0
                 shutil.rmtree(out, ignore_errors=True)
