@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import symlink_loop
+from moe_upcycle.terminal.allocator import return_large_frees
 from moe_upcycle.terminal.progress import for_console, reporting
 from moe_upcycle.terminal.quiet import libraries_quiet
 from moe_upcycle.terminal.signals import exit_code, signal_name, terminations_raise
@@ -47,6 +48,7 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show Python traceba
                                        help="Print the version and exit.")) -> None:
     DEBUG["on"] = debug
     QUIET["on"] = quiet
+    return_large_frees()  # big freed tensors go back to the OS: memory is what `plan` predicts
 
 
 def note(text: str) -> None:

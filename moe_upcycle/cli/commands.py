@@ -99,11 +99,20 @@ def plan(
                                                                   "alone: plan before downloading any weights."),
     allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
                                             "warning, as mergekit-moe does (misspelt keys stay errors)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan's figures as JSON on stdout."),
 ) -> None:
     """Print the build plan of CONFIG and write nothing (same as build --dry-run)."""
     from moe_upcycle.build import upcycle
 
-    print_plan(upcycle(config, output, dry_run=True, from_config=from_config, allow_unknown_keys=allow_unknown_keys))
+    result = upcycle(config, output, dry_run=True, from_config=from_config, allow_unknown_keys=allow_unknown_keys)
+    if as_json:
+        import json
+
+        from moe_upcycle.planning.plan_report import summary_dict
+
+        typer.echo(json.dumps(summary_dict(result.summary), indent=2, ensure_ascii=False))
+        return
+    print_plan(result)
 
 
 @app.command("verify")

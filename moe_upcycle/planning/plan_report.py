@@ -1,20 +1,19 @@
 """What a plan will cost before anything is spent: parameters, bytes, shards, memory, disk.
 
 `summarize` turns a plan into a `PlanSummary` (numbers only, no tensors read); `print_summary`
-shows it with rich (``moe-upcycle plan`` / ``build --dry-run``); `disk_space.check_free_space` stops a real
-build that would not fit on the output's filesystem before a byte is written. Memory figures are
-estimates of tensor memory only (the Python/torch runtime adds a few hundred MB); everything
-else here is exact.
+shows it with rich (``moe-upcycle plan`` / ``build --dry-run``), `summary_dict` as JSON (``plan --json``);
+`disk_space.check_free_space` stops a real build that would not fit on the output's filesystem before a
+byte is written. Memory figures are estimates (`memory`: private memory and mapped input, runtime
+included, with what they assume); everything else here is exact.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -25,10 +24,11 @@ from moe_upcycle.checkpoint.names import TOKENIZER_FILES
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
+from moe_upcycle.planning.memory import MemoryEstimate, estimate_memory
 from moe_upcycle.planning.runtimes import Verdict, compatibility
+from moe_upcycle.recipe.resolve import check_params, gate_params, write_params
 from moe_upcycle.terminal.tables import fit
 
-HIDDEN_GATE_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
 SMALL_FILES_BYTES = 2**20  # config.json, README.md, moe_upcycle.json: far below 1 MiB
 
 
@@ -62,8 +62,7 @@ class PlanSummary:
     output_bytes: int
     num_shards: int
     max_shard_bytes: int
-    build_peak_bytes: int
-    gate_peak_bytes: int
+    memory: MemoryEstimate
     components: tuple[Component, ...]
     sharing: tuple[str, ...]
     notes: tuple[str, ...]
@@ -149,50 +148,6 @@ def source_label(step: Step) -> str:
     return "zeros" if step.kind == "zeros" else "gates"
 
 
-def gate_bytes(plan: Plan) -> int:
-    """The router matrices held (fp32) from gate computation until they are written."""
-    return plan.num_layers * len(plan.expert_names) * int(plan.base_config["hidden_size"]) * 4
-
-
-def estimate_gate_peak(plan: Plan, config: UpcycleConfig, base: Checkpoint) -> int:
-    """Peak tensor memory of computing the routers, in bytes (estimate).
-
-    ``random``/``uniform*`` hold only the routers; ``cheap_embed`` also reads the embedding
-    matrix and makes an fp32 copy; hidden-state modes load the whole base model in fp32
-    (activations of the short prompts are ignored).
-    """
-    routers = gate_bytes(plan)
-    if config.gate_mode == "cheap_embed":
-        info = base.tensors[names.EMBED]
-        fp32 = math.prod(info.shape) * 4 if info.dtype != torch.float32 else 0
-        return routers + info.nbytes + fp32
-    if config.gate_mode in HIDDEN_GATE_MODES:
-        return routers + sum(math.prod(t.shape) * 4 for t in base.tensors.values())
-    return routers
-
-
-def estimate_build_peak(plan: Plan, config: UpcycleConfig, sources: dict[str, Checkpoint]) -> int:
-    """Peak tensor memory of a build, in bytes (estimate; the larger of gates and writing).
-
-    While writing, the routers stay in memory and the executor holds one source tensor (as read),
-    its conversion to the output dtype when that differs, and for a modified slot an fp32 working
-    copy plus the result, or for ``tensor_policy: clone`` one more copy.
-    """
-    worst = 0
-    for step in plan.leaf_steps():
-        if step.source is None:
-            continue
-        info = sources[step.source[0]].tensors[step.source[1]]
-        held = info.nbytes + (step.nbytes if info.dtype != step.dtype else 0)
-        if step.transforms:
-            held += math.prod(step.shape) * 4 + step.nbytes
-        elif config.tensor_policy == "clone" and step.kind == "expert":
-            held += step.nbytes
-        worst = max(worst, held)
-    base = sources[config.base_model]
-    return max(estimate_gate_peak(plan, config, base), gate_bytes(plan) + worst)
-
-
 def disk_needed(plan: Plan, base: Checkpoint) -> int:
     """Bytes the output folder will take: tensors, headers and index, tokenizer files, small files."""
     # a safetensors header entry and an index line cost about the key plus ~64 bytes each
@@ -216,11 +171,24 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
         tensor_policy=config.tensor_policy, num_tensors=len(plan.steps), total_params=total,
         active_params=active, tied_embeddings=plan.tied_embeddings, output_bytes=plan.total_bytes,
         num_shards=len(assign_shards(specs, config.max_shard_size)), max_shard_bytes=config.max_shard_size,
-        build_peak_bytes=estimate_build_peak(plan, config, sources),
-        gate_peak_bytes=estimate_gate_peak(plan, config, base), components=tuple(components(plan)),
+        memory=estimate_memory(plan, gate_params(config), write_params(config), check_params(config), sources,
+                               config.base_model), components=tuple(components(plan)),
         sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
         disk_needed_bytes=needed, disk_free_bytes=free, runtimes=tuple(compatibility(plan)),
     )
+
+
+def summary_dict(summary: PlanSummary) -> dict:
+    """The summary as plain JSON types (``moe-upcycle plan --json``); memory figures under ``"memory"``.
+
+    Example:
+        >>> summary_dict(summary)["memory"]["build_private_bytes"]  # doctest: +SKIP
+        165722112
+    """
+    data = asdict(summary)
+    data["fits_on_disk"] = summary.fits_on_disk
+    data["runtimes"] = [asdict(v) for v in summary.runtimes]
+    return data
 
 
 def print_summary(summary: PlanSummary, console: Console) -> None:
@@ -237,8 +205,13 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     table.add_row("tensors", str(s.num_tensors))
     table.add_row("output size", f"{human_bytes(s.output_bytes)} ({s.output_bytes:,} bytes) in {s.num_shards} "
                                  f"shard(s) of at most {human_bytes(s.max_shard_bytes)}")
-    table.add_row("peak memory", f"~{human_bytes(s.build_peak_bytes)} to build, ~{human_bytes(s.gate_peak_bytes)} "
-                                 f"for gates ({s.gate_mode}); tensors only")
+    m = s.memory
+    table.add_row("peak memory", f"~{human_bytes(m.build_private_bytes)} private to build ({m.build_phase} phase), "
+                                 f"~{human_bytes(m.gate_private_bytes)} for gates ({s.gate_mode})"
+                                 + (f", {human_bytes(m.gpu_bytes)} on the GPU" if m.gpu_bytes else "")
+                                 + f"; RSS up to ~{human_bytes(m.build_rss_bytes)} with the input's "
+                                 f"{human_bytes(m.mapped_input_bytes)} mapped from page cache (reclaimable)")
+    table.add_row("memory assumes", "; ".join(m.assumptions))
     table.add_row("tensor policy", s.tensor_policy)
     console.print(table)
     comp = Table(title="output tensors")

@@ -1,0 +1,317 @@
+"""Peak memory of a build and of its gate computation, predicted from the plan (no tensor is read).
+
+A build's resident memory is of two kinds, so there are two figures:
+
+- **private** (anonymous) memory, which only the process can free: the Python/torch runtime, the
+  routers, the tensors the executor must create (a dtype cast, a transformed slot's fp32 working
+  copies, a clone, an average, zeros), and for hidden-state gates the whole base model as
+  transformers loads it plus one batch of activations;
+- **mapped input**: `Checkpoint.read` returns copy-on-write memory maps of the input files, so a
+  build's RSS also counts every input page it has read (up to the whole input). That is page cache:
+  the kernel drops it under memory pressure and re-reads it when touched.
+
+RSS = private + the runtime's mapped libraries + the mapped input. The build's peak is that of its
+costliest phase: gates, writing, or the init-drift report (which loads the dense and the MoE model
+in fp32; see `check.drift`). ``build`` lints prompts with a sentence embedder first, which stays
+loaded (`prompts.embed`); ``build --no-lint`` saves it. ``--verify`` is not counted.
+
+The runtime constants are measured, not fitted to the large cases: `RUNTIME_BYTES` is the peak
+RssAnon of ``python -m moe_upcycle build`` of stories260K (its tensors are < 1 MB),
+`TRANSFORMERS_BYTES` what the same build adds with ``gate_mode: hidden`` (transformers imported, a
+tiny model and tokenizer loaded), `LINT_BYTES` what the prompt lint adds, and the activation rule
+was read off `capture_router_inputs` runs at 8 × 32…512 tokens (a SmolLM2-135M shape). Machine:
+x86-64 Linux, Python 3.11, torch 2.13 (CPU), transformers 5.23. ``scripts/bench_plan_memory.py``
+re-measures every figure against real builds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.planning.steps import Plan, Step
+from moe_upcycle.recipe.params import HIDDEN_MODES, CheckParams, GateParams, WriteParams
+
+RUNTIME_BYTES = 165 * 10**6  # Python + torch + moe_upcycle imported, CLI running
+TRANSFORMERS_BYTES = 155 * 10**6  # transformers imported, a model class built, a tokenizer loaded
+LINT_BYTES = 70 * 10**6  # the prompt lint's all-MiniLM-L6-v2 and sentence-transformers
+RUNTIME_FILE_BYTES = 90 * 10**6  # mapped libraries (RssFile) of the CLI runtime
+TRANSFORMERS_FILE_BYTES = 40 * 10**6  # ... and what transformers/tokenizers add
+MB = 10**6
+DRIFT_AUTO_MAX_BYTES = 2 * 10**9  # check.drift.AUTO_MAX_BYTES (not imported: drift imports the model stack)
+DRIFT_TEXT_BYTES = 330  # check.drift.DEFAULT_TEXT, in UTF-8 bytes (an upper bound on its tokens)
+KMEANS_WINDOW = 256  # capture.CALIBRATION_WINDOW
+KMEANS_MAX_POINTS, KMEANS_MAX_BYTES = 16384, 2 * 2**30  # hidden_gates' bounds on kept calibration tokens
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peaks, in bytes (see the module docstring for what each figure means).
+
+    Attributes:
+        build_private_bytes: peak private memory of ``moe-upcycle build`` (its costliest phase).
+        build_rss_bytes: peak RSS of the build: private + mapped libraries + mapped input.
+        build_phase: the phase that sets the build's peak: "gates", "writing" or "init drift".
+        gate_private_bytes, gate_rss_bytes: the same for computing the routers alone.
+        mapped_input_bytes: input bytes the writing phase maps (reclaimable page cache).
+        lint_bytes: the prompt lint's share of `build_private_bytes` (0 when ``build`` lints nothing).
+        gpu_bytes: GPU memory of hidden-state gates run on a GPU (0 on the CPU; not measured).
+        assumptions: short lines saying what the figures assume.
+    """
+
+    build_private_bytes: int
+    build_rss_bytes: int
+    build_phase: str
+    gate_private_bytes: int
+    gate_rss_bytes: int
+    mapped_input_bytes: int
+    lint_bytes: int = 0
+    gpu_bytes: int = 0
+    assumptions: tuple[str, ...] = ()
+
+
+def estimate_memory(plan: Plan, gating: GateParams, writing: WriteParams, checking: CheckParams,
+                    sources: dict[str, Checkpoint], base_ref: str) -> MemoryEstimate:
+    """Predict the peak memory of a build of `plan` and of its gate computation.
+
+    Example:
+        >>> m = estimate_memory(plan, gate_params(cfg), write_params(cfg), check_params(cfg), sources, cfg.base_model)  # doctest: +SKIP
+        >>> m.build_private_bytes, m.build_phase  # doctest: +SKIP
+        (165722112, 'writing')
+    """
+    base = sources[base_ref]
+    gate_private, gate_files, gpu, gate_notes = gate_phase(plan, gating, base)
+    routers = router_bytes(plan)
+    write_private = RUNTIME_BYTES + routers + writing_peak(plan, sources, writing.tensor_policy)
+    mapped = mapped_input_bytes(plan, sources)
+    phases = {"gates": (gate_private, gate_files), "writing": (write_private, RUNTIME_FILE_BYTES + mapped)}
+    drift = drift_phase(plan, checking, base)
+    if drift:
+        phases["init drift"] = drift
+    phase = max(phases, key=lambda p: phases[p][0])
+    lint = LINT_BYTES if lints_prompts(gating) else 0
+    build_private = phases[phase][0] + lint
+    build_rss = max(p + f for p, f in phases.values()) + lint
+    notes = [f"private = {RUNTIME_BYTES // MB} MB Python+torch runtime (measured, x86-64 Linux, torch 2.13 CPU)"
+             + (f" + {TRANSFORMERS_BYTES // MB} MB when transformers runs" if gate_notes or drift else "")
+             + " + routers + tensors the build creates; the input is memory-mapped, not copied"]
+    notes += gate_notes
+    if drift:
+        notes.append("init drift report: dense and MoE loaded in fp32 (report_init_drift: false skips it)")
+    if lint:
+        notes.append(f"prompt lint embedder +{LINT_BYTES // MB} MB (build --no-lint skips it); --verify not counted")
+    return MemoryEstimate(build_private, build_rss, phase, gate_private, gate_private + gate_files, mapped, lint, gpu,
+                          tuple(notes))
+
+
+def router_bytes(plan: Plan) -> int:
+    """The router matrices held (fp32) from gate computation until they are written."""
+    return plan.num_layers * len(plan.expert_names) * int(plan.base_config["hidden_size"]) * 4
+
+
+def mapped_input_bytes(plan: Plan, sources: dict[str, Checkpoint]) -> int:
+    """Bytes of the input tensors the plan reads: what the writing phase maps from page cache."""
+    read = {leaf.source for leaf in plan.leaf_steps() if leaf.source is not None}
+    return sum(sources[ref].tensors[key].nbytes for ref, key in read)
+
+
+def lints_prompts(gating: GateParams) -> bool:
+    """Whether ``build`` lints the recipe's prompts with a sentence embedder (installed, and prompts given)."""
+    return (any(e.positive for e in gating.experts)
+            and importlib.util.find_spec("sentence_transformers") is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gates
+
+
+def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, int, int, list[str]]:
+    """(private bytes, mapped-file bytes, GPU bytes, assumption lines) of computing the routers.
+
+    ``random``/``uniform*`` hold only the routers; ``cheap_embed`` (and prompt-initialised shared
+    gates) read the embedding and make an fp32 copy of it; hidden-state modes load the whole base.
+    """
+    routers = router_bytes(plan)
+    hidden = gating.mode in HIDDEN_MODES
+    embed = gating.mode == "cheap_embed" or any(s.kind == "shared_gate" for s in plan.steps)
+    if not hidden and not embed:
+        return RUNTIME_BYTES + routers, RUNTIME_FILE_BYTES, 0, []
+    private = RUNTIME_BYTES + TRANSFORMERS_BYTES + routers
+    files = RUNTIME_FILE_BYTES + TRANSFORMERS_FILE_BYTES
+    notes: list[str] = []
+    if embed and names.EMBED in base.tensors:
+        info = base.tensors[names.EMBED]
+        private += math.prod(info.shape) * 4 if info.dtype != torch.float32 else 0
+        files += info.nbytes
+    if not hidden:
+        return private, files, 0, notes
+    model = model_bytes_in(base, gating)
+    acts = activation_bytes(plan, gating)
+    files += sum(t.nbytes for t in base.tensors.values())  # transformers maps the input while loading
+    dtype = gating.dtype or ("bfloat16" if gating.source == "mergekit" else "float32")
+    batch, tokens = batch_shape(gating)
+    if gate_device(gating) == "cpu":
+        notes.append(f"hidden gates on the CPU: base weights in {dtype} ({model // MB} MB) + activations of "
+                     f"{batch} × {tokens} tokens ({acts // MB} MB; tokens ≤ UTF-8 bytes of the longest prompt)")
+        return private + model + acts, files, 0, notes
+    notes.append(f"hidden gates on the GPU: {(model + acts) // MB} MB of GPU memory (weights and one batch; "
+                 f"not measured); host memory is the runtime only")
+    return private, files, model + acts, notes
+
+
+def gate_device(gating: GateParams) -> str:
+    """"cpu" or "gpu": where hidden-state gates will run (``auto`` picks a visible GPU)."""
+    if gating.device == "cpu" or (gating.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    return "gpu"
+
+
+def model_bytes_in(base: Checkpoint, gating: GateParams) -> int:
+    """The base model's weights as `capture.load_base` holds them: fp32 on the CPU (bf16 on a GPU,
+    bf16 for ``gate_source: mergekit``) unless `gate_dtype` says otherwise; ~1 or ~0.5 byte per
+    parameter quantized."""
+    params = sum(math.prod(t.shape) for t in base.tensors.values())
+    if gating.quantize:
+        return params // (1 if gating.quantize == "8bit" else 2)
+    default = "bfloat16" if gating.source == "mergekit" or gate_device(gating) == "gpu" else "float32"
+    return params * DTYPES[gating.dtype or default].itemsize
+
+
+def batch_shape(gating: GateParams) -> tuple[int, int]:
+    """(texts, tokens) of the largest forward pass: tokens bounded by the longest prompt's UTF-8 bytes
+    (+2 special tokens); k-means runs calibration windows of `KMEANS_WINDOW` tokens."""
+    if gating.mode == "kmeans":
+        return gating.batch_size, KMEANS_WINDOW
+    prompts = [p for e in gating.experts for p in (*e.positive, *e.negative)]
+    longest = max((len(p.encode()) for p in prompts), default=0) + 2
+    if gating.source == "mergekit":  # one batch per expert's positive (or negative) prompts
+        batch = max((max(len(e.positive), len(e.negative)) for e in gating.experts), default=1)
+        return batch, longest
+    return min(gating.batch_size, max(len(prompts), 1)), longest
+
+
+def activation_bytes(plan: Plan, gating: GateParams) -> int:
+    """Activations of the largest forward pass: per token about 4 × intermediate + 6 × hidden values
+    (the MLP's gate, up, activation and product; residual, norm, attention), read off measured runs.
+    ``gate_source: mergekit`` also keeps every layer's hidden states; k-means its sampled tokens."""
+    cfg = plan.base_config
+    hidden, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), plan.num_layers
+    batch, tokens = batch_shape(gating)
+    itemsize = DTYPES[gating.dtype or ("bfloat16" if gating.source == "mergekit" else "float32")].itemsize
+    per_token = 4 * inter + 6 * hidden + (hidden * (layers + 1) if gating.source == "mergekit" else 0)
+    acts = batch * tokens * per_token * itemsize
+    if gating.mode == "kmeans":  # the sampled calibration tokens, fp32 per layer (hidden_gates' budget)
+        acts += min(KMEANS_MAX_POINTS, KMEANS_MAX_BYTES // (4 * layers * hidden)) * 4 * layers * hidden
+    return acts
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def writing_peak(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> int:
+    """Largest private memory the executor holds while making one output tensor (`execute.iter_tensors`).
+
+    While a tensor is made, the previous one is still referenced (by the writer loop), so its private
+    bytes count too. Untransformed slots of the output dtype are views of the mapped input (0 bytes).
+    """
+    worst = previous = 0
+    last_source = None
+    for step in plan.steps:
+        held, out = step_bytes(step, sources, policy)
+        if step.source is not None and step.source == last_source and previous == out and not step.transforms:
+            previous = 0  # a shared slot: the previous tensor *is* this one (the cached cast)
+        worst = max(worst, held + previous)
+        previous, last_source = out, step.source
+    return worst
+
+
+def step_bytes(step: Step, sources: dict[str, Checkpoint], policy: str) -> tuple[int, int]:
+    """(peak private bytes while making `step`, private bytes of the tensor handed to the writer)."""
+    if step.kind in ("router", "shared_gate"):
+        return step.nbytes, step.nbytes
+    if step.kind in ("zeros", "half_gate"):
+        return step.nbytes, step.nbytes
+    if step.kind == "average":  # fp32 running sum + one part as fp32 + the mean + its cast
+        fp32 = math.prod(step.shape) * 4
+        return 3 * fp32 + step.nbytes, step.nbytes
+    if step.parts and step.part_dim == 0:  # streamed one part at a time
+        return max(leaf_bytes(p, sources, policy)[0] for p in step.parts), 0
+    if step.parts:  # torch.cat of the parts
+        outs = sum(leaf_bytes(p, sources, policy)[1] for p in step.parts)
+        return outs + step.nbytes, step.nbytes
+    return leaf_bytes(step, sources, policy)
+
+
+def leaf_bytes(step: Step, sources: dict[str, Checkpoint], policy: str) -> tuple[int, int]:
+    """(peak, output) private bytes of one slot read from a source (`execute.iter_tensors`' ``slot``)."""
+    info = sources[step.source[0]].tensors[step.source[1]]
+    # `Checkpoint.read` maps safetensors data (and torch.load(mmap=True) maps .bin); it copies only a
+    # safetensors tensor whose offset is unknown or not a multiple of its element size
+    copied = info.file.endswith(".safetensors") and (info.offset < 0 or info.offset % info.dtype.itemsize)
+    read = info.nbytes if copied else 0
+    cast = math.prod(info.shape) * step.dtype.itemsize if info.dtype != step.dtype else 0
+    cached = read + cast  # the source tensor in the output dtype, kept until its last slot
+    if step.transforms:
+        work = transform_bytes(step, math.prod(info.shape))
+        return cached + work, step.nbytes
+    if policy == "clone" and step.kind in ("expert", "shared"):
+        return cached + step.nbytes, step.nbytes
+    return cached, cached
+
+
+def transform_bytes(step: Step, n: int) -> int:
+    """Peak fp32 working memory of `execute.apply_transforms` on a slot of `n` source elements.
+
+    ``tensor.float().clone()``: two fp32 copies for a non-fp32 slot, then per transform: noise adds
+    the drawn noise and its product (3 copies live at the sum); drop draws ``ratio`` of the neurons
+    twice over (1 + 2·ratio); slice keeps the 1/g part beside the whole; scale is in place. At the
+    end the fp32 result and its cast to the output dtype.
+    """
+    fp32 = 4 * n
+    peak = 2 * fp32 if step.dtype != torch.float32 else fp32
+    size = fp32
+    for name, value in step.transforms:
+        if name in ("noise", "rel_noise"):
+            peak = max(peak, 3 * size)
+        elif name == "drop":
+            peak = max(peak, size + 2 * size * float(value.ratio))
+        elif name == "slice":
+            size //= int(value.granularity)
+            peak = max(peak, size * (int(value.granularity) + 1))
+    return int(max(peak, size + step.nbytes))
+
+
+# ---------------------------------------------------------------------------------------------
+# Init drift
+
+
+def drift_phase(plan: Plan, checking: CheckParams, base: Checkpoint) -> Optional[tuple[int, int]]:
+    """(private, mapped-file bytes) of the init-drift report, or None when the build skips it
+    (the rule of `check.drift.build_drift`: auto measures non-copy inits of outputs up to 2 GB).
+
+    Both models are loaded in fp32 and run once on the drift text: weights + activations + the two
+    logit matrices (T × vocab, fp32, and their log-softmax). transformers 5 converts per-expert
+    tensors into its fused layout while loading, and holds both forms at its peak, so the expert
+    weights count twice (measured: SmolLM2-135M ×4, noise)."""
+    wanted = checking.report_init_drift
+    if wanted is False or base.path is None:
+        return None
+    if wanted is None and (not checking.inits_changed or plan.total_bytes > DRIFT_AUTO_MAX_BYTES):
+        return None
+    cfg = plan.base_config
+    dense = sum(math.prod(t.shape) for t in base.tensors.values())
+    moe = sum(math.prod(s.shape) for s in plan.steps if not (plan.tied_embeddings and s.name == "lm_head.weight"))
+    experts = sum(math.prod(s.shape) for s in plan.steps if s.kind == "expert")
+    tokens, vocab = DRIFT_TEXT_BYTES, int(cfg["vocab_size"])
+    acts = tokens * (4 * int(cfg["intermediate_size"]) + 6 * int(cfg["hidden_size"])) * 4 + 4 * tokens * vocab * 4
+    private = RUNTIME_BYTES + TRANSFORMERS_BYTES + 4 * (dense + moe + experts) + acts
+    files = RUNTIME_FILE_BYTES + TRANSFORMERS_FILE_BYTES + sum(t.nbytes for t in base.tensors.values()) + plan.total_bytes
+    return private, files
