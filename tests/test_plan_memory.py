@@ -36,6 +36,7 @@ MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", 
 PARAMS = 7_241_732_096
 ROUTERS = 32 * 8 * 4096 * 4  # fp32 (E, H) per layer
 MLP = 14336 * 4096  # elements of one expert matrix
+STAGING = 4 * 16 * 2**20  # the writer's staging buffers (checkpoint.shard_file), every shard of 7B > 64 MiB
 
 
 def estimate(**recipe):
@@ -48,7 +49,7 @@ def estimate(**recipe):
 def test_dtype_cast_holds_the_largest_cast_tensor():
     m = estimate(dtype="float32")  # bf16 in, fp32 out: each source tensor gets a private fp32 copy
     # lm_head's fp32 copy, while the previous tensor (the final norm's fp32 copy) is still referenced
-    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 32000 * 4096 * 4 + 4096 * 4
+    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 32000 * 4096 * 4 + 4096 * 4 + STAGING
     assert m.build_phase == "writing" and m.lint_bytes == 0
     assert m.mapped_input_bytes == 2 * PARAMS  # every input tensor is read (mapped) once
     assert m.build_rss_bytes == m.build_private_bytes + RUNTIME_FILE_BYTES + 2 * PARAMS
@@ -58,15 +59,15 @@ def test_noise_holds_three_fp32_copies_and_the_previous_slot():
     m = estimate(experts=[{"source_model": REF, "noise_scale": 0.01}] * 8, num_experts=None)
     # a noisy bf16 slot: fp32 copy, the noise and its product (3 x 4 bytes per element), beside the
     # previous slot's bf16 result (2 bytes per element)
-    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 3 * 4 * MLP + 2 * MLP
+    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 3 * 4 * MLP + 2 * MLP + STAGING
 
 
 def test_drop_and_clone_working_memory():
     m = estimate(expert_init={"method": "drop", "ratio": 0.5})
     # float().clone(): 2 fp32 copies (drop's fresh rows, 2 x 0.5, fit in the same), + previous slot's bf16
-    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 2 * 4 * MLP + 2 * MLP
+    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 2 * 4 * MLP + 2 * MLP + STAGING
     m = estimate(tensor_policy="clone")  # a bf16 clone per slot, beside the previous slot's clone
-    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 2 * 2 * MLP
+    assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 2 * 2 * MLP + STAGING
 
 
 def test_hidden_gates_on_cpu_hold_fp32_weights_and_one_batch(monkeypatch):
@@ -142,3 +143,17 @@ def test_cheap_modes_never_load_the_model(mode):
     experts = [{"source_model": REF, "positive_prompts": ["a"]}] * 2 if mode == "cheap_embed" else None
     m = estimate(gate_mode=mode, **({"experts": experts, "num_experts": None} if experts else {}))
     assert m.gate_private_bytes < RUNTIME_BYTES + TRANSFORMERS_BYTES + 32000 * 4096 * 4 + ROUTERS + 1
+
+
+def test_staging_buffers_are_touched_only_as_far_as_the_largest_shard():
+    from pathlib import Path
+
+    from moe_upcycle import upcycle
+
+    stories = Path(__file__).parent / "data" / "stories260K"
+    result = upcycle({"base_model": str(stories), "num_experts": 4, "gate_mode": "random"}, dry_run=True)
+    total = result.plan.total_bytes  # one shard: well under the 4 x 16 MiB of buffers
+    assert memory.staging_bytes(result.plan, write_params(result.config)) == total + (-total % 4096)
+    big = load_config({"base_model": REF, "num_experts": 8, "gate_mode": "random"})
+    plan = make_plan(big, {REF: meta_checkpoint(REF, MISTRAL_7B, describe_dense(MISTRAL_7B))})
+    assert memory.staging_bytes(plan, write_params(big)) == STAGING

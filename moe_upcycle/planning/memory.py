@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint import names, shard_file
+from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.recipe.params import HIDDEN_MODES, CheckParams, GateParams, WriteParams
@@ -89,7 +90,8 @@ def estimate_memory(plan: Plan, gating: GateParams, writing: WriteParams, checki
     base = sources[base_ref]
     gate_private, gate_files, gpu, gate_notes = gate_phase(plan, gating, base)
     routers = router_bytes(plan)
-    write_private = RUNTIME_BYTES + routers + writing_peak(plan, sources, writing.tensor_policy)
+    write_private = (RUNTIME_BYTES + routers + writing_peak(plan, sources, writing.tensor_policy)
+                     + staging_bytes(plan, writing))
     mapped = mapped_input_bytes(plan, sources)
     phases = {"gates": (gate_private, gate_files), "writing": (write_private, RUNTIME_FILE_BYTES + mapped)}
     drift = drift_phase(plan, checking, base)
@@ -109,6 +111,15 @@ def estimate_memory(plan: Plan, gating: GateParams, writing: WriteParams, checki
         notes.append(f"prompt lint embedder +{LINT_BYTES // MB} MB (build --no-lint skips it); --verify not counted")
     return MemoryEstimate(build_private, build_rss, phase, gate_private, gate_private + gate_files, mapped, lint, gpu,
                           tuple(notes))
+
+
+def staging_bytes(plan: Plan, writing: WriteParams) -> int:
+    """The writer's page-aligned staging buffers (`shard_file`): `DEPTH` of `BUFFER_BYTES` per shard
+    file, touched only as far as the largest shard reaches (one file's buffers are live at a time)."""
+    largest = max((sum(s.nbytes for s in shard) for shard in
+                   assign_shards([TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps], writing.max_shard_bytes)),
+                  default=0)
+    return min(shard_file.DEPTH * shard_file.BUFFER_BYTES, largest + (-largest % shard_file.BLOCK))
 
 
 def router_bytes(plan: Plan) -> int:
