@@ -181,7 +181,8 @@ class _Staging:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, nbytes)
+        # private anonymous memory (counted as the process's own, RssAnon), page-aligned
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))
         self.view = memoryview(self._map)
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
