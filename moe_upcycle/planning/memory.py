@@ -103,7 +103,8 @@ def estimate_memory(plan: Plan, gating: GateParams, writing: WriteParams, checki
     build_rss = max(p + f for p, f in phases.values()) + lint
     notes = [f"private = {RUNTIME_BYTES // MB} MB Python+torch runtime (measured, x86-64 Linux, torch 2.13 CPU)"
              + (f" + {TRANSFORMERS_BYTES // MB} MB when transformers runs" if gate_notes or drift else "")
-             + " + routers + tensors the build creates; the input is memory-mapped, not copied"]
+             + f" + routers + tensors the build creates + {staging_bytes(plan, writing) / MB:.0f} MB of write buffers;"
+             + " the input is memory-mapped, not copied"]
     notes += gate_notes
     if drift:
         notes.append("init drift report: dense and MoE loaded in fp32 (report_init_drift: false skips it)")
