@@ -16,7 +16,10 @@ continuations), then is upcast in place to fp32 (exact: the same logits as an fp
 second load) for the comparison run. The prompts are tokenized once, by the output's tokenizer,
 and every model gets the same ids; they run as batches, and the continuations are generated as one
 batch, so each model makes a handful of forward calls (prompts, text, `max_new_tokens` decoding
-steps) rather than one per prompt and per new token. The MoE is freed before the dense base is
+steps) rather than one per prompt and per new token. The continuations are 8 new tokens by default
+(16 before issue 17): they are shown, not scored, so no reported figure depends on their length.
+The dense base generates only past the first token where its greedy choice departs from the MoE's
+continuation (`continuations.accept_draft`). The MoE is freed before the dense base is
 loaded, so memory peaks at the MoE in fp32, never both models. Config fields are read under
 each architecture's own names (`names.OutputLayout.experts_key`: ``num_local_experts`` for
 Mixtral, ``num_experts`` for Qwen MoE).
