@@ -9,10 +9,18 @@ picks for it, so an output that cannot run where it is published (a bf16 build w
 grouped_mm cannot multiply) fails here, and so do NaN logits; the greedy continuations shown are
 this run's. Then, against the dense base (the recipe's ``base_model`` unless given), it compares
 logits on sample prompts (max |Δlogit|, top-1 agreement, mean KL(dense‖moe)) and perplexity on a
-text, both models in fp32 (a 16-bit output is loaded a second time, upcast), so the numbers measure
-the upcycling, not the dtype's arithmetic. The prompts are tokenized once, by the output's
-tokenizer, and every model gets the same ids. Models are loaded one after the other, so memory
-peaks at the largest one (fp32), not several. Config fields are read under
+text, both models in fp32, so the numbers measure the upcycling, not the dtype's arithmetic.
+
+What it costs: each model is loaded once. A 16-bit output runs as written (prompts and the
+continuations), then is upcast in place to fp32 (exact: the same logits as an fp32 load, without a
+second load) for the comparison run. The prompts are tokenized once, by the output's tokenizer,
+and every model gets the same ids; they run as batches, and the continuations are generated as one
+batch, so each model makes a handful of forward calls (prompts, text, `max_new_tokens` decoding
+steps) rather than one per prompt and per new token. The continuations are 8 new tokens by default
+(16 before issue 17): they are shown, not scored, so no reported figure depends on their length.
+The dense base generates only past the first token where its greedy choice departs from the MoE's
+continuation (`continuations.accept_draft`). The MoE is freed before the dense base is
+loaded, so memory peaks at the MoE in fp32, never both models. Config fields are read under
 each architecture's own names (`names.OutputLayout.experts_key`: ``num_local_experts`` for
 Mixtral, ``num_experts`` for Qwen MoE).
 
@@ -27,13 +35,14 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from moe_upcycle.check.compare import compare_logits, encode_inputs, load_causal_lm, run_model
+from moe_upcycle.check.compare import compare_logits, encode_inputs, load_causal_lm, run_model, upcast_to_fp32
 from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
@@ -184,7 +193,7 @@ def verify(
     max_kl: Optional[float] = None,
     min_agreement: Optional[float] = None,
     hashes: bool = True,
-    max_new_tokens: int = 16,
+    max_new_tokens: int = 8,
     device: str = "cpu",
     check: Optional[CheckParams] = None,
     plan: Optional[Plan] = None,
@@ -200,7 +209,8 @@ def verify(
         max_kl: fail when mean KL(dense‖moe) is above this.
         min_agreement: fail when top-1 agreement is below this (0..1).
         hashes: check each file's sha256 against ``moe_upcycle.json``.
-        max_new_tokens: length of the greedy continuations.
+        max_new_tokens: length of the greedy continuations (each new token is a decoding step, a
+            forward pass of the whole model; the continuations are shown, not scored).
         device: where both models run ("cpu", "cuda").
         check, plan: the build's own (``build --verify``); default: re-made from the recorded recipe.
 
@@ -265,21 +275,25 @@ def verify(
     max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
     inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
     advance("verify", note=f"running the MoE on {len(prompt_list)} prompts")
+    as_written = inputs if dtype == torch.float32 else replace(inputs, text=None)  # 16-bit: perplexity in fp32 below
     try:
-        user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
+        user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=as_written)
     except Exception as exc:  # e.g. grouped_mm on unaligned bf16 experts: the output does not run as written
         result.problems.append(f"loads but does not run in transformers ({result.loaded_dtype}, experts: "
                                f"{result.experts_implementation}): {_first_line(exc)}")
         return result
-    finally:
-        del moe
-        gc.collect()
     if not all(bool(t.isfinite().all()) for t in user_run.logits):
         result.problems.append(f"non-finite logits (NaN/inf) when run as written ({result.loaded_dtype})")
-    # the comparison measures the upcycling, not the dtype: both models in fp32 (the thresholds' calibration)
-    moe_run = user_run if dtype == torch.float32 else run_model(
-        load_causal_lm(folder, device=device), prompt_list, continuation_prompts=0, inputs=inputs)
-    gc.collect()
+    # the comparison measures the upcycling, not the dtype: both models in fp32 (the thresholds' calibration).
+    # A 16-bit model is upcast in place, not loaded a second time: bf16/fp16 -> fp32 is exact and the experts
+    # implementation comes from config.json either way, so the logits are an fp32 load's, bit for bit.
+    moe_run = user_run
+    if dtype != torch.float32:
+        user_run.logits = []  # checked above; the fp32 run's are compared
+        upcast_to_fp32(moe.model)
+        moe_run = run_model(moe, prompt_list, text_str, continuation_prompts=0, inputs=inputs)
+    del moe
+    gc.collect()  # the MoE is gone before the dense base is loaded: one model in memory at a time
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
     advance("verify", note="loading the dense base")
 
@@ -295,7 +309,8 @@ def verify(
                               f"{exc}); pass a working --base DENSE") from None
         _note_tokenizer_difference(dense.tokenizer, prompt_list, inputs, result)
         advance("verify", note=f"running the dense base on {len(prompt_list)} prompts")
-        dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs)
+        dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs,
+                              drafts=user_run.continuation_ids)  # decodes only where it departs from the MoE's
         advance("verify", note="compared")
         del dense
         gc.collect()

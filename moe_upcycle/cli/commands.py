@@ -130,7 +130,8 @@ def verify_cmd(
                                                   help="Fail when top-1 agreement (0..1) is below this."),
     hashes: bool = typer.Option(True, "--hashes/--skip-hashes", help="Check every file's sha256 against "
                                                                       "moe_upcycle.json."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Length of the greedy continuations."),
+    max_new_tokens: int = typer.Option(8, "--max-new-tokens", min=1, help="Length of the greedy continuations "
+                                       "(each new token is a forward pass of each model)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
