@@ -60,7 +60,7 @@ GB = 1e9
 
 
 def dense_tensor_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
-    """Llama tensor names and shapes for `dims`, in the order HF writes them."""
+    """Llama tensor names and shapes for `dims`, in the order HF writes them (no lm_head when tied)."""
     h, i, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
     kv = dims["num_key_value_heads"] * (h // dims["num_attention_heads"])
     shapes = {"model.embed_tokens.weight": (v, h)}
@@ -73,7 +73,8 @@ def dense_tensor_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
         })
     shapes["model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (v, h)
+    if not dims.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (v, h)
     return shapes
 
 

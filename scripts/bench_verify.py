@@ -44,10 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_build import (  # one way of measuring a child
+from bench_build import (  # one way of measuring a child, and of writing a random Llama
     GB,
     Run,
     _median,
+    dense_tensor_shapes,
     measure,
     settle,
 )
@@ -77,25 +78,6 @@ for folder in (moe_dir, dense_dir):
     del model, logits
 print(ids.shape[1])
 """
-
-
-def dense_tensor_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
-    """Llama tensor names and shapes for `dims` (tied embeddings: no lm_head)."""
-    h, i, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
-    kv = dims["num_key_value_heads"] * (h // dims["num_attention_heads"])
-    shapes = {"model.embed_tokens.weight": (v, h)}
-    for n in range(dims["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-        })
-    shapes["model.norm.weight"] = (h,)
-    if not dims["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
 
 
 def tokenizer_corpus() -> list[str]:
