@@ -61,12 +61,16 @@ def slot_generator(seed: int, step: Step, device: inits.DeviceLike = None) -> to
 
 
 def apply_transforms(tensor: torch.Tensor, step: Step, seed: int) -> torch.Tensor:
-    """Apply a slot's transforms in fp32 (always on a fresh copy), on the tensor's device."""
-    out = tensor.float().clone()
+    """Apply a slot's transforms in fp32 (always on a fresh copy), on the tensor's device.
+
+    One fp32 copy of the slot plus, for a draw, one tensor of draws, scaled and added in place: the
+    same values as ``out + randn * value``, without a temporary for each operation.
+    """
+    out = tensor.to(torch.float32, copy=True)
     dev = out.device
     for name, value in step.transforms:
         if name == "noise":  # mergekit's noise_scale: absolute Gaussian noise
-            out += torch.randn(out.shape, generator=slot_generator(seed, step, dev), device=dev) * value
+            out += torch.randn(out.shape, generator=slot_generator(seed, step, dev), device=dev).mul_(value)
         elif name == "scale":
             out *= value
         elif name in inits.TRANSFORMS:

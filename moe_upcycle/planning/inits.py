@@ -129,7 +129,7 @@ def sliced_shape(shape: tuple[int, ...], proj: str, g: int) -> tuple[int, ...]:
 
 def apply_transform(out: torch.Tensor, name: str, value: Any, layer: int, expert: int, seed: int,
                     slot_gen: torch.Generator) -> torch.Tensor:
-    """Apply one of `TRANSFORMS` to an fp32 matrix (a private copy) and return the result.
+    """Apply one of `TRANSFORMS` to an fp32 matrix (a private copy, changed in place) and return the result.
 
     Args:
         out: the slot's matrix so far, fp32.
@@ -140,13 +140,13 @@ def apply_transform(out: torch.Tensor, name: str, value: Any, layer: int, expert
             `out`'s device (every draw is made where the matrix is: nothing crosses devices).
     """
     if name == "rel_noise":
-        return out + torch.randn(out.shape, generator=slot_gen, device=out.device) * (value * out.std())
+        return out.add_(torch.randn(out.shape, generator=slot_gen, device=out.device).mul_(value * out.std()))
     if name == "drop":
         n_neurons = out.shape[value.axis]
         idx = drop_indices(n_neurons, value.ratio, seed, layer, expert, device=out.device)
         shape = list(out.shape)
         shape[value.axis] = len(idx)
-        fresh = torch.randn(shape, generator=slot_gen, device=out.device) * out.std() + out.mean()
+        fresh = torch.randn(shape, generator=slot_gen, device=out.device).mul_(out.std()).add_(out.mean())
         out.index_copy_(value.axis, idx, fresh)
         return out
     if name == "slice":

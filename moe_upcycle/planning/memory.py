@@ -282,19 +282,18 @@ def leaf_bytes(step: Step, sources: dict[str, Checkpoint], policy: str) -> tuple
 def transform_bytes(step: Step, n: int) -> int:
     """Peak fp32 working memory of `execute.apply_transforms` on a slot of `n` source elements.
 
-    ``tensor.float().clone()``: two fp32 copies for a non-fp32 slot, then per transform: noise adds
-    the drawn noise and its product (3 copies live at the sum); drop draws ``ratio`` of the neurons
-    twice over (1 + 2·ratio); slice keeps the 1/g part beside the whole; scale is in place. At the
-    end the fp32 result and its cast to the output dtype.
+    One fp32 copy of the slot; then per transform: noise draws one fp32 tensor beside it (scaled
+    and added in place: 2 copies live); drop draws ``ratio`` of the neurons (1 + ratio); slice
+    keeps the 1/g part beside the whole; scale is in place. At the end the fp32 result and its
+    cast to the output dtype.
     """
     fp32 = 4 * n
-    peak = 2 * fp32 if step.dtype != torch.float32 else fp32
-    size = fp32
+    peak = size = fp32
     for name, value in step.transforms:
         if name in ("noise", "rel_noise"):
-            peak = max(peak, 3 * size)
+            peak = max(peak, 2 * size)
         elif name == "drop":
-            peak = max(peak, size + 2 * size * float(value.ratio))
+            peak = max(peak, size + size * float(value.ratio))
         elif name == "slice":
             size //= int(value.granularity)
             peak = max(peak, size * (int(value.granularity) + 1))
