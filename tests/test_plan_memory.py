@@ -12,9 +12,8 @@ from typer.testing import CliRunner
 from moe_upcycle import load_config
 from moe_upcycle.check import drift
 from moe_upcycle.checkpoint.meta_model import describe_dense
-from moe_upcycle.checkpoint.source import meta_checkpoint
+from moe_upcycle.checkpoint.source import meta_checkpoint, open_sources
 from moe_upcycle.cli import app
-from moe_upcycle.gates import capture, hidden_gates
 from moe_upcycle.planning import memory
 from moe_upcycle.planning.memory import (
     LINT_BYTES,
@@ -24,6 +23,7 @@ from moe_upcycle.planning.memory import (
     estimate_memory,
 )
 from moe_upcycle.planning.plan import make_plan
+from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.resolve import check_params, gate_params, write_params
 from moe_upcycle.terminal.allocator import return_large_frees
 
@@ -94,12 +94,22 @@ def test_kmeans_counts_its_token_sample(monkeypatch):
     assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + ROUTERS + 4 * PARAMS + acts
 
 
-def test_constants_match_the_code_they_describe():
-    assert memory.DRIFT_AUTO_MAX_BYTES == drift.AUTO_MAX_BYTES
-    assert memory.DRIFT_TEXT_BYTES >= len(drift.DEFAULT_TEXT.encode())
-    assert memory.KMEANS_WINDOW == capture.CALIBRATION_WINDOW
-    assert (memory.KMEANS_MAX_POINTS, memory.KMEANS_MAX_BYTES) == (hidden_gates.KMEANS_MAX_POINTS,
-                                                                  hidden_gates.KMEANS_MAX_BYTES)
+@pytest.mark.parametrize("report, changed, size, expected", [
+    (None, True, 2 * 10**9, True), (None, True, 2 * 10**9 + 1, False), (None, False, 10**6, False),
+    (True, False, 10**12, True), (False, True, 10**6, False)])
+def test_plan_and_build_share_one_drift_rule(stories, tmp_path, monkeypatch, report, changed, size, expected):
+    """The plan predicts the drift phase exactly when the build would run it (one rule, `measures_drift`)."""
+    check = CheckParams(str(stories), report_init_drift=report, inits_changed=changed)
+    assert check.measures_drift(size) is expected
+    config = load_config({"base_model": str(stories), "num_experts": 2, "gate_mode": "random"})
+    sources = open_sources({str(stories): "base_model"})
+    plan = make_plan(config, sources)
+    monkeypatch.setattr(type(plan), "total_bytes", property(lambda self: size))
+    predicted = memory.drift_phase(plan, check, sources[str(stories)]) is not None
+    ran = []
+    monkeypatch.setattr(drift, "measure_drift_folders", lambda dense, moe, text: ran.append(text))
+    drift.build_drift(check, plan, stories, tmp_path)
+    assert predicted is expected and bool(ran) is expected
 
 
 def test_init_drift_phase_of_a_small_noisy_build(stories):

@@ -2,10 +2,10 @@
 
 `compare_logits` is the measure (pure tensor maths); `measure_drift` runs two in-memory models
 on the same tokens; `measure_drift_folders` loads two saved models with transformers and is the
-one `build` calls after writing. Loading means **whole-model memory** (both models, fp32), so a
-build measures by default (``report_init_drift`` unset) only when an expert init changes weights
-(not plain ``copy``, which is function-preserving by construction) and the output is at most
-`AUTO_MAX_BYTES`; ``report_init_drift: true`` forces it, ``false`` skips it.
+one `build` calls after writing. Loading means **whole-model memory** (both models, fp32), so
+whether a build measures is `CheckParams.measures_drift` (by default only when an expert init
+changes weights and the output is small; ``report_init_drift: true`` forces it, ``false`` skips
+it), the same rule `plan` predicts its memory by.
 
 The KL/agreement maths is `compare.compare_logits`, shared with `verify`.
 """
@@ -19,20 +19,13 @@ from typing import Optional
 import torch
 
 from moe_upcycle.check import compare
-from moe_upcycle.recipe.params import CheckParams
+from moe_upcycle.recipe.params import DRIFT_TEXT, CheckParams
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.inputs.text import check_token_ids
 
-AUTO_MAX_BYTES = 2 * 10**9
 EAGER_EXPERTS = {"experts_implementation": "eager"}
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")
-DEFAULT_TEXT = (
-    "Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog. "
-    "One day the sun was hot, so they sat under a big tree and ate an apple. "
-    "The integral of x squared is x cubed over three. def add(a, b): return a + b. "
-    "Photosynthesis turns light into chemical energy, and the cat sat on the mat."
-)
 
 
 @dataclass(frozen=True)
@@ -75,7 +68,7 @@ def measure_drift(dense_model: torch.nn.Module, moe_model: torch.nn.Module, inpu
     return compare_logits(dense_logits, moe_logits)
 
 
-def measure_drift_folders(dense: Path, moe: Path, text: str = DEFAULT_TEXT) -> InitDrift:
+def measure_drift_folders(dense: Path, moe: Path, text: str = DRIFT_TEXT) -> InitDrift:
     """Load two saved models (fp32, whole-model memory) and compare them on `text`.
 
     Raises:
@@ -99,14 +92,10 @@ def has_tokenizer(folder: Path) -> bool:
 
 
 def build_drift(check: CheckParams, plan: Plan, dense: Optional[Path], moe: Path) -> Optional[InitDrift]:
-    """The drift of a freshly written build, or None when `report_init_drift` (auto or false) skips it.
-
-    Auto (``None``) measures when some expert init is not ``copy``, the output is at most
-    `AUTO_MAX_BYTES` and the base has a tokenizer.
-    """
-    wanted = check.report_init_drift
-    if wanted is False or dense is None:
+    """The drift of a freshly written build, or None when `CheckParams.measures_drift` skips it (or,
+    by default, the base has no tokenizer to encode the drift text with)."""
+    if dense is None or not check.measures_drift(plan.total_bytes):
         return None
-    if wanted is None and (not check.inits_changed or plan.total_bytes > AUTO_MAX_BYTES or not has_tokenizer(dense)):
+    if check.report_init_drift is None and not has_tokenizer(dense):
         return None
-    return measure_drift_folders(dense, moe)
+    return measure_drift_folders(dense, moe, check.drift_text)

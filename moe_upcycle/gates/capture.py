@@ -24,11 +24,11 @@ import torch
 
 from moe_upcycle.errors import ConfigError, DependencyError, SourceError, UpcycleWarning
 from moe_upcycle.inputs.text import check_texts, check_token_ids
+from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW
 from moe_upcycle.terminal.hints import install_hint
 from moe_upcycle.terminal.progress import stage
 
 ROUTER_INPUT = "post_attention_layernorm"  # the module whose output each layer's router scores
-CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 Reduce = Literal["mean", "last", "tokens"]
 
 

@@ -11,8 +11,7 @@ present, with accelerate's ``device_map="auto"`` spreading a model larger than o
 GPUs and CPU memory, optionally 4/8-bit through bitsandbytes). Memory is the weights plus one
 batch of activations: hooks fold each batch into per-layer running sums (one (H,) vector per
 expert and layer); hidden states of all prompts are never kept. ``kmeans`` keeps a bounded,
-seeded sample of calibration tokens (at most `KMEANS_MAX_POINTS` per layer and
-`KMEANS_MAX_BYTES` in all).
+seeded sample of calibration tokens (`calibration.kmeans_sample_budget`).
 
 Averages run over *real* tokens only: pad positions and special tokens (BOS/EOS) are excluded —
 the BOS position sees only itself, so its router input is the same for every prompt and would
@@ -41,7 +40,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from moe_upcycle.recipe.calibration import read_documents
+from moe_upcycle.recipe.calibration import kmeans_sample_budget, read_documents
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode, encode_windows,
                       load_base)
@@ -51,8 +50,6 @@ from moe_upcycle.terminal.progress import stage
 
 DECISIVE_LOGIT_GAP = 4.0
 MAX_TOKEN_LOGIT_GAP = 16.0
-KMEANS_MAX_POINTS = 16384
-KMEANS_MAX_BYTES = 2 * 2**30
 
 
 def default_scales(unit: torch.Tensor, own_means: torch.Tensor, token_norm: torch.Tensor) -> torch.Tensor:
@@ -130,7 +127,7 @@ def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts
     encoded = encode_windows(loaded.tokenizer, read_documents(calibration_text))
     n_layers, hidden = len(loaded.norms), int(loaded.model.config.hidden_size)
     total = sum(sum(e.real) for e in encoded)
-    budget = max(num_experts, min(KMEANS_MAX_POINTS, KMEANS_MAX_BYTES // (4 * n_layers * hidden)))
+    budget = kmeans_sample_budget(num_experts, n_layers, hidden)
     if total > budget:  # a seeded sample of token positions, fixed before the forward pass
         gen = torch.Generator().manual_seed(seed)
         keep = torch.zeros(total, dtype=torch.bool)

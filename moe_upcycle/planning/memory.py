@@ -38,6 +38,7 @@ from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.recipe.params import HIDDEN_MODES, CheckParams, GateParams, WriteParams
+from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, kmeans_sample_budget
 
 RUNTIME_BYTES = 165 * 10**6  # Python + torch + moe_upcycle imported, CLI running
 TRANSFORMERS_BYTES = 155 * 10**6  # transformers imported, a model class built, a tokenizer loaded
@@ -45,10 +46,6 @@ LINT_BYTES = 70 * 10**6  # the prompt lint's all-MiniLM-L6-v2 and sentence-trans
 RUNTIME_FILE_BYTES = 90 * 10**6  # mapped libraries (RssFile) of the CLI runtime
 TRANSFORMERS_FILE_BYTES = 40 * 10**6  # ... and what transformers/tokenizers add
 MB = 10**6
-DRIFT_AUTO_MAX_BYTES = 2 * 10**9  # check.drift.AUTO_MAX_BYTES (not imported: drift imports the model stack)
-DRIFT_TEXT_BYTES = 330  # check.drift.DEFAULT_TEXT, in UTF-8 bytes (an upper bound on its tokens)
-KMEANS_WINDOW = 256  # capture.CALIBRATION_WINDOW
-KMEANS_MAX_POINTS, KMEANS_MAX_BYTES = 16384, 2 * 2**30  # hidden_gates' bounds on kept calibration tokens
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -198,9 +195,9 @@ def model_bytes_in(base: Checkpoint, gating: GateParams) -> int:
 
 def batch_shape(gating: GateParams) -> tuple[int, int]:
     """(texts, tokens) of the largest forward pass: tokens bounded by the longest prompt's UTF-8 bytes
-    (+2 special tokens); k-means runs calibration windows of `KMEANS_WINDOW` tokens."""
+    (+2 special tokens); k-means runs calibration windows of `CALIBRATION_WINDOW` tokens."""
     if gating.mode == "kmeans":
-        return gating.batch_size, KMEANS_WINDOW
+        return gating.batch_size, CALIBRATION_WINDOW
     prompts = [p for e in gating.experts for p in (*e.positive, *e.negative)]
     longest = max((len(p.encode()) for p in prompts), default=0) + 2
     if gating.source == "mergekit":  # one batch per expert's positive (or negative) prompts
@@ -220,7 +217,7 @@ def activation_bytes(plan: Plan, gating: GateParams) -> int:
     per_token = 4 * inter + 6 * hidden + (hidden * (layers + 1) if gating.source == "mergekit" else 0)
     acts = batch * tokens * per_token * itemsize
     if gating.mode == "kmeans":  # the sampled calibration tokens, fp32 per layer (hidden_gates' budget)
-        acts += min(KMEANS_MAX_POINTS, KMEANS_MAX_BYTES // (4 * layers * hidden)) * 4 * layers * hidden
+        acts += kmeans_sample_budget(len(plan.expert_names), layers, hidden) * 4 * layers * hidden
     return acts
 
 
@@ -306,22 +303,19 @@ def transform_bytes(step: Step, n: int) -> int:
 
 def drift_phase(plan: Plan, checking: CheckParams, base: Checkpoint) -> Optional[tuple[int, int]]:
     """(private, mapped-file bytes) of the init-drift report, or None when the build skips it
-    (the rule of `check.drift.build_drift`: auto measures non-copy inits of outputs up to 2 GB).
+    (`CheckParams.measures_drift`, the rule `check.drift.build_drift` follows).
 
     Both models are loaded in fp32 and run once on the drift text: weights + activations + the two
     logit matrices (T × vocab, fp32, and their log-softmax). transformers 5 converts per-expert
     tensors into its fused layout while loading, and holds both forms at its peak, so the expert
     weights count twice (measured: SmolLM2-135M ×4, noise)."""
-    wanted = checking.report_init_drift
-    if wanted is False or base.path is None:
-        return None
-    if wanted is None and (not checking.inits_changed or plan.total_bytes > DRIFT_AUTO_MAX_BYTES):
+    if base.path is None or not checking.measures_drift(plan.total_bytes):
         return None
     cfg = plan.base_config
     dense = sum(math.prod(t.shape) for t in base.tensors.values())
     moe = sum(math.prod(s.shape) for s in plan.steps if not (plan.tied_embeddings and s.name == "lm_head.weight"))
     experts = sum(math.prod(s.shape) for s in plan.steps if s.kind == "expert")
-    tokens, vocab = DRIFT_TEXT_BYTES, int(cfg["vocab_size"])
+    tokens, vocab = len(checking.drift_text.encode()), int(cfg["vocab_size"])  # UTF-8 bytes: at least its tokens
     acts = tokens * (4 * int(cfg["intermediate_size"]) + 6 * int(cfg["hidden_size"])) * 4 + 4 * tokens * vocab * 4
     private = RUNTIME_BYTES + TRANSFORMERS_BYTES + 4 * (dense + moe + experts) + acts
     files = RUNTIME_FILE_BYTES + TRANSFORMERS_FILE_BYTES + sum(t.nbytes for t in base.tensors.values()) + plan.total_bytes

@@ -2,7 +2,9 @@
 
 Accepted: ``.txt``/``.md`` (documents separated by blank lines), ``.jsonl`` (one JSON string or
 object with a ``text`` field per line), or a folder, read recursively in sorted path order so the
-result is deterministic. This module reads text; tokenizing and windowing happen in `hidden_gates`.
+result is deterministic. This module reads text and says how much of it the gates use (the window
+length, the k-means sample budget), so `plan` can predict their memory from the same numbers;
+tokenizing and windowing happen in `gates`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from pathlib import Path
 
 from moe_upcycle.errors import ConfigError
 
+CALIBRATION_WINDOW = 256  # tokens per calibration sequence
+KMEANS_MAX_POINTS = 16384  # calibration tokens k-means keeps per layer, at most ...
+KMEANS_MAX_BYTES = 2 * 2**30  # ... and in all (fp32, every layer)
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 
@@ -75,3 +80,13 @@ def _read_jsonl(file: Path) -> list[str]:
         if text.strip():
             docs.append(text.strip())
     return docs
+
+
+def kmeans_sample_budget(num_experts: int, n_layers: int, hidden: int) -> int:
+    """How many calibration tokens k-means keeps (a seeded sample when the text has more).
+
+    Example:
+        >>> kmeans_sample_budget(8, 22, 2048)  # TinyLlama: the byte bound is the tighter one
+        11915
+    """
+    return max(num_experts, min(KMEANS_MAX_POINTS, KMEANS_MAX_BYTES // (4 * n_layers * hidden)))

@@ -14,6 +14,14 @@ from typing import Optional
 PROMPT_MODES = ("cheap_embed", "hidden", "hidden_avg", "hidden_last")
 # gate modes that run the base model (see gates/hidden_gates.py)
 HIDDEN_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
+# init drift is measured by default only up to this output size: it loads the dense and the MoE in fp32
+DRIFT_AUTO_MAX_BYTES = 2 * 10**9
+DRIFT_TEXT = (
+    "Once upon a time, there was a little girl named Lily. She liked to play in the park with her dog. "
+    "One day the sun was hot, so they sat under a big tree and ate an apple. "
+    "The integral of x squared is x cubed over three. def add(a, b): return a + b. "
+    "Photosynthesis turns light into chemical energy, and the cat sat on the mat."
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ class CheckParams:
         experts: every routed expert's prompts (routing evaluation labels by them).
         report_init_drift: the recipe's ``report_init_drift`` (None: decided by size).
         inits_changed: some expert init is not ``copy`` (so init drift is worth measuring).
+        drift_text: what the init-drift report runs both models on.
     """
 
     base_model: str
@@ -98,3 +107,17 @@ class CheckParams:
     experts: tuple[ExpertPrompts, ...] = ()
     report_init_drift: Optional[bool] = None
     inits_changed: bool = False
+    drift_text: str = DRIFT_TEXT
+
+    def measures_drift(self, output_bytes: int) -> bool:
+        """Whether a build of `output_bytes` reports init drift: ``report_init_drift`` when set; by
+        default when some init is not ``copy`` (a copy is function-preserving by construction) and
+        the output is at most `DRIFT_AUTO_MAX_BYTES` (the report loads both models in fp32).
+
+        Example:
+            >>> CheckParams("base", inits_changed=True).measures_drift(10**9)
+            True
+        """
+        if self.report_init_drift is not None:
+            return self.report_init_drift
+        return self.inits_changed and output_bytes <= DRIFT_AUTO_MAX_BYTES
