@@ -5,11 +5,13 @@ no traceback, and nothing left beside the target."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -55,6 +57,16 @@ def _assert_clean(code: int, output: str, exception: object, target: Path) -> No
         assert (target / "config.json").is_file() and (index is None or index["weight_map"])
 
 
+@contextlib.contextmanager
+def _built_from(base: Path) -> Iterator[tuple[int, str, object, Path]]:
+    """Build a 2-expert MoE of `base` into a temporary folder: (exit code, output, exception, target)."""
+    with tempfile.TemporaryDirectory() as d:
+        recipe = Path(d) / "cfg.yaml"
+        recipe.write_text(f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n")
+        target = Path(d) / "moe"
+        yield (*_run("build", recipe, target), target)
+
+
 @pytest.fixture(scope="module")
 def base_copy(tiny_llama, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("fuzz_cfg") / "base"
@@ -73,11 +85,7 @@ def test_fuzz_base_config_json(base_copy, tiny_llama, changes, drop):
     cfg.update(changes)
     text = json.dumps(cfg, allow_nan=True)  # NaN/Infinity as json.loads reads them
     (base_copy / "config.json").write_text(text)
-    with tempfile.TemporaryDirectory() as d:
-        recipe = Path(d) / "cfg.yaml"
-        recipe.write_text(f"base_model: {base_copy}\nnum_experts: 2\ngate_mode: random\n")
-        target = Path(d) / "moe"
-        code, output, exc = _run("build", recipe, target)
+    with _built_from(base_copy) as (code, output, exc, target):
         _assert_clean(code, output, exc, target)
         if code == 0:  # what was accepted is what the tensors are: the MoE's config matches them
             out = json.loads((target / "config.json").read_text())
@@ -90,11 +98,7 @@ def test_fuzz_base_config_json(base_copy, tiny_llama, changes, drop):
 @given(raw=st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("utf-8", "replace")))
 def test_fuzz_base_config_json_raw_text(base_copy, raw):
     (base_copy / "config.json").write_text(raw)
-    with tempfile.TemporaryDirectory() as d:
-        recipe = Path(d) / "cfg.yaml"
-        recipe.write_text(f"base_model: {base_copy}\nnum_experts: 2\ngate_mode: random\n")
-        target = Path(d) / "moe"
-        code, output, exc = _run("build", recipe, target)
+    with _built_from(base_copy) as (code, output, exc, target):
         assert code == 1  # never a model from an unreadable config.json
         _assert_clean(code, output, exc, target)
 
