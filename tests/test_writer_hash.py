@@ -133,3 +133,9 @@ def test_shard_file_opened_in_inference_mode_finishes_outside_it(tmp_path):
     f.sync_and_close()
     expected = bytes(range(100)) + bytes(range(50))
     assert (tmp_path / "x.bin").read_bytes() == expected and digest == hashlib.sha256(expected).hexdigest()
+
+
+def test_staging_buffers_must_be_whole_blocks(tmp_path):
+    with pytest.raises(ValueError, match="multiple of 4096 bytes, not 5000"):
+        ShardFile(tmp_path / "x.bin", True, 5000, 2)
+    assert not (tmp_path / "x.bin").exists()  # refused before the file is created

@@ -50,6 +50,9 @@ class ShardFile:
     """
 
     def __init__(self, path: Path, checksum: bool, buffer_bytes: Optional[int] = None, depth: Optional[int] = None):
+        buffer_bytes = buffer_bytes or BUFFER_BYTES
+        if buffer_bytes % BLOCK:  # direct I/O writes whole blocks; only the last buffer is padded
+            raise ValueError(f"staging buffers must be a multiple of {BLOCK} bytes, not {buffer_bytes}")
         self.path = Path(path)
         self.fd = _open_output(self.path)
         self.size = 0  # bytes accepted so far: the file's length once finished
@@ -57,11 +60,10 @@ class ShardFile:
         self._hash = hashlib.sha256() if checksum else None
         self._io = ThreadPoolExecutor(1, thread_name_prefix="shard-write")
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256") if checksum else None
-        self._free = [_Staging(buffer_bytes or BUFFER_BYTES) for _ in range(depth or DEPTH)]
+        self._free = [_Staging(buffer_bytes) for _ in range(depth or DEPTH)]
         self._busy: deque[tuple[_Staging, list[Future]]] = deque()
         self._current: Optional[_Staging] = None
         self._filled = 0
-        self._padded = False
 
     def write(self, data: torch.Tensor) -> None:
         """Append the bytes of a contiguous 1-D uint8 tensor (it may be a view of a mapped file)."""
@@ -88,7 +90,7 @@ class ShardFile:
         try:
             while self._busy:
                 _wait(self._busy.popleft()[1])
-            if self._padded:
+            if self.size % BLOCK:  # the last buffer was padded (buffers are whole blocks)
                 os.ftruncate(self.fd, self.size)
         finally:
             self._shutdown()
@@ -129,7 +131,6 @@ class ShardFile:
         if n % BLOCK:  # only the last buffer: pad to the block size, truncated in `finish`
             length = n + (-n % BLOCK)
             staging.tensor[n:length].zero_()
-            self._padded = True
         futures = [self._io.submit(self._write_buffer, staging.view[:length], n)]
         if self._hasher is not None:
             futures.append(self._hasher.submit(self._hash.update, staging.view[:n]))

@@ -123,7 +123,6 @@ class ShardedWriter:
         self._shard = -1
         self._flusher = ThreadPoolExecutor(1, thread_name_prefix="fsync")
         self._flushes: list[Future] = []
-        self.bytes_written = 0  # tensor bytes handed to the shard files
         self._finished_bytes = 0  # bytes of the shards already finished (headers included)
         self.checksums = checksums  # sha256 of each shard while writing (costs more CPU than the write)
         self.sha256: dict[str, str] = {}  # file name -> hex digest, computed while writing
@@ -154,7 +153,6 @@ class ShardedWriter:
             written += data.numel()
         if written != spec.nbytes:
             raise RuntimeError(f"parts of {spec.name} gave {written} of its {spec.nbytes} bytes")
-        self.bytes_written += spec.nbytes
         self._pos += 1
 
     def _open(self, k: int) -> None:
@@ -172,8 +170,7 @@ class ShardedWriter:
         try:
             self._file.write(data)
         except OSError as exc:
-            raise OutputError(f"writing {self._file.path} failed: {exc.strerror or exc}"
-                              + disk_hint(self.folder, self.total_bytes, self._finished_bytes + self._file.on_disk)) from None
+            raise self._write_failed(self._file, exc) from None
 
     def _finish_file(self) -> None:
         if self._file is not None:
@@ -182,12 +179,16 @@ class ShardedWriter:
                 digest = file.finish()
             except OSError as exc:
                 file.abort()
-                raise OutputError(f"writing {file.path} failed: {exc.strerror or exc}"
-                                  + disk_hint(self.folder, self.total_bytes, self._finished_bytes + file.on_disk)) from None
+                raise self._write_failed(file, exc) from None
             self._finished_bytes += file.size
             self._flushes.append(self._flusher.submit(_sync_and_close, file))
             if digest is not None:
                 self.sha256[self.files[self._shard]] = digest
+
+    def _write_failed(self, file: ShardFile, exc: OSError) -> OutputError:
+        """The error for a failed write: which file, why, and the bytes needed, on disk and free."""
+        return OutputError(f"writing {file.path} failed: {exc.strerror or exc}"
+                           + disk_hint(self.folder, self.total_bytes, self._finished_bytes + file.on_disk))
 
     @property
     def total_bytes(self) -> int:
