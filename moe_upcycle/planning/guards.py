@@ -3,13 +3,13 @@
 - `check_source_dtypes`: weights must be floating point (an integer tensor in a weight slot is
   refused); sources that store different float dtypes are allowed, with a warning that every
   tensor is cast to the output dtype (the documented behaviour, see docs/guarantees.md).
-- `warn_nonfinite`: NaN/Inf in a tensor as it streams through the executor — the tensor is
+- `NonfiniteWatch`: NaN/Inf in a tensor as it streams through the executor — the tensor is
   already in memory (or mapped), so this costs one min/max pass over it (about 2 GB/s per CPU
-  core) and no extra read. Values that overflow to Inf in a narrowing cast (float32 → float16)
-  are reported as such. `NonfiniteWatch` runs these checks on a background thread while the
-  writer writes the same tensor, so the pass is off the write path (the profile of a TinyLlama
-  build had it as the second-largest cost of the main thread).
-- `check_free_space` / `disk_hint`: bytes needed vs available, before and during writing.
+  core) and no extra read, on a background thread while the writer writes the same tensor (the
+  profile of a TinyLlama build had it as the second-largest cost of the main thread). Values that
+  overflow to Inf in a narrowing cast (float32 → float16) are reported as such (`nonfinite_line`).
+
+Disk space is checked in `checkpoint.disk_space`.
 
 It warns or refuses; it never changes a tensor.
 """
@@ -69,27 +69,16 @@ def check_source_dtypes(plan: Plan, sources: dict[str, Checkpoint]) -> list[str]
     return lines
 
 
-def warn_nonfinite(tensor: torch.Tensor, raw: torch.Tensor, key: str, source: Checkpoint) -> Optional[str]:
-    """Warn if `tensor` (a source tensor after its cast to the output dtype) holds NaN or Inf.
+def nonfinite_line(tensor: torch.Tensor, raw: torch.Tensor, key: str, source: Checkpoint) -> Optional[str]:
+    """The warning for a source tensor that holds NaN or Inf, or None when every value is finite.
 
     Args:
-        tensor: the tensor as it will be written.
+        tensor: the tensor as it will be written (after its cast to the output dtype).
         raw: the same tensor as read from the source (before the cast), to tell a bad source
             from an overflowing cast. Only looked at when `tensor` is not finite.
         key: the source tensor's name.
         source: the checkpoint it was read from.
-
-    Returns:
-        The warning line, or None when every value is finite.
     """
-    line = nonfinite_line(tensor, raw, key, source)
-    if line:
-        warnings.warn(line, UpcycleWarning, stacklevel=2)
-    return line
-
-
-def nonfinite_line(tensor: torch.Tensor, raw: torch.Tensor, key: str, source: Checkpoint) -> Optional[str]:
-    """The warning `warn_nonfinite` gives for `tensor`, or None when every value is finite (warns nothing)."""
     if not tensor.dtype.is_floating_point or _all_finite(tensor):
         return None
     nan, inf = _count(raw, torch.isnan), _count(raw, torch.isinf)
@@ -103,7 +92,7 @@ def nonfinite_line(tensor: torch.Tensor, raw: torch.Tensor, key: str, source: Ch
 
 
 class NonfiniteWatch:
-    """`warn_nonfinite` on a background thread, so the pass over a tensor overlaps its writing.
+    """`nonfinite_line` on a background thread, so the pass over a tensor overlaps its writing.
 
     At most `depth` checks are pending (each holds its tensor alive, so memory stays bounded);
     warnings are issued on the calling thread, in submission order, by `submit` and `close`.
