@@ -2,7 +2,7 @@
 
 Usage: python scripts/init_drift.py [path/to/stories260K]
 Builds each init into a temporary folder with moe-upcycle and prints mean KL / top-1 agreement
-on drift.DEFAULT_TEXT. Deterministic (seed 0).
+on the drift text (recipe.params.DRIFT_TEXT). Deterministic (seed 0).
 """
 
 from __future__ import annotations
