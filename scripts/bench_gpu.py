@@ -16,7 +16,8 @@ Three parts, each printed as a table (``--json`` for machine-readable output):
    and the reloaded model, relative to max |logit|), then cast to bf16, saved, reloaded with
    dtype "auto" and ``generate`` run (the tokens it made and the experts_implementation it used).
 
-``--device cpu`` with small ``--shapes`` runs the same code on the CPU (a smoke test).
+``--device cpu`` with small ``--shapes``, ``--steps`` and ``--windows`` runs the same code on the CPU (a smoke
+test, run by tests/test_bench_gpu_smoke.py).
 
 Usage: python scripts/bench_gpu.py [--shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 3 --steps 50 --json]
 """
@@ -135,11 +136,11 @@ def lm_loss(model, ids: torch.Tensor) -> float:
     return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
 
 
-def bench_round_trip(device, steps, tokenizer) -> list[dict]:
+def bench_round_trip(device, steps, tokenizer, windows: int = 32) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     text = " ".join(p for name in set_names() for p in load_prompts(name, "round trip"))
-    ids = torch.tensor(tokenizer(text)["input_ids"][: 64 * 32]).view(32, 64).to(device)
+    ids = torch.tensor(tokenizer(text)["input_ids"][: 64 * windows]).view(windows, 64).to(device)
     dense = AutoModelForCausalLM.from_pretrained(str(STORIES), dtype=torch.bfloat16).to(device)
     rows = []
     for name, init in INITS.items():
@@ -152,7 +153,7 @@ def bench_round_trip(device, steps, tokenizer) -> list[dict]:
         gen = torch.Generator().manual_seed(0)
         moe.train()
         for _ in range(steps):
-            batch = ids[torch.randint(len(ids), (16,), generator=gen).to(device)]
+            batch = ids[torch.randint(len(ids), (min(16, windows),), generator=gen).to(device)]
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                 moe(input_ids=batch, labels=batch).loss.backward()
             opt.step()
@@ -189,6 +190,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="8,32,256")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--windows", type=int, default=32, help="round trip: 64-token windows of text (batches of 16)")
     parser.add_argument("--skip", default="", help="parts to skip: capture,upcycle,roundtrip")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -208,7 +210,7 @@ def main() -> None:
     if "upcycle" not in skip:
         out["upcycle"] = bench_upcycle(shapes[0], args.device)
     if "roundtrip" not in skip:
-        out["round_trip"] = bench_round_trip(args.device, args.steps, tokenizer)
+        out["round_trip"] = bench_round_trip(args.device, args.steps, tokenizer, args.windows)
     if args.json:
         print(json.dumps(out, indent=2))
         return
