@@ -33,15 +33,54 @@ def load_recipe_yaml(path: Path) -> Any:
     """Parse the recipe at `path` (UTF-8 YAML) into plain Python objects.
 
     Raises:
-        ConfigError: unreadable or oversized file, YAML syntax error (with line and column), a
-            duplicate key, or an alias expansion that is too large or recursive.
-        UnicodeDecodeError, yaml.YAMLError, RecursionError: left to the caller, which names the file.
+        ConfigError: unreadable or oversized file, not UTF-8 (with the likely encoding), YAML syntax
+            error (line, column, and the fix for tabs and look-alike spaces), a duplicate key, or an
+            alias expansion that is too large or recursive.
+        yaml.YAMLError, RecursionError: left to the caller, which names the file.
     """
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
         raise ConfigError(f"{path}: the recipe is {size} bytes; a recipe is a small YAML file (at most "
                           f"{MAX_FILE_BYTES} bytes) — is this the right file?")
-    return load_yaml_text(path.read_bytes().decode("utf-8"), str(path))
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({_encoding_hint(data, exc)}); re-save it as UTF-8 "
+                          f"(in Notepad: Save as → Encoding: UTF-8)") from None
+    try:
+        return load_yaml_text(text, str(path))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        if mark is None:
+            raise
+        lines = text.splitlines()
+        # the parser often notices one line late (a mapping that did not start where it should)
+        hint = next(filter(None, (_syntax_hint(lines[n], n + 1) for n in (mark.line, mark.line - 1)
+                                  if 0 <= n < len(lines))), "")
+        raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {exc.problem or exc}"
+                          f"{'; ' + hint if hint else ''}") from None
+
+
+def _encoding_hint(data: bytes, exc: UnicodeDecodeError) -> str:
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "it is UTF-16, what Windows calls 'Unicode'"
+    return f"byte 0x{data[exc.start]:02x} at position {exc.start} is not UTF-8; it was saved in another encoding"
+
+
+# whitespace that looks like a space but is not one to YAML (pasted from web pages and CJK input methods)
+_ODD_SPACES = {"\u00a0": "a non-breaking space (U+00A0)", "\u3000": "an ideographic space (U+3000)",
+               "\u2002": "an en space (U+2002)", "\u2003": "an em space (U+2003)", "\u200b": "a zero-width space (U+200B)"}
+
+
+def _syntax_hint(line: str, number: int) -> str:
+    """What to change on line `number`, for the mistakes a pasted config typically has."""
+    if "\t" in line:
+        return f"line {number} has a tab; YAML indents with spaces and needs a space after 'key:' — replace the tab with spaces"
+    for char, name in _ODD_SPACES.items():
+        if char in line:
+            return f"line {number} contains {name}, often pasted from a web page; replace it with a normal space"
+    return ""
 
 
 def load_yaml_text(text: str, where: str) -> Any:
