@@ -58,6 +58,41 @@ def architecture_name(value: str) -> Optional[str]:
     return value
 
 
+def model_reference(value: Any) -> Any:
+    """mergekit's mapping form of a model reference as the string form we read; other values unchanged.
+
+    mergekit-moe also accepts ``{model: org/name}`` and ``{model: {path: org/name, revision: r},
+    lora: ...}`` where a reference goes. A LoRA becomes ``model+lora`` (which the model lookup
+    refuses with what to do); ``override_architecture`` cannot be honoured and is refused here.
+
+    Example:
+        >>> model_reference({"model": {"path": "org/name", "revision": "v1"}})
+        'org/name@v1'
+
+    Raises:
+        ValueError: a mapping that is not a model reference, or one with override_architecture.
+    """
+    if not isinstance(value, dict):
+        return value
+    unknown = sorted(set(map(str, value)) - {"model", "lora", "override_architecture"})
+    if unknown or "model" not in value:
+        raise ValueError(f"a mapping with {', '.join(unknown or map(str, value)) or 'no keys'} is not a model "
+                         f"reference; write org/name, org/name@revision or a folder")
+    if value.get("override_architecture"):
+        raise ValueError(f"override_architecture: {value['override_architecture']!r} cannot be applied: the "
+                         f"model's config.json decides its architecture; remove it or fix that config.json")
+
+    def path(part: Any) -> str:
+        if isinstance(part, dict) and isinstance(part.get("path"), str) and set(part) <= {"path", "revision"}:
+            return part["path"] + (f"@{part['revision']}" if part.get("revision") else "")
+        if isinstance(part, str):
+            return part
+        raise ValueError(f"{part!r} is not a model path; write {{path: org/name, revision: main}} or org/name")
+
+    lora = value.get("lora")
+    return path(value["model"]) + (f"+{path(lora)}" if lora else "")
+
+
 def looks_like_mergekit(config: Any) -> bool:
     """True when every key the config sets is one of mergekit-moe's (so its author expects mergekit's behaviour)."""
     if not config.experts or not set(config.model_fields_set) <= MERGEKIT_KEYS | RUN_KEYS:

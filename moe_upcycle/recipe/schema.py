@@ -161,6 +161,13 @@ class ExpertConfig(_Strict):
     positive_prompts_from: Optional[str] = None
     negative_prompts_from: Optional[str] = None
 
+    @field_validator("source_model", mode="before")
+    @classmethod
+    def _mergekit_reference(cls, value: Any) -> Any:
+        from moe_upcycle.recipe.mergekit_names import model_reference
+
+        return model_reference(value)
+
     @field_validator("positive_prompts", "negative_prompts", mode="before")
     @classmethod
     def _null_is_empty(cls, prompts: Any) -> Any:
@@ -243,6 +250,13 @@ class UpcycleConfig(_Strict):
     device: str = "auto"
     gate_dtype: Optional[DType] = None
     quantize: Optional[Quantize] = None
+
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _mergekit_reference(cls, value: Any) -> Any:
+        from moe_upcycle.recipe.mergekit_names import model_reference
+
+        return model_reference(value)
 
     @field_validator("device")
     @classmethod
