@@ -97,9 +97,9 @@ def hub_cache(tmp_path_factory, stand_ins) -> Path:
 @pytest.fixture
 def published(hub_cache, stand_ins, monkeypatch, tmp_path):
     """Path of a published config ready to build here: hub ids cached, local folders laid out under tmp_path."""
-    import huggingface_hub
+    from huggingface_hub import constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache))
     monkeypatch.chdir(tmp_path)
 
     def prepare(name: str) -> Path:
@@ -247,9 +247,9 @@ def test_identical_prompts_for_every_expert(experts, refused, mode):
      ["write the hub id, not its web address: mistralai/Mistral-7B-v0.1"]),
 ])
 def test_mergekit_reference_forms_we_do_not_read(ref, words, tmp_path, monkeypatch):
-    import huggingface_hub
+    from huggingface_hub import constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
     with pytest.raises(UpcycleError) as info:
         resolve_model(ref, "experts[0].source_model")
     text = str(info.value)
@@ -279,3 +279,45 @@ def test_long_and_non_ascii_prompts_build(published, tmp_path):
             rows = state[f"model.layers.{layer}.block_sparse_moe.gate.weight"]  # (E, H)
             assert rows.shape[0] == 2 and torch.isfinite(rows).all()
             assert torch.nn.functional.cosine_similarity(rows[0], rows[1], dim=0) < 0.99  # two distinct routes
+
+
+@pytest.mark.parametrize("value, ours", [
+    ({"model": "mistralai/Mistral-7B-v0.1"}, "mistralai/Mistral-7B-v0.1"),
+    ({"model": {"path": "mistralai/Mistral-7B-v0.1", "revision": "main"}}, "mistralai/Mistral-7B-v0.1@main"),
+    ({"model": {"path": "mistralai/Mistral-7B-v0.1"}, "lora": {"path": "me/adapter"}},
+     "mistralai/Mistral-7B-v0.1+me/adapter"),
+])
+def test_mergekit_mapping_form_of_a_model_reference(value, ours):
+    """mergekit-moe reads ``{model: {path, revision}, lora}`` wherever a reference goes; so do we."""
+    config = load_config({"base_model": value, "gate_mode": "random",
+                          "experts": [{"source_model": value}, {"source_model": "org/other"}]})
+    assert config.base_model == config.experts[0].source_model == ours
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"model": "org/x", "override_architecture": "MistralForCausalLM"},
+     "override_architecture: 'MistralForCausalLM' cannot be applied"),
+    ({"path": "org/x"}, "a mapping with path is not a model reference; write org/name, org/name@revision or a folder"),
+    ({"model": 7}, "7 is not a model path"),
+])
+def test_mapping_references_we_cannot_read(value, words):
+    with pytest.raises(UpcycleError) as info:
+        load_config({"base_model": "org/base", "gate_mode": "random",
+                     "experts": [{"source_model": value}, {"source_model": "org/other"}]})
+    assert f"experts[0].source_model: {words}" in str(info.value)
+
+
+def test_unprompted_shared_expert_on_llama_says_mergekit_would_write_deepseek(tiny_llama):
+    """Without architecture:, mergekit-moe writes remote-code DeepSeek MoE here; the plan says what we write."""
+    from moe_upcycle.build import upcycle as build
+
+    base = str(tiny_llama)
+    experts = [{"source_model": base}, {"source_model": base}]
+    plain = build({"base_model": base, "gate_mode": "random", "experts": experts,
+                   "shared_experts": [{"source_model": base, "residual_scale": 0.1}]}, dry_run=True).plan
+    assert plain.architecture == "qwen2_moe"
+    assert any("mergekit-moe 0.1.5 writes DeepSeek MoE for llama experts" in n and "architecture: qwen2_moe" in n
+               for n in plain.notes), plain.notes
+    explicit = build({"base_model": base, "gate_mode": "random", "experts": experts, "architecture": "qwen2_moe",
+                      "shared_experts": [{"source_model": base}]}, dry_run=True).plan
+    assert not any("DeepSeek" in n for n in explicit.notes)
