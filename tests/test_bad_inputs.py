@@ -34,7 +34,7 @@ CONFIG_CASES = [
     ("wrong-type-int", GOOD.replace("num_experts: 2", "num_experts: four"), [], ["num_experts:", "valid integer"]),
     ("wrong-type-list", "base_model: {base}\nexperts: 5\n", [], ["experts: 5 is not a list of experts", "one '- source_model: ...' line per expert"]),
     ("wrong-type-prompt", EXPERTS.replace("name: a", "name: a\n    positive_prompts: [[1, 2]]"), [],
-     ["experts[0].positive_prompts[0]", "valid string"]),
+     ["experts[0].positive_prompts: prompt 0 is a list", "put the prompt in quotes"]),
     ("unknown-key-top", GOOD.replace("gate_mode", "gate_mdoe"), [], ["gate_mdoe: unknown key", "did you mean gate_mode?"]),
     ("unknown-key-nested", EXPERTS.replace("name: a", "name: a\n    positve_prompts: [x]"), [],
      ["experts[0].positve_prompts: unknown key", "did you mean positive_prompts?"]),

@@ -180,6 +180,14 @@ BEYONDER = (PUBLISHED / "beyonder_4x7b_v3.yaml").read_text(encoding="utf-8")
      ["not a UTF-8 text file (it is UTF-16, what Windows calls 'Unicode')", "re-save it as UTF-8"]),
     ("cp1252", BEYONDER.replace('"chat"', '"caf\u00e9"').encode("cp1252"),
      ["not a UTF-8 text file (byte 0xe9 at position", "re-save it as UTF-8"]),
+    ("markdown-fence", ("```yaml\n" + BEYONDER + "```\n").encode(),
+     ["YAML syntax error", "line 1 is a Markdown code fence; copy only the YAML between the fences"]),
+    ("model-card-front-matter", ("---\nlicense: apache-2.0\ntags: [moe]\n---\n" + BEYONDER).encode(),
+     ["YAML syntax error", "more than one YAML document", "keep only the config"]),
+    ("star-prompt", BEYONDER.replace('- "chat"', "- *chat with me*").encode(),
+     [":5:7: YAML syntax error: found undefined alias", "starts with * is read as an alias", "put it in quotes"]),
+    ("at-prompt", BEYONDER.replace('- "chat"', "- @assistant hi").encode(),
+     ["YAML reserves @ and ` at the start of a value; put the value in quotes"]),
 ])
 def test_pasted_file_trouble_names_the_line_and_fix(case, data, words, tmp_path):
     path = tmp_path / "pasted.yaml"
@@ -201,6 +209,9 @@ def test_pasted_file_trouble_names_the_line_and_fix(case, data, words, tmp_path)
      ["experts[0].positive_prompts: prompt 0 is true, which YAML read as a boolean", "put the prompt in quotes"]),
     ("positive_prompts: [2024, 3.5]",
      ["prompt 0 is 2024, which YAML read as a number", "prompt 1 is 3.5, which YAML read as a number"]),
+    ("positive_prompts:\n      - Q: What is the capital of France?\n      - [Genres: Science Fiction]",
+     ["prompt 0 is the mapping {Q: What is the capital of France?}: YAML reads 'word: text' as a key",
+      "prompt 1 is a list: YAML reads [...] as a list; put the prompt in quotes"]),
     ("positive_prompts:\n      -\n      - chat",
      ["prompt 0 is empty (a bare '-' line, which YAML reads as null)", 'write "" for the empty prompt']),
 ])

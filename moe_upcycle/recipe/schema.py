@@ -178,6 +178,13 @@ class ExpertConfig(_Strict):
             if p is None:
                 problems.append(f"prompt {i} is empty (a bare '-' line, which YAML reads as null); write \"\" for "
                                 f"the empty prompt or remove the line")
+            elif isinstance(p, dict):
+                shown = ", ".join(f"{k}: {v}" for k, v in p.items())
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                problems.append(f"prompt {i} is the mapping {{{shown}}}: YAML reads 'word: text' as a key and "
+                                f"its value; put the prompt in quotes")
+            elif isinstance(p, list):
+                problems.append(f"prompt {i} is a list: YAML reads [...] as a list; put the prompt in quotes")
             elif isinstance(p, (bool, int, float)):
                 shown, kind = (str(p).lower(), "boolean") if isinstance(p, bool) else (repr(p), "number")
                 problems.append(f"prompt {i} is {shown}, which YAML read as a {kind}, not text (unquoted yes, no, "

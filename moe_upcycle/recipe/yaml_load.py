@@ -54,10 +54,7 @@ def load_recipe_yaml(path: Path) -> Any:
         mark = exc.problem_mark
         if mark is None:
             raise
-        lines = text.splitlines()
-        # the parser often notices one line late (a mapping that did not start where it should)
-        hint = next(filter(None, (_syntax_hint(lines[n], n + 1) for n in (mark.line, mark.line - 1)
-                                  if 0 <= n < len(lines))), "")
+        hint = _syntax_hint(text.splitlines(), mark.line, str(exc.problem or ""))
         raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {exc.problem or exc}"
                           f"{'; ' + hint if hint else ''}") from None
 
@@ -73,13 +70,28 @@ _ODD_SPACES = {"\u00a0": "a non-breaking space (U+00A0)", "\u3000": "an ideograp
                "\u2002": "an en space (U+2002)", "\u2003": "an em space (U+2003)", "\u200b": "a zero-width space (U+200B)"}
 
 
-def _syntax_hint(line: str, number: int) -> str:
-    """What to change on line `number`, for the mistakes a pasted config typically has."""
-    if "\t" in line:
-        return f"line {number} has a tab; YAML indents with spaces and needs a space after 'key:' — replace the tab with spaces"
-    for char, name in _ODD_SPACES.items():
-        if char in line:
-            return f"line {number} contains {name}, often pasted from a web page; replace it with a normal space"
+def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
+    """What to change, for the mistakes a config pasted from a web page or model card typically has.
+
+    `index` is the 0-based line the parser stopped at; it often notices one line late.
+    """
+    fences = [n + 1 for n, line in enumerate(lines) if line.lstrip().startswith(("```", "~~~"))]
+    if fences:
+        return f"line {fences[0]} is a Markdown code fence; copy only the YAML between the fences"
+    if "another document" in problem:
+        return ("the file holds more than one YAML document (a '---' line after the config starts, e.g. a model "
+                "card's front matter); keep only the config")
+    if "undefined alias" in problem:
+        return "a value that starts with * is read as an alias (*name); put it in quotes"
+    if "'@'" in problem or "'`'" in problem:
+        return "YAML reserves @ and ` at the start of a value; put the value in quotes"
+    for n in (index, index - 1):
+        line = lines[n] if 0 <= n < len(lines) else ""
+        if "\t" in line:
+            return f"line {n + 1} has a tab; YAML indents with spaces and needs a space after 'key:' — replace the tab with spaces"
+        for char, name in _ODD_SPACES.items():
+            if char in line:
+                return f"line {n + 1} contains {name}, often pasted from a web page; replace it with a normal space"
     return ""
 
 
