@@ -332,3 +332,22 @@ def test_unprompted_shared_expert_on_llama_says_mergekit_would_write_deepseek(ti
     explicit = build({"base_model": base, "gate_mode": "random", "experts": experts, "architecture": "qwen2_moe",
                       "shared_experts": [{"source_model": base}]}, dry_run=True).plan
     assert not any("DeepSeek" in n for n in explicit.notes)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("tokenizer_source", "union", "the MoE gets base_model's tokenizer, as with mergekit-moe"),
+    ("tokenizer", {"source": "base", "tokens": {"<|im_start|>": {"source": "org/chat"}}},
+     "the MoE gets base_model's tokenizer, as with mergekit-moe"),
+    ("chat_template", "chatml", "the MoE gets base_model's chat template, as with mergekit-moe"),
+    ("merge_method", "moe", "a MoE has no merge method (that key is mergekit-yaml's)"),
+    ("slices", [{"sources": [{"model": "org/x", "layer_range": [0, 32]}]}], "mergekit-moe reads experts:, not slices: (that key is mergekit-yaml's)"),
+])
+def test_mergekit_yaml_keys_say_what_happens_instead(key, value, words):
+    """Keys of mergekit's merge configs, which mergekit-moe ignores: refused by default with what the MoE gets."""
+    data = {"base_model": "org/base", "gate_mode": "random", key: value,
+            "experts": [{"source_model": "org/a"}, {"source_model": "org/b"}]}
+    with pytest.raises(UpcycleError) as info:
+        load_config(data)
+    assert f"{key}: unknown key — {words}; remove it, or build with --allow-unknown-keys" in str(info.value)
+    with pytest.warns(UserWarning, match=f"{key}: unknown key ignored"):
+        assert load_config(data, allow_unknown_keys=True).base_model == "org/base"

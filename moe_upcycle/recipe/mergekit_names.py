@@ -21,6 +21,17 @@ MERGEKIT_KEYS = frozenset({"base_model", "experts", "gate_mode", "dtype", "exper
                            "architecture"})
 MERGEKIT_EXPERT_KEYS = frozenset({"source_model", "positive_prompts", "negative_prompts", "noise_scale",
                                   "residual_scale"})
+# keys of mergekit-yaml (merge) configs that people carry into mergekit-moe configs, which ignores them:
+# what happens instead, for the unknown-key message
+MERGE_CONFIG_KEYS = {
+    "tokenizer_source": "the MoE gets base_model's tokenizer, as with mergekit-moe",
+    "tokenizer": "the MoE gets base_model's tokenizer, as with mergekit-moe",
+    "chat_template": "the MoE gets base_model's chat template, as with mergekit-moe",
+    "merge_method": "a MoE has no merge method (that key is mergekit-yaml's)",
+    "parameters": "a MoE has no merge parameters (that key is mergekit-yaml's)",
+    "models": "mergekit-moe reads experts:, not models: (that key is mergekit-yaml's)",
+    "slices": "mergekit-moe reads experts:, not slices: (that key is mergekit-yaml's)",
+}
 # mergekit's output names (MoEOutputArchitecture.name()), lowercased, and ours for each
 _MERGEKIT_OUTPUTS = {"mixtral": "mixtral", "deepseek moe": "deepseek", "qwen moe": "qwen2_moe",
                      "qwen3 moe": "qwen3_moe"}

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
+from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, model_in
@@ -441,7 +442,10 @@ def _format_errors(exc: ValidationError) -> list[str]:
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             hint = intended_key(loc[-1], valid)
+            merge_key = MERGE_CONFIG_KEYS.get(str(loc[-1])) if len(loc) == 1 else None
             suggestion = (f" — did you mean {hint}?" if hint else
+                          f" — {merge_key}; remove it, or build with --allow-unknown-keys to ignore it with a warning"
+                          if merge_key else
                           f" — remove it, or build with --allow-unknown-keys to ignore it with a warning as "
                           f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
