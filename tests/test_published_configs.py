@@ -351,3 +351,12 @@ def test_mergekit_yaml_keys_say_what_happens_instead(key, value, words):
     assert f"{key}: unknown key — {words}; remove it, or build with --allow-unknown-keys" in str(info.value)
     with pytest.warns(UserWarning, match=f"{key}: unknown key ignored"):
         assert load_config(data, allow_unknown_keys=True).base_model == "org/base"
+
+
+def test_hub_ids_are_found_in_the_cache_whatever_their_case(published):
+    """The hub treats `Mistralai/...` and `mistralai/...` as one repo (a tutorial above writes the former)."""
+    cached = resolve_model("NousResearch/Hermes-2-Pro-Mistral-7B", "base_model")
+    assert resolve_model("NOUSRESEARCH/hermes-2-pro-mistral-7b", "base_model") == cached
+    assert resolve_model("nousresearch/Hermes-2-Pro-Mistral-7B@main", "base_model") == cached
+    with pytest.raises(UpcycleError, match="model 'nousresearch/Hermes-2-Pro-Mistral-7C' not found"):
+        resolve_model("nousresearch/Hermes-2-Pro-Mistral-7C", "base_model")
