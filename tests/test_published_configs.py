@@ -360,3 +360,11 @@ def test_hub_ids_are_found_in_the_cache_whatever_their_case(published):
     assert resolve_model("nousresearch/Hermes-2-Pro-Mistral-7B@main", "base_model") == cached
     with pytest.raises(UpcycleError, match="model 'nousresearch/Hermes-2-Pro-Mistral-7C' not found"):
         resolve_model("nousresearch/Hermes-2-Pro-Mistral-7C", "base_model")
+
+
+@pytest.mark.parametrize("spelling", ["float64", "torch.float64", "double"])
+def test_float64_is_refused_with_the_dtype_to_use(spelling):
+    """mergekit-moe writes float64 (twice float32's size); we refuse it and name float32."""
+    with pytest.raises(UpcycleError) as info:
+        load_config({"base_model": "m", "num_experts": 2, "gate_mode": "random", "dtype": spelling})
+    assert f"dtype: {spelling!r} is not an output dtype here" in str(info.value) and "use float32" in str(info.value)

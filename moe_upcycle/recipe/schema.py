@@ -279,6 +279,9 @@ class UpcycleConfig(_Strict):
         if not isinstance(value, str):
             return value
         name = value.strip().lower().removeprefix("torch.")  # mergekit also reads "torch.bfloat16"
+        if name in ("float64", "double", "fp64"):
+            raise ValueError(f"{value!r} is not an output dtype here: mergekit-moe writes float64 at twice "
+                             f"float32's size, with nothing gained for a model that runs in 16 or 32 bits; use float32")
         return _DTYPE_ALIASES.get(name, name) if name else None
 
     @field_validator("architecture", mode="before")
