@@ -368,3 +368,15 @@ def test_float64_is_refused_with_the_dtype_to_use(spelling):
     with pytest.raises(UpcycleError) as info:
         load_config({"base_model": "m", "num_experts": 2, "gate_mode": "random", "dtype": spelling})
     assert f"dtype: {spelling!r} is not an output dtype here" in str(info.value) and "use float32" in str(info.value)
+
+
+@pytest.mark.parametrize("experts, words", [
+    (["org/a", "org/b"], ["experts[0]: a bare string; write it as - source_model: org/a", "experts[1]: a bare string"]),
+    ([{"source_model": "org/a"}, None], ["experts[1]: empty (a bare '-' line); remove the line or give it source_model:"]),
+    ([{"source_model": "org/a"}, 3], ["experts[1]: 3, not an expert; write - source_model: org/name (a mapping)"]),
+])
+def test_experts_that_are_not_mappings(experts, words):
+    with pytest.raises(UpcycleError) as info:
+        load_config({"base_model": "org/base", "gate_mode": "random", "experts": experts})
+    for w in words:
+        assert w in str(info.value), str(info.value)

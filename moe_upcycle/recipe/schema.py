@@ -455,6 +455,15 @@ def _format_errors(exc: ValidationError) -> list[str]:
                          f"unknown key{suggestion}")
         elif kind == "literal_error":
             lines.append(f"{path}: {short_repr(err['input'])} is not allowed; expected {err['ctx']['expected']}")
+        elif kind == "model_type" and path.startswith(("experts[", "shared_experts[")):
+            value = err["input"]
+            if isinstance(value, str):
+                fix = f"a bare string; write it as - source_model: {value}"
+            elif value is None:
+                fix = "empty (a bare '-' line); remove the line or give it source_model:"
+            else:
+                fix = f"{short_repr(value)}, not an expert; write - source_model: org/name (a mapping)"
+            lines.append(f"{path}: {fix}")
         elif kind == "list_type":
             lines.append(f"{path}: {_not_a_list(err['input'], str(loc[-1]) if loc else path)}")
         elif kind == "missing":
