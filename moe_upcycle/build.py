@@ -19,7 +19,7 @@ from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.errors import ConfigError, OutputError
 from moe_upcycle.gates.checks import parallel_experts
-from moe_upcycle.gates.router import compute_gates, shared_gate_rows
+from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
 from moe_upcycle.planning.fused import SAFETENSORS_METADATA
 from moe_upcycle.checkpoint.disk_space import check_free_space
@@ -75,6 +75,10 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
         config = load_config(config, overrides=overrides, allow_unknown_keys=allow_unknown_keys)
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
+    same = config.same_prompts_problem()
+    if same:
+        raise ConfigError(same)
+    check_prompts(gate_params(config))  # a prompt-based gate mode without prompts: refused by plan too
     if from_config:
         from moe_upcycle.checkpoint.meta_model import meta_sources
 

@@ -237,15 +237,17 @@ def test_prompt_values_that_are_not_text(prompts, words, tmp_path):
 ])
 @pytest.mark.parametrize("mode", ["hidden", "hidden_avg", "hidden_last", "cheap_embed", "random", "uniform_random"])
 def test_identical_prompts_for_every_expert(experts, refused, mode):
-    data = {"base_model": "m", "gate_mode": mode,
+    data = {"base_model": "org/base", "gate_mode": mode,
             "experts": [{"source_model": f"org/model-{i}", **e} for i, e in enumerate(experts)]}
+    config = load_config(data)  # loads: `prompts grow` is how such a config gets its prompts
+    problem = config.same_prompts_problem()
     if refused and mode not in ("random", "uniform_random"):  # random rows do not read prompts
-        with pytest.raises(UpcycleError) as info:
-            load_config(data)
-        assert "every expert has the same prompts" in str(info.value)
-        assert "num_experts" not in str(info.value)  # different models: no copies to suggest
+        assert problem.startswith("experts: every expert has the same prompts") and "prompts grow" in problem
+        assert "num_experts" not in problem  # different models: no copies to suggest
+        with pytest.raises(UpcycleError, match="every expert has the same prompts"):
+            upcycle(data, dry_run=True)  # plan and build refuse it before opening any model
     else:
-        assert len(load_config(data).experts) == len(experts)
+        assert problem is None
 
 
 @pytest.mark.parametrize("ref, words", [
@@ -380,3 +382,16 @@ def test_experts_that_are_not_mappings(experts, words):
         load_config({"base_model": "org/base", "gate_mode": "random", "experts": experts})
     for w in words:
         assert w in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("config", ["null_prompts_hidden.yaml", "published/medtral_2x7b_string_prompts.yaml",
+                                    "published/sonya_8x_same_empty_prompts.yaml"])
+def test_plan_refuses_what_build_refuses_for_want_of_prompts(config):
+    """`plan` said nothing about hidden gates without prompts, which `build` then refused."""
+    from typer.testing import CliRunner
+
+    from moe_upcycle.cli import app
+
+    result = CliRunner().invoke(app, ["plan", str(PUBLISHED.parent / config)])
+    assert result.exit_code == 1, result.output
+    assert "error" in result.output and "prompt" in result.output and "Traceback" not in result.output

@@ -332,7 +332,6 @@ class UpcycleConfig(_Strict):
             problems += [f"shared_experts[{i}].positive_prompts: shared_expert_gate: prompts needs at least one "
                          f"prompt; add prompts or use shared_expert_gate: constant"
                          for i, e in enumerate(self.shared_experts) if not e.positive_prompts]
-        problems += self._same_prompts_everywhere()
         if self.gate_source == "mergekit" and self.gate_mode in ("kmeans", "uniform"):
             problems.append(f"gate_source: mergekit reproduces mergekit-moe's gate modes, and gate_mode "
                             f"{self.gate_mode} is not one of them; use gate_source: native, or gate_mode hidden, "
@@ -343,29 +342,30 @@ class UpcycleConfig(_Strict):
             raise ValueError("\n".join(problems))
         return self
 
-    def _same_prompts_everywhere(self) -> list[str]:
+    def same_prompts_problem(self) -> Optional[str]:
         """mergekit-moe's refusal of experts that all have the same prompts, for the modes that route on prompts.
 
         Every expert then gets the same router row, so the router scores them all alike for every token
-        and cannot choose between them (published 8x copies with ``[""]`` each do this).
+        and cannot choose between them (published 8x copies with ``[""]`` each do this). Checked by
+        `plan` and `build`, not by loading: `prompts grow` is how such a config gets its prompts.
         """
         if self.gate_mode not in PROMPT_MODES or len(self.experts) < 2:
-            return []
+            return None
         first = self.experts[0]
         if not (first.positive_prompts or first.positive_prompts_from):
-            return []  # no prompts at all: the gate stage names each expert that needs some
+            return None  # no prompts at all: the gate stage names each expert that needs some
         key = lambda e: (e.positive_prompts, e.negative_prompts, e.positive_prompts_from, e.negative_prompts_from)
         if any(key(e) != key(first) for e in self.experts[1:]):
-            return []
+            return None
         shown = short_repr(first.positive_prompts if len(first.positive_prompts) != 1 else first.positive_prompts[0])
-        fix = ("give each expert prompts for the text it should handle, or use gate_mode: random or uniform_random "
-               "to train the router")
+        fix = ("give each expert prompts for the text it should handle (moe-upcycle prompts grow can pick them "
+               "from a pool), or use gate_mode: random or uniform_random to train the router")
         if all(e.source_model == first.source_model for e in self.experts):
             fix += (f"; for {len(self.experts)} copies of one model to train, write num_experts: {len(self.experts)} "
                     f"with gate_mode: random instead of the experts list")
-        return [f"experts: every expert has the same prompts (positive_prompts: {shown}), so gate_mode "
+        return (f"experts: every expert has the same prompts (positive_prompts: {shown}), so gate_mode "
                 f"{self.gate_mode} gives every expert the same router row and the router scores them all alike "
-                f"for every token: it cannot choose between them (mergekit-moe refuses this too); {fix}"]
+                f"for every token: it cannot choose between them (mergekit-moe refuses this too); {fix}")
 
     @property
     def expert_count(self) -> int:
