@@ -395,3 +395,20 @@ def test_plan_refuses_what_build_refuses_for_want_of_prompts(config):
     result = CliRunner().invoke(app, ["plan", str(PUBLISHED.parent / config)])
     assert result.exit_code == 1, result.output
     assert "error" in result.output and "prompt" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("where, key, hint", [
+    ("expert", "prompts", "positive_prompts"), ("expert", "positive", "positive_prompts"),
+    ("expert", "negative", "negative_prompts"), ("expert", "source", "source_model"),
+    ("top", "top_k", "experts_per_token"), ("top", "gate", "gate_mode"),
+])
+def test_other_tools_names_for_our_keys_are_typos(where, key, hint):
+    """mergekit-moe drops these silently (then routes without the prompts); they are errors even with
+    --allow-unknown-keys."""
+    data = {"base_model": "org/base", "gate_mode": "cheap_embed",
+            "experts": [{"source_model": "org/a", "positive_prompts": ["a"]},
+                        {"source_model": "org/b", "positive_prompts": ["b"]}]}
+    (data["experts"][0] if where == "expert" else data)[key] = "x"
+    with pytest.raises(UpcycleError) as info:
+        load_config(data, allow_unknown_keys=True)
+    assert f"unknown key — did you mean {hint}?" in str(info.value)
