@@ -412,3 +412,14 @@ def test_other_tools_names_for_our_keys_are_typos(where, key, hint):
     with pytest.raises(UpcycleError) as info:
         load_config(data, allow_unknown_keys=True)
     assert f"unknown key — did you mean {hint}?" in str(info.value)
+
+
+def test_yaml_merge_keys_inside_experts_read_as_yaml_says(tmp_path):
+    """``<<: *anchor`` (a YAML merge key) inside an expert: later keys override the merged ones, as in mergekit."""
+    path = tmp_path / "merge.yaml"
+    path.write_text("base_model: org/base\ngate_mode: cheap_embed\nexperts:\n"
+                    "  - &first\n    source_model: org/a\n    positive_prompts: [chat]\n    negative_prompts: [code]\n"
+                    "  - <<: *first\n    source_model: org/b\n    positive_prompts: [code]\n", encoding="utf-8")
+    config = load_config(path)
+    assert [(e.source_model, e.positive_prompts, e.negative_prompts) for e in config.experts] == [
+        ("org/a", ["chat"], ["code"]), ("org/b", ["code"], ["code"])]
