@@ -71,14 +71,19 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
 
     With `from_config`, sources are described from their config.json alone (`meta_model`).
     """
+    where = f"{config}: " if isinstance(config, (str, Path)) else ""  # as load_config names the file
     if not isinstance(config, UpcycleConfig):
         config = load_config(config, overrides=overrides, allow_unknown_keys=allow_unknown_keys)
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
-    same = config.same_prompts_problem()
-    if same:
-        raise ConfigError(same)
-    check_prompts(gate_params(config))  # a prompt-based gate mode without prompts: refused by plan too
+    # prompt-based gate modes without usable prompts: refused by plan too, before any model is opened
+    try:
+        same = config.same_prompts_problem()
+        if same:
+            raise ConfigError(same)
+        check_prompts(gate_params(config))
+    except ConfigError as exc:
+        raise ConfigError(*[f"{where}{p}" for p in exc.problems]) from None
     if from_config:
         from moe_upcycle.checkpoint.meta_model import meta_sources
 
