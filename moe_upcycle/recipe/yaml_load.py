@@ -14,6 +14,11 @@ memoised per node, so a bomb is measured without being expanded — and refuses:
 
 Only then are Python objects built. `load_yaml_text` does the same for any YAML text (prompt
 files). It does not validate the recipe: that is `config`'s job.
+
+Syntax errors and non-UTF-8 files are reported with the fix for what a config pasted from a web
+page or model card typically has: tabs, look-alike spaces, Markdown fences, front matter, values
+starting with ``*``/``@``/`` ` ``, UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as
+mergekit-moe reads them.
 """
 
 from __future__ import annotations
