@@ -19,7 +19,7 @@ from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.errors import ConfigError, OutputError
 from moe_upcycle.gates.checks import parallel_experts
-from moe_upcycle.gates.router import compute_gates, shared_gate_rows
+from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
 from moe_upcycle.planning.fused import SAFETENSORS_METADATA
 from moe_upcycle.checkpoint.disk_space import check_free_space
@@ -71,10 +71,19 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
 
     With `from_config`, sources are described from their config.json alone (`meta_model`).
     """
+    where = f"{config}: " if isinstance(config, (str, Path)) else ""  # as load_config names the file
     if not isinstance(config, UpcycleConfig):
         config = load_config(config, overrides=overrides, allow_unknown_keys=allow_unknown_keys)
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
+    # prompt-based gate modes without usable prompts: refused by plan too, before any model is opened
+    try:
+        same = config.same_prompts_problem()
+        if same:
+            raise ConfigError(same)
+        check_prompts(gate_params(config))
+    except ConfigError as exc:
+        raise ConfigError(*[f"{where}{p}" for p in exc.problems]) from None
     if from_config:
         from moe_upcycle.checkpoint.meta_model import meta_sources
 

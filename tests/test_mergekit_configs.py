@@ -8,11 +8,8 @@ Llama), each id a fixed choice among the family's base and two stand-in fine-tun
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import warnings
-import zlib
 from pathlib import Path
 
 import huggingface_hub
@@ -22,6 +19,7 @@ import yaml
 from typer.testing import CliRunner
 
 from conftest import model_logits
+from fake_hub import build_hub_cache, model_refs
 from moe_upcycle.build import upcycle
 from moe_upcycle.cli import app
 from moe_upcycle.recipe.schema import load_config
@@ -29,7 +27,6 @@ from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.checkpoint.tiny import make_finetune
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "mergekit_configs"
-COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 # file -> (model_type, architecture class, experts, experts per token, dtype) of the built output
 BUILDS = {
@@ -66,13 +63,6 @@ REFUSED = {
 ALLOW_UNKNOWN = {"unknown_keys"}
 
 
-def model_refs(data: dict) -> set[str]:
-    refs = {data["base_model"]}
-    for section in ("experts", "shared_experts"):
-        refs |= {e["source_model"] for e in data.get(section) or []}
-    return refs
-
-
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory, tiny_llama, tiny_qwen2, tiny_qwen3) -> Path:
     """A Hugging Face cache (models--org--name/{refs,snapshots}) holding every hub id of the configs."""
@@ -84,21 +74,7 @@ def hub_cache(tmp_path_factory, tiny_llama, tiny_qwen2, tiny_qwen3) -> Path:
     refs = set()
     for path in CONFIGS.glob("*.yaml"):
         refs |= model_refs(yaml.safe_load(path.read_text()))
-    for ref in sorted(refs):
-        repo, _, revision = ref.partition("@")
-        family = "qwen3" if "qwen3" in repo.lower() else "qwen2" if "qwen" in repo.lower() else "llama"
-        model = stand_ins[family][zlib.crc32(repo.encode()) % 3]
-        commit = revision if COMMIT_RE.match(revision) else hashlib.sha1(repo.encode()).hexdigest()
-        folder = root / f"models--{repo.replace('/', '--')}"
-        snapshot = folder / "snapshots" / commit
-        if not snapshot.exists():
-            snapshot.mkdir(parents=True)
-            for file in model.iterdir():
-                (snapshot / file.name).symlink_to(file)
-        (folder / "refs").mkdir(exist_ok=True)
-        if not COMMIT_RE.match(revision):
-            (folder / "refs" / (revision or "main")).write_text(commit)
-    return root
+    return build_hub_cache(root, stand_ins, refs)
 
 
 @pytest.fixture

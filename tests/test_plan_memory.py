@@ -74,15 +74,15 @@ def test_drop_and_clone_working_memory():
 def test_hidden_gates_on_cpu_hold_fp32_weights_and_one_batch(monkeypatch):
     monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: False)
     prompts = ["x" * 98, "short"]
-    m = estimate(num_experts=None, gate_mode="hidden", device="cpu",
-                 experts=[{"source_model": REF, "positive_prompts": prompts}] * 2)
+    experts = [{"source_model": REF, "positive_prompts": prompts},
+               {"source_model": REF, "positive_prompts": ["y" * 98, "other"]}]  # same lengths, not the same prompts
+    m = estimate(num_experts=None, gate_mode="hidden", device="cpu", experts=experts)
     acts = 4 * 100 * (4 * 14336 + 6 * 4096) * 4  # 4 prompts in one batch x (98 bytes + 2 special tokens), fp32
     routers = 32 * 2 * 4096 * 4
     assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + routers + 4 * PARAMS + acts
     assert m.build_phase == "gates"
     assert m.build_private_bytes == m.gate_private_bytes + (LINT_BYTES if memory.lints_prompts(
-        gate_params(load_config({"base_model": REF, "gate_mode": "hidden", "experts": [
-            {"source_model": REF, "positive_prompts": prompts}] * 2}))) else 0)
+        gate_params(load_config({"base_model": REF, "gate_mode": "hidden", "experts": experts}))) else 0)
     assert any("float32" in line and "tokens" in line for line in m.assumptions)
 
 
@@ -151,7 +151,7 @@ def test_allocator_setting_is_harmless():
 
 @pytest.mark.parametrize("mode", ["random", "uniform", "cheap_embed"])
 def test_cheap_modes_never_load_the_model(mode):
-    experts = [{"source_model": REF, "positive_prompts": ["a"]}] * 2 if mode == "cheap_embed" else None
+    experts = [{"source_model": REF, "positive_prompts": [p]} for p in "ab"] if mode == "cheap_embed" else None
     m = estimate(gate_mode=mode, **({"experts": experts, "num_experts": None} if experts else {}))
     assert m.gate_private_bytes < RUNTIME_BYTES + TRANSFORMERS_BYTES + 32000 * 4096 * 4 + ROUTERS + 1
 

@@ -92,7 +92,8 @@ def test_constant_gate_can_be_forced_over_prompts(tiny_qwen2, tmp_path):
     base = str(tiny_qwen2)
     cfg = _cfg(tiny_qwen2, [{"source_model": base, "positive_prompts": ["def add(a, b):"]}], routed_scale=0.5,
                gate_mode="cheap_embed", shared_expert_gate="constant")
-    cfg["experts"] = [{"source_model": base, "residual_scale": 0.5, "positive_prompts": ["Once upon a time"]}] * 2
+    cfg["experts"] = [{"source_model": base, "residual_scale": 0.5, "positive_prompts": [p]}
+                      for p in ("Once upon a time", "def add(a, b):")]
     result = upcycle(cfg, tmp_path / "moe")
     assert torch.equal(tensor(result.output, "model.layers.0.mlp.shared_expert_gate.weight"),
                        torch.full((1, 64), 2.0 ** -64))

@@ -162,15 +162,28 @@ def resolve_model(ref: str, field_name: str) -> Path:
     if "/" in repo and not repo.startswith((".", "/", "~")) and repo.count("/") == 1:
         from huggingface_hub import constants, snapshot_download
 
-        try:
-            return Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
-        except Exception:
-            at = f" at revision {revision!r}" if revision else ""
-            looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
+        # hub ids are case-insensitive (`Mistralai/...` is mistralai's repo), cache folders are not
+        for name in [repo] + _cached_spellings(Path(constants.HF_HUB_CACHE), repo):
+            try:
+                return Path(snapshot_download(name, revision=revision or None, local_files_only=True))
+            except Exception:
+                pass
+        at = f" at revision {revision!r}" if revision else ""
+        looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
     from moe_upcycle.terminal.hints import missing_model_hint
 
     raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
                       f"{missing_model_hint(ref)}")
+
+
+def _cached_spellings(cache: Path, repo: str) -> list[str]:
+    """Hub ids in the cache that differ from `repo` only in case (the hub treats them as one repo)."""
+    want = f"models--{repo.replace('/', '--')}".lower()
+    try:
+        return [d.name[len("models--"):].replace("--", "/", 1) for d in cache.iterdir()
+                if d.name.lower() == want and d.name != f"models--{repo.replace('/', '--')}"]
+    except OSError:
+        return []
 
 
 def open_sources(refs: dict[str, str],

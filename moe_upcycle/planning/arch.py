@@ -100,6 +100,22 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
                     f"(tried {', '.join(order)}):", *report)
 
 
+def mergekit_choice_notes(config: UpcycleConfig, base: Checkpoint, layout: names.OutputLayout) -> list[str]:
+    """Say so when mergekit-moe 0.1.5 would write another output for the same config.
+
+    Without `architecture:`, mergekit picks DeepSeek MoE for Llama/Mistral experts with a shared
+    expert that has no prompts (its Qwen MoE needs prompted shared experts); we write what
+    transformers loads natively.
+    """
+    if config.architecture or not config.shared_experts or base.model_type not in ("llama", "mistral"):
+        return []
+    if any(e.positive_prompts or e.positive_prompts_from for e in config.shared_experts):
+        return []  # mergekit picks its Qwen MoE, as we do
+    return [f"mergekit-moe 0.1.5 writes DeepSeek MoE for {base.model_type} experts with an unprompted shared expert "
+            f"(loadable only with trust_remote_code); this build writes {layout.model_type}, which transformers "
+            f"loads natively — add architecture: {layout.model_type} to the YAML to make the choice explicit"]
+
+
 def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
     """Why `architecture: deepseek` is refused, and what to write instead."""
     if config.shared_experts:

@@ -21,6 +21,17 @@ MERGEKIT_KEYS = frozenset({"base_model", "experts", "gate_mode", "dtype", "exper
                            "architecture"})
 MERGEKIT_EXPERT_KEYS = frozenset({"source_model", "positive_prompts", "negative_prompts", "noise_scale",
                                   "residual_scale"})
+# keys of mergekit-yaml (merge) configs that people carry into mergekit-moe configs, which ignores them:
+# what happens instead, for the unknown-key message
+MERGE_CONFIG_KEYS = {
+    "tokenizer_source": "the MoE gets base_model's tokenizer, as with mergekit-moe",
+    "tokenizer": "the MoE gets base_model's tokenizer, as with mergekit-moe",
+    "chat_template": "the MoE gets base_model's chat template, as with mergekit-moe",
+    "merge_method": "a MoE has no merge method (that key is mergekit-yaml's)",
+    "parameters": "a MoE has no merge parameters (that key is mergekit-yaml's)",
+    "models": "mergekit-moe reads experts:, not models: (that key is mergekit-yaml's)",
+    "slices": "mergekit-moe reads experts:, not slices: (that key is mergekit-yaml's)",
+}
 # mergekit's output names (MoEOutputArchitecture.name()), lowercased, and ours for each
 _MERGEKIT_OUTPUTS = {"mixtral": "mixtral", "deepseek moe": "deepseek", "qwen moe": "qwen2_moe",
                      "qwen3 moe": "qwen3_moe"}
@@ -56,6 +67,41 @@ def architecture_name(value: str) -> Optional[str]:
     if len(matches) == 1:
         return matches[0]
     return value
+
+
+def model_reference(value: Any) -> Any:
+    """mergekit's mapping form of a model reference as the string form we read; other values unchanged.
+
+    mergekit-moe also accepts ``{model: org/name}`` and ``{model: {path: org/name, revision: r},
+    lora: ...}`` where a reference goes. A LoRA becomes ``model+lora`` (which the model lookup
+    refuses with what to do); ``override_architecture`` cannot be honoured and is refused here.
+
+    Example:
+        >>> model_reference({"model": {"path": "org/name", "revision": "v1"}})
+        'org/name@v1'
+
+    Raises:
+        ValueError: a mapping that is not a model reference, or one with override_architecture.
+    """
+    if not isinstance(value, dict):
+        return value
+    unknown = sorted(set(map(str, value)) - {"model", "lora", "override_architecture"})
+    if unknown or "model" not in value:
+        raise ValueError(f"a mapping with {', '.join(unknown or map(str, value)) or 'no keys'} is not a model "
+                         f"reference; write org/name, org/name@revision or a folder")
+    if value.get("override_architecture"):
+        raise ValueError(f"override_architecture: {value['override_architecture']!r} cannot be applied: the "
+                         f"model's config.json decides its architecture; remove it or fix that config.json")
+
+    def path(part: Any) -> str:
+        if isinstance(part, dict) and isinstance(part.get("path"), str) and set(part) <= {"path", "revision"}:
+            return part["path"] + (f"@{part['revision']}" if part.get("revision") else "")
+        if isinstance(part, str):
+            return part
+        raise ValueError(f"{part!r} is not a model path; write {{path: org/name, revision: main}} or org/name")
+
+    lora = value.get("lora")
+    return path(value["model"]) + (f"+{path(lora)}" if lora else "")
 
 
 def looks_like_mergekit(config: Any) -> bool:

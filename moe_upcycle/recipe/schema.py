@@ -12,6 +12,7 @@ This module checks the config on its own; checks against the checkpoints live in
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -21,6 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
+from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS
+from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
@@ -159,10 +162,37 @@ class ExpertConfig(_Strict):
     positive_prompts_from: Optional[str] = None
     negative_prompts_from: Optional[str] = None
 
+    @field_validator("source_model", mode="before")
+    @classmethod
+    def _mergekit_reference(cls, value: Any) -> Any:
+        from moe_upcycle.recipe.mergekit_names import model_reference
+
+        return model_reference(value)
+
     @field_validator("positive_prompts", "negative_prompts", mode="before")
     @classmethod
     def _null_is_empty(cls, prompts: Any) -> Any:
-        return [] if prompts is None else prompts
+        if prompts is None:
+            return []
+        problems = []
+        for i, p in enumerate(prompts if isinstance(prompts, list) else []):
+            if p is None:
+                problems.append(f"prompt {i} is empty (a bare '-' line, which YAML reads as null); write \"\" for "
+                                f"the empty prompt or remove the line")
+            elif isinstance(p, dict):
+                shown = ", ".join(f"{k}: {v}" for k, v in p.items())
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                problems.append(f"prompt {i} is the mapping {{{shown}}}: YAML reads 'word: text' as a key and "
+                                f"its value; put the prompt in quotes")
+            elif isinstance(p, list):
+                problems.append(f"prompt {i} is a list: YAML reads [...] as a list; put the prompt in quotes")
+            elif isinstance(p, (bool, int, float)):
+                shown, kind = (str(p).lower(), "boolean") if isinstance(p, bool) else (repr(p), "number")
+                problems.append(f"prompt {i} is {shown}, which YAML read as a {kind}, not text (unquoted yes, no, "
+                                f"on, off, true, false and numbers are not strings); put the prompt in quotes")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return prompts
 
     @field_validator("positive_prompts", "negative_prompts")
     @classmethod
@@ -229,6 +259,13 @@ class UpcycleConfig(_Strict):
     gate_dtype: Optional[DType] = None
     quantize: Optional[Quantize] = None
 
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _mergekit_reference(cls, value: Any) -> Any:
+        from moe_upcycle.recipe.mergekit_names import model_reference
+
+        return model_reference(value)
+
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: str) -> str:
@@ -242,6 +279,9 @@ class UpcycleConfig(_Strict):
         if not isinstance(value, str):
             return value
         name = value.strip().lower().removeprefix("torch.")  # mergekit also reads "torch.bfloat16"
+        if name in ("float64", "double", "fp64"):
+            raise ValueError(f"{value!r} is not an output dtype here: mergekit-moe writes float64 at twice "
+                             f"float32's size, with nothing gained for a model that runs in 16 or 32 bits; use float32")
         return _DTYPE_ALIASES.get(name, name) if name else None
 
     @field_validator("architecture", mode="before")
@@ -301,6 +341,31 @@ class UpcycleConfig(_Strict):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def same_prompts_problem(self) -> Optional[str]:
+        """mergekit-moe's refusal of experts that all have the same prompts, for the modes that route on prompts.
+
+        Every expert then gets the same router row, so the router scores them all alike for every token
+        and cannot choose between them (published 8x copies with ``[""]`` each do this). Checked by
+        `plan` and `build`, not by loading: `prompts grow` is how such a config gets its prompts.
+        """
+        if self.gate_mode not in PROMPT_MODES or len(self.experts) < 2:
+            return None
+        first = self.experts[0]
+        if not (first.positive_prompts or first.positive_prompts_from):
+            return None  # no prompts at all: the gate stage names each expert that needs some
+        key = lambda e: (e.positive_prompts, e.negative_prompts, e.positive_prompts_from, e.negative_prompts_from)
+        if any(key(e) != key(first) for e in self.experts[1:]):
+            return None
+        shown = short_repr(first.positive_prompts if len(first.positive_prompts) != 1 else first.positive_prompts[0])
+        fix = ("give each expert prompts for the text it should handle (moe-upcycle prompts grow can pick them "
+               "from a pool), or use gate_mode: random or uniform_random to train the router")
+        if all(e.source_model == first.source_model for e in self.experts):
+            fix += (f"; for {len(self.experts)} copies of one model to train, write num_experts: {len(self.experts)} "
+                    f"with gate_mode: random instead of the experts list")
+        return (f"experts: every expert has the same prompts (positive_prompts: {shown}), so gate_mode "
+                f"{self.gate_mode} gives every expert the same router row and the router scores them all alike "
+                f"for every token: it cannot choose between them (mergekit-moe refuses this too); {fix}")
 
     @property
     def expert_count(self) -> int:
@@ -380,19 +445,45 @@ def _format_errors(exc: ValidationError) -> list[str]:
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             hint = intended_key(loc[-1], valid)
+            merge_key = MERGE_CONFIG_KEYS.get(str(loc[-1])) if len(loc) == 1 else None
             suggestion = (f" — did you mean {hint}?" if hint else
+                          f" — {merge_key}; remove it, or build with --allow-unknown-keys to ignore it with a warning"
+                          if merge_key else
                           f" — remove it, or build with --allow-unknown-keys to ignore it with a warning as "
                           f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
         elif kind == "literal_error":
             lines.append(f"{path}: {short_repr(err['input'])} is not allowed; expected {err['ctx']['expected']}")
+        elif kind == "model_type" and path.startswith(("experts[", "shared_experts[")):
+            value = err["input"]
+            if isinstance(value, str):
+                fix = f"a bare string; write it as - source_model: {value}"
+            elif value is None:
+                fix = "empty (a bare '-' line); remove the line or give it source_model:"
+            else:
+                fix = f"{short_repr(value)}, not an expert; write - source_model: org/name (a mapping)"
+            lines.append(f"{path}: {fix}")
+        elif kind == "list_type":
+            lines.append(f"{path}: {_not_a_list(err['input'], str(loc[-1]) if loc else path)}")
         elif kind == "missing":
             lines.append(f"{path}: required key is missing")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             lines += [f"{path}: {m}" if path else m for m in msg.split("\n")]
     return lines
+
+
+def _not_a_list(value: Any, key: str) -> str:
+    """Why a value that should be a list is not, and the list to write instead (mergekit-moe refuses these too)."""
+    if isinstance(value, str) and key.endswith("_prompts"):
+        shown = value if len(value) <= 60 else value[:57] + "..."
+        return (f"a single string {short_repr(value)}, not a list; write it as a one-item list: "
+                f"{key}: [{json.dumps(shown, ensure_ascii=False)}] (mergekit-moe refuses a bare string too)")
+    if key in ("experts", "shared_experts"):
+        return (f"{short_repr(value)} is not a list of experts; write one '- source_model: ...' line per expert "
+                f"(each a mapping), e.g. {key}: [{{source_model: org/model}}]")
+    return f"{short_repr(value)} is not a list; write a list: one '- item' line each, or [a, b]"
 
 
 def _yaml_path(loc: list) -> str:

@@ -30,7 +30,9 @@ from moe_upcycle.errors import UpcycleWarning
 
 # names other tools use for our keys
 SYNONYMS = {"num_experts_per_tok": "experts_per_token", "num_experts_per_token": "experts_per_token",
-            "torch_dtype": "dtype", "out_dtype": "dtype", "model": "source_model", "base": "base_model"}
+            "top_k": "experts_per_token", "torch_dtype": "dtype", "out_dtype": "dtype", "model": "source_model",
+            "source": "source_model", "base": "base_model", "gate": "gate_mode", "prompts": "positive_prompts",
+            "positive": "positive_prompts", "negative": "negative_prompts"}
 
 
 def edit_distance(a: str, b: str) -> int:

@@ -14,6 +14,11 @@ memoised per node, so a bomb is measured without being expanded — and refuses:
 
 Only then are Python objects built. `load_yaml_text` does the same for any YAML text (prompt
 files). It does not validate the recipe: that is `config`'s job.
+
+Syntax errors and non-UTF-8 files are reported with the fix for what a config pasted from a web
+page or model card typically has: tabs, look-alike spaces, Markdown fences, front matter, values
+starting with ``*``/``@``/`` ` ``, UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as
+mergekit-moe reads them.
 """
 
 from __future__ import annotations
@@ -33,15 +38,66 @@ def load_recipe_yaml(path: Path) -> Any:
     """Parse the recipe at `path` (UTF-8 YAML) into plain Python objects.
 
     Raises:
-        ConfigError: unreadable or oversized file, YAML syntax error (with line and column), a
-            duplicate key, or an alias expansion that is too large or recursive.
-        UnicodeDecodeError, yaml.YAMLError, RecursionError: left to the caller, which names the file.
+        ConfigError: unreadable or oversized file, not UTF-8 (with the likely encoding), YAML syntax
+            error (line, column, and the fix for tabs and look-alike spaces), a duplicate key, or an
+            alias expansion that is too large or recursive.
+        yaml.YAMLError, RecursionError: left to the caller, which names the file.
     """
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
         raise ConfigError(f"{path}: the recipe is {size} bytes; a recipe is a small YAML file (at most "
                           f"{MAX_FILE_BYTES} bytes) — is this the right file?")
-    return load_yaml_text(path.read_bytes().decode("utf-8"), str(path))
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({_encoding_hint(data, exc)}); re-save it as UTF-8 "
+                          f"(in Notepad: Save as → Encoding: UTF-8)") from None
+    try:
+        return load_yaml_text(text, str(path))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        if mark is None:
+            raise
+        hint = _syntax_hint(text.splitlines(), mark.line, str(exc.problem or ""))
+        raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {exc.problem or exc}"
+                          f"{'; ' + hint if hint else ''}") from None
+
+
+def _encoding_hint(data: bytes, exc: UnicodeDecodeError) -> str:
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "it is UTF-16, what Windows calls 'Unicode'"
+    return f"byte 0x{data[exc.start]:02x} at position {exc.start} is not UTF-8; it was saved in another encoding"
+
+
+# whitespace that looks like a space but is not one to YAML (pasted from web pages and CJK input methods)
+_ODD_SPACES = {"\u00a0": "a non-breaking space (U+00A0)", "\u3000": "an ideographic space (U+3000)",
+               "\u2002": "an en space (U+2002)", "\u2003": "an em space (U+2003)", "\u200b": "a zero-width space (U+200B)"}
+
+
+def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
+    """What to change, for the mistakes a config pasted from a web page or model card typically has.
+
+    `index` is the 0-based line the parser stopped at; it often notices one line late.
+    """
+    fences = [n + 1 for n, line in enumerate(lines) if line.lstrip().startswith(("```", "~~~"))]
+    if fences:
+        return f"line {fences[0]} is a Markdown code fence; copy only the YAML between the fences"
+    if "another document" in problem:
+        return ("the file holds more than one YAML document (a '---' line after the config starts, e.g. a model "
+                "card's front matter); keep only the config")
+    if "undefined alias" in problem:
+        return "a value that starts with * is read as an alias (*name); put it in quotes"
+    if "'@'" in problem or "'`'" in problem:
+        return "YAML reserves @ and ` at the start of a value; put the value in quotes"
+    for n in (index, index - 1):
+        line = lines[n] if 0 <= n < len(lines) else ""
+        if "\t" in line:
+            return f"line {n + 1} has a tab; YAML indents with spaces and needs a space after 'key:' — replace the tab with spaces"
+        for char, name in _ODD_SPACES.items():
+            if char in line:
+                return f"line {n + 1} contains {name}, often pasted from a web page; replace it with a normal space"
+    return ""
 
 
 def load_yaml_text(text: str, where: str) -> Any:

@@ -45,7 +45,21 @@ def download_command(ref: str, *files: str) -> str:
 
 
 def missing_model_hint(ref: str) -> str:
-    """What to do about a model reference that is neither a folder nor in the cache (``org/name@revision`` too)."""
+    """What to do about a model reference that is neither a folder nor in the cache (``org/name@revision`` too).
+
+    mergekit's other reference forms get their own answer: ``model+lora`` (a LoRA adapter merged
+    into the model on the fly, which moe-upcycle does not do), more than one ``@``, and a hub URL.
+    """
+    if "+" in ref:
+        model, _, adapter = ref.partition("+")
+        return (f"{model!r}+{adapter!r} is mergekit's model+LoRA form, and moe-upcycle does not apply LoRA adapters: "
+                f"merge the adapter into the model first (peft: PeftModel.from_pretrained(model, {adapter!r})"
+                f".merge_and_unload().save_pretrained(folder)) and give that folder")
+    if ref.count("@") > 1:
+        return "a model reference has at most one '@' (org/name@revision: a branch, tag or commit)"
+    url = re.match(r"^https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
+    if url:
+        return f"write the hub id, not its web address: {url.group(1)}"
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
     if is_hub_id(repo):
         at = ("--revision", revision) if revision else ()
