@@ -106,3 +106,99 @@ def test_dense_with_hooks_grads_and_train_mode_is_left_as_it_was(stories):
 def test_dtype_spellings(spelling, dense):
     moe = upcycle_model(dense, num_experts=2, dtype=spelling)
     assert {p.dtype for p in moe.parameters()} == {torch.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------
+# verify and route: option values and files, refused before any model is loaded
+
+
+@pytest.fixture(scope="module")
+def moe_folder(stories, tmp_path_factory):
+    from moe_upcycle import upcycle
+
+    out = tmp_path_factory.mktemp("hostile") / "moe"
+    upcycle({"base_model": str(stories), "num_experts": 2, "gate_mode": "random"}, out)
+    return out
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Hostile inputs a user can pass where a file or folder is expected."""
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text(" \n\n\t\n")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "prompts.txt").write_text("once upon a time\nthe dog ran\n")
+    return tmp_path
+
+
+VERIFY_CASES = [
+    ("device-gpu", ["--device", "gpu"], ["device: 'gpu' is not a device", "auto, cpu, cuda or cuda:N"]),
+    ("device-cuda-x", ["--device", "cuda:x"], ["device: 'cuda:x' is not a device"]),
+    ("device-cuda-no-gpu", ["--device", "cuda"], ["device: 'cuda' asks for a GPU but torch sees no CUDA device"]),
+    ("max-new-tokens-huge", ["--max-new-tokens", "100000"], ["max_new_tokens: 100000", "from 1 to 1024"]),
+    ("text-empty", ["--text", "{tmp}/empty.txt"], ["--text:", "empty.txt holds no text"]),
+    ("text-blank", ["--text", "{tmp}/blank.txt"], ["--text:", "blank.txt holds no text"]),
+    ("text-dir", ["--text", "{tmp}/a_dir"], ["--text: cannot read", "a_dir", "Is a directory"]),
+    ("text-binary", ["--text", "{tmp}/binary.txt"], ["--text: cannot read", "binary.txt", "UTF-8"]),
+    ("text-latin1", ["--text", "{tmp}/latin1.txt"], ["--text: cannot read", "latin1.txt", "UTF-8"]),
+    ("text-missing", ["--text", "{tmp}/nope.txt"], ["--text: cannot read", "nope.txt"]),
+    ("prompts-empty", ["--prompts", "{tmp}/empty.txt"], ["--prompts:", "empty.txt holds no prompt"]),
+    ("prompts-dir", ["--prompts", "{tmp}/a_dir"], ["--prompts: cannot read", "a_dir"]),
+    ("prompts-binary", ["--prompts", "{tmp}/binary.txt"], ["--prompts: cannot read", "binary.txt"]),
+    ("base-empty-dir", ["--base", "{tmp}/a_dir"], ["--base:", "a_dir is not a model folder (no config.json)"]),
+    ("base-a-file", ["--base", "{tmp}/prompts.txt"], ["--base: model", "prompts.txt", "not found"]),
+    ("base-missing", ["--base", "{tmp}/nowhere"], ["--base: model", "nowhere", "not found"]),
+]
+
+
+@pytest.mark.parametrize("case_id,args,words", VERIFY_CASES, ids=[c[0] for c in VERIFY_CASES])
+def test_verify_bad_option(case_id, args, words, moe_folder, files):
+    code, output = cli("verify", moe_folder, *[a.replace("{tmp}", str(files)) for a in args])
+    assert_clean_failure(code, output, files / "no-output", words)
+
+
+@pytest.mark.parametrize("folder,words", [("nowhere", ["OUT:", "nowhere does not exist"]),
+                                          ("a_dir", ["OUT:", "a_dir is not a model folder (no config.json)"]),
+                                          ("prompts.txt", ["OUT:", "prompts.txt is not a model folder"])])
+def test_verify_bad_folder(folder, words, files):
+    code, output = cli("verify", files / folder)
+    assert_clean_failure(code, output, files / "no-output", words)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"max_new_tokens": 0}, ["max_new_tokens: 0 is not a number of tokens"]),
+    ({"max_new_tokens": True}, ["max_new_tokens: True"]),
+    ({"max_new_tokens": 2.5}, ["max_new_tokens: 2.5"]),
+    ({"max_kl": float("nan")}, ["max_kl: nan is not a threshold"]),
+    ({"max_kl": -1}, ["max_kl: -1 is not a threshold"]),
+    ({"min_agreement": 1.5}, ["min_agreement: 1.5 is not a fraction"]),
+    ({"min_agreement": float("nan")}, ["min_agreement: nan is not a fraction"]),
+    ({"device": "gpu", "max_kl": -1}, ["device: 'gpu' is not a device", "max_kl: -1"]),  # all problems at once
+])
+def test_verify_library_options(kwargs, words, moe_folder):
+    from moe_upcycle.check.verify import verify
+
+    with pytest.raises(ConfigError) as info:
+        verify(moe_folder, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+ROUTE_CASES = [
+    ("device-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "gpu"], ["device: 'gpu' is not a device"]),
+    ("device-cuda-no-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "cuda"], ["device: 'cuda' asks for a GPU"]),
+    ("prompts-empty", ["--prompts", "{tmp}/empty.txt"], ["empty.txt"]),
+    ("prompts-dir", ["--prompts", "{tmp}/a_dir"], ["a_dir"]),
+    ("prompts-binary", ["--prompts", "{tmp}/binary.txt"], ["binary.txt"]),
+    ("prompts-missing", ["--prompts", "{tmp}/nope.txt"], ["nope.txt"]),
+    ("both-inputs", ["--prompts", "{tmp}/prompts.txt", "--labeled", "{tmp}/prompts.txt"], ["exactly one of"]),
+    ("label-by-unknown", ["--prompts", "{tmp}/prompts.txt", "--label-by", "magic"], ["--label-by: 'magic'"]),
+]
+
+
+@pytest.mark.parametrize("case_id,args,words", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
+def test_route_bad_option(case_id, args, words, moe_folder, files):
+    code, output = cli("route", moe_folder, *[a.replace("{tmp}", str(files)) for a in args])
+    assert_clean_failure(code, output, files / "no-output", words)

@@ -24,7 +24,7 @@ from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
-from moe_upcycle.recipe.values import strict_bools_and_numbers, short_repr
+from moe_upcycle.recipe.values import device_problem, strict_bools_and_numbers, short_repr
 from moe_upcycle.inputs.text import unicode_problem
 
 GateMode = Literal[
@@ -232,8 +232,8 @@ class UpcycleConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
-            raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
+        if device_problem(value):
+            raise ValueError(device_problem(value))
         return value
 
     @field_validator("dtype", "gate_dtype", mode="before")
