@@ -32,6 +32,7 @@ from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
+from moe_upcycle.recipe.params import HIDDEN_MODES
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 from moe_upcycle.checkpoint.ownership import input_paths
@@ -63,6 +64,21 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     if not chosen:
         raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
     return resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
+
+
+def check_device(config: UpcycleConfig, verify: bool = False) -> None:
+    """Check that the recipe's device exists when the build will run a model on it.
+
+    Hidden-state gate modes and ``verify`` run the base model; other modes never use the device,
+    so a recipe written on a GPU machine still builds on a CPU one.
+
+    Raises:
+        DependencyError: ``cuda`` asked for and no GPU is visible (or too few).
+    """
+    if verify or config.gate_mode in HIDDEN_MODES:
+        from moe_upcycle.gates.capture import resolve_device
+
+        resolve_device(config.device)
 
 
 def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = False,
@@ -145,6 +161,8 @@ def upcycle(
     config, sources, plan = prepare(config, from_config, allow_unknown_keys, tensor_policy=tensor_policy,
                                     max_shard_size=max_shard_size, device=device, batch_size=batch_size,
                                     checksums=checksums, gate_source=gate_source)
+    if not dry_run:
+        check_device(config, verify)  # before the output folder, the gates and any model load
     sharing = sharing_report(plan, sources, config.tensor_policy)
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)

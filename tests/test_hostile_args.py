@@ -202,3 +202,67 @@ ROUTE_CASES = [
 def test_route_bad_option(case_id, args, words, moe_folder, files):
     code, output = cli("route", moe_folder, *[a.replace("{tmp}", str(files)) for a in args])
     assert_clean_failure(code, output, files / "no-output", words)
+
+
+# ---------------------------------------------------------------------------------------------
+# build and plan: files where a config is expected, and option values (named as options, not as
+# keys of a file that does not hold them)
+
+RANDOM = "base_model: {base}\nnum_experts: 2\ngate_mode: random\n"
+HIDDEN = ("base_model: {base}\ngate_mode: hidden\nexperts:\n  - source_model: {base}\n    positive_prompts: [once]\n"
+          "  - source_model: {base}\n    positive_prompts: [the dog]\n")
+
+BUILD_OPTION_CASES = [
+    ("shard-zero", RANDOM, ["--max-shard-size", "0"], ["option max_shard_size: must be positive"]),
+    ("shard-negative-unit", RANDOM, ["--max-shard-size", "-1GB"], ["option max_shard_size: '-1GB' is not a size"]),
+    ("shard-unknown-unit", RANDOM, ["--max-shard-size", "1XB"], ["option max_shard_size: '1XB' is not a size"]),
+    ("shard-bare-fraction", RANDOM, ["--max-shard-size", "1.5"], ["option max_shard_size: '1.5' is not a whole"]),
+    ("batch-zero", HIDDEN, ["--batch-size", "0"], ["option batch_size: Input should be greater than or equal to 1"]),
+    ("batch-negative", HIDDEN, ["--batch-size", "-3"], ["option batch_size:"]),
+    ("batch-huge", HIDDEN, ["--batch-size", "10000000"], ["option batch_size: Input should be less than or equal"]),
+    ("device-gpu", HIDDEN, ["--device", "gpu"], ["option device: 'gpu' is not a device"]),
+    ("device-cuda-x", RANDOM, ["--device", "cuda:x"], ["option device: 'cuda:x' is not a device"]),
+    ("device-cuda-no-gpu-hidden", HIDDEN, ["--device", "cuda"], ["device: 'cuda' asks for a GPU but torch sees no CUDA"]),
+    ("device-cuda-no-gpu-verify", RANDOM, ["--device", "cuda", "--verify"], ["device: 'cuda' asks for a GPU"]),
+    ("recipe-device-cuda-no-gpu", HIDDEN + "device: cuda:1\n", [], ["device: 'cuda:1' asks for a GPU"]),
+]
+
+
+@pytest.mark.parametrize("case_id,text,args,words", BUILD_OPTION_CASES, ids=[c[0] for c in BUILD_OPTION_CASES])
+def test_build_bad_option_named_as_option(case_id, text, args, words, stories, tmp_path):
+    if torch.cuda.is_available() and "asks for a GPU" in words[0]:
+        pytest.skip("a GPU is visible")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(text.format(base=stories))
+    target = tmp_path / "moe"
+    code, output = cli("build", cfg, target, *args)
+    assert_clean_failure(code, output, target, words)
+    assert "cfg.yaml: max_shard_size" not in output and "cfg.yaml: batch_size" not in output
+    assert "prompt lint" not in output  # refused before the (slow) lint of the prompts
+
+
+def test_unused_device_does_not_stop_a_random_gate_build(stories, tmp_path):
+    """device: is for hidden-state gates; a recipe written on a GPU machine builds on a CPU one."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(RANDOM.format(base=stories) + "device: cuda\n")
+    code, output = cli("build", cfg, tmp_path / "moe")
+    assert code == 0, output
+    assert (tmp_path / "moe" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["build", "plan"])
+@pytest.mark.parametrize("case_id,make,words", [
+    ("folder", lambda p: p.mkdir(), ["is a folder, not a config file"]),
+    ("missing", lambda p: None, ["config file not found"]),
+    ("empty", lambda p: p.write_text(""), ["must be a YAML mapping", "got NoneType"]),
+    ("null", lambda p: p.write_text("null\n"), ["must be a YAML mapping", "got NoneType"]),
+    ("scalar", lambda p: p.write_text("42\n"), ["must be a YAML mapping", "got int"]),
+    ("list", lambda p: p.write_text("- base_model: x\n"), ["must be a YAML mapping", "got list"]),
+    ("binary", lambda p: p.write_bytes(bytes(range(256))), ["not a readable YAML file"]),
+], ids=["folder", "missing", "empty", "null", "scalar", "list", "binary"])
+def test_config_path_not_a_recipe(command, case_id, make, words, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    make(cfg)
+    args = [command, cfg] + ([tmp_path / "moe"] if command == "build" else [])
+    code, output = cli(*args)
+    assert_clean_failure(code, output, tmp_path / "moe", ["cfg.yaml", *words])

@@ -56,11 +56,13 @@ def build(
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
 
-    if not no_lint:
-        _warn_prompt_lint(config, allow_unknown_keys)
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     gate_source = "mergekit" if mergekit else None
+    if not no_lint:
+        options = {} if dry_run else dict(tensor_policy=policy, max_shard_size=max_shard_size, device=device,
+                                          batch_size=batch_size, checksums=checksums, gate_source=gate_source)
+        _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify)
     if dry_run:
         print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
                            allow_unknown_keys=allow_unknown_keys, gate_source=gate_source))
@@ -164,8 +166,13 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), metavar="FOLDER",
         raise typer.Exit(1)
 
 
-def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False) -> None:
-    """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build."""
+def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: Optional[dict] = None,
+                      device_needed: bool = False) -> None:
+    """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build.
+
+    A missing GPU (`build.check_device`) is reported before the lint, not after it.
+    """
+    from moe_upcycle.build import check_device
     from moe_upcycle.prompts.lint import quick_lint
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.schema import load_config
@@ -173,9 +180,11 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False) -> None:
     try:
         with warnings.catch_warnings():  # the build prints the config's warnings, once
             warnings.simplefilter("ignore", UpcycleWarning)
-            cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
+            cfg = load_config(config, overrides=options, allow_unknown_keys=allow_unknown_keys)
     except UpcycleError:
         return  # the build reports it, with every problem
+    if options:  # a real build (not --dry-run)
+        check_device(cfg, device_needed)
     if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from sets included
         return
     with stage("prompt lint", note="--no-lint skips it"):

@@ -325,7 +325,8 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
 
     Args:
         source: path to a YAML file, or the already-parsed mapping.
-        overrides: keys that replace the file's (CLI options); ``None`` values are ignored.
+        overrides: keys that replace the file's (CLI options); ``None`` values are ignored. A
+            problem with one is reported as ``option KEY: ...``, not under the file's name.
         allow_unknown_keys: ignore genuinely unknown keys with a warning instead of refusing
             them (misspelt keys are errors either way; see `unknown_keys`).
 
@@ -342,6 +343,8 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         path = Path(source)
         where = str(path)
         if not path.is_file():
+            if path.is_dir():
+                raise ConfigError(f"{path}: is a folder, not a config file; give the YAML recipe's path")
             if path.is_symlink():
                 raise ConfigError(f"{path}: the config is a symbolic link that leads nowhere (a symlink loop or a "
                                   f"broken link); fix it")
@@ -357,15 +360,16 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...), "
                           f"got {type(data).__name__}")
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            data[key] = value
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    data.update(given)
     if allow_unknown_keys:
         data = drop_unknown_keys(data, UpcycleConfig)
     try:
         return UpcycleConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(*[f"{where}: {line}" for line in _format_errors(exc)]) from None
+        # a value from an option is named as the option: the user would not find it in the file
+        raise ConfigError(*[f"option {line}" if re.match(r"[a-z_]*", line)[0] in given else f"{where}: {line}"
+                            for line in _format_errors(exc)]) from None
 
 
 def _format_errors(exc: ValidationError) -> list[str]:
