@@ -266,3 +266,56 @@ def test_config_path_not_a_recipe(command, case_id, make, words, tmp_path):
     args = [command, cfg] + ([tmp_path / "moe"] if command == "build" else [])
     code, output = cli(*args)
     assert_clean_failure(code, output, tmp_path / "moe", ["cfg.yaml", *words])
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts grow: the pool file, the limits and -o, all refused before the embedder loads
+
+PROMPTED = ("base_model: {base}\ngate_mode: hidden\nexperts:\n  - source_model: {base}\n    name: stories\n"
+            "    positive_prompts: [once upon a time]\n  - source_model: {base}\n    name: maths\n"
+            "    positive_prompts: [adding two numbers]\n")
+
+GROW_CASES = [
+    ("pool-folder", ["--pool", "{tmp}/a_dir"], ["--pool", "a_dir: is a folder, not a file"]),
+    ("pool-missing", ["--pool", "{tmp}/nope.txt"], ["--pool", "nope.txt: file not found"]),
+    ("pool-empty", ["--pool", "{tmp}/empty.txt"], ["--pool", "empty.txt: holds no prompt"]),
+    ("pool-blank", ["--pool", "{tmp}/blank.txt"], ["--pool", "blank.txt: holds no prompt"]),
+    ("pool-binary", ["--pool", "{tmp}/binary.txt"], ["--pool", "binary.txt: cannot read it as UTF-8"]),
+    ("pool-latin1", ["--pool", "{tmp}/latin1.txt"], ["--pool", "latin1.txt: cannot read it as UTF-8"]),
+    ("margin-nan", ["--pool", "{tmp}/prompts.txt", "--margin", "nan"], ["--margin: nan is not a lead", "0 to 2"]),
+    ("margin-negative", ["--pool", "{tmp}/prompts.txt", "--margin", "-3"], ["--margin: -3.0"]),
+    ("margin-huge", ["--pool", "{tmp}/prompts.txt", "--margin", "5"], ["--margin: 5.0"]),
+    ("min-similarity-huge", ["--pool", "{tmp}/prompts.txt", "--min-similarity", "5"],
+     ["--min-similarity: 5.0 is not a cosine similarity", "-1 to 1"]),
+    ("min-similarity-inf", ["--pool", "{tmp}/prompts.txt", "--min-similarity", "-inf"], ["--min-similarity: -inf"]),
+    ("output-folder-forced", ["--pool", "{tmp}/prompts.txt", "-o", "{tmp}/a_dir", "--force"],
+     ["-o", "a_dir: is a folder; give the path of the YAML file"]),
+    ("output-in-missing-folder", ["--pool", "{tmp}/prompts.txt", "-o", "{tmp}/no/such.yaml"], ["does not exist"]),
+    ("pool-format-unknown", ["--pool", "{tmp}/prompts.txt", "--pool-format", "csv"], ["--pool-format: 'csv'"]),
+]
+
+
+@pytest.mark.parametrize("case_id,args,words", GROW_CASES, ids=[c[0] for c in GROW_CASES])
+def test_grow_bad_input(case_id, args, words, stories, files):
+    cfg = files / "cfg.yaml"
+    cfg.write_text(PROMPTED.format(base=stories))
+    before = sorted(p.name for p in files.rglob("*"))
+    code, output = cli("prompts", "grow", cfg, *[a.replace("{tmp}", str(files)) for a in args])
+    assert_clean_failure(code, output, files / "cfg.grown.yaml", words)
+    assert sorted(p.name for p in files.rglob("*")) == before  # no grown YAML, no .tmp left
+    assert (files / "a_dir").is_dir() and not any((files / "a_dir").iterdir())
+    assert "load embedder" not in output
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"per_expert": 0}, ["--per-expert: 0 is not a count"]),
+    ({"per_expert": 2.5}, ["--per-expert: 2.5"]),
+    ({"margin": float("nan"), "min_similarity": 2}, ["--margin: nan", "--min-similarity: 2"]),
+])
+def test_grow_library_limits(kwargs, words):
+    from moe_upcycle.prompts.grow import grow_prompts
+
+    with pytest.raises(ConfigError) as info:
+        grow_prompts([], ["a prompt"], object(), **kwargs)  # refused before the experts or the embedder are used
+    for word in words:
+        assert word in str(info.value)

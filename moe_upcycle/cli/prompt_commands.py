@@ -103,15 +103,18 @@ def grow(
     """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
     from moe_upcycle.errors import ConfigError
     from moe_upcycle.prompts.embed import load_embedder
-    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, grow_prompts
+    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, check_limits, grow_prompts
     from moe_upcycle.prompts.pool import read_pool_file
     from moe_upcycle.recipe.resolve import expert_prompts
-    from moe_upcycle.recipe.rewrite import write_grown_config
+    from moe_upcycle.recipe.rewrite import grown_target, write_grown_config
     from moe_upcycle.recipe.schema import load_config
 
     if pool_format not in ("auto", "paragraphs", "lines", "jsonl"):
         raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use auto, paragraphs, lines or jsonl")
     cfg = load_config(config)
+    check_limits(per_expert, MIN_SIMILARITY if min_similarity is None else min_similarity,
+                 MARGIN if margin is None else margin)
+    grown_target(config, output, in_place, force)  # a wrong -o fails before the embedder loads
     read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
     candidates = read.prompts
     out.print(f"Pool: {read.describe(pool)}.", highlight=False)

@@ -18,6 +18,32 @@ from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.recipe.yaml_write import add_prompts
 
 
+def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] = None, in_place: bool = False,
+                 force: bool = False) -> Path:
+    """The file `write_grown_config` writes, checked before any work is done.
+
+    Raises:
+        OutputError: the output is the input without `in_place`, a folder, in a missing folder, or
+            exists without `force`.
+    """
+    src = Path(config_path)
+    if in_place:
+        if output is not None and Path(output).resolve() != src.resolve():
+            raise OutputError(f"-o {output}: --in-place writes {src}; give one of -o and --in-place")
+        return src
+    target = Path(output) if output is not None else src.with_name(f"{src.stem}.grown.yaml")
+    if target.resolve() == src.resolve():
+        raise OutputError(f"-o {target}: that is the input config; it is never overwritten unless you pass "
+                          f"--in-place (or choose another -o)")
+    if target.is_dir():  # never replaced, --force or not: it is not a file this command wrote
+        raise OutputError(f"-o {target}: is a folder; give the path of the YAML file to write")
+    if not target.parent.is_dir():
+        raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
+    if target.exists() and not force:
+        raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
+    return target
+
+
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
                        output: Union[str, Path, None] = None, in_place: bool = False,
                        force: bool = False) -> Path:
@@ -34,22 +60,10 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         The path written.
 
     Raises:
-        OutputError: the output is the input without `in_place`, or exists without `force`.
+        OutputError: see `grown_target`.
     """
     src = Path(config_path)
-    if in_place:
-        if output is not None and Path(output).resolve() != src.resolve():
-            raise OutputError(f"-o {output}: --in-place writes {src}; give one of -o and --in-place")
-        target = src
-    else:
-        target = Path(output) if output is not None else src.with_name(f"{src.stem}.grown.yaml")
-        if target.resolve() == src.resolve():
-            raise OutputError(f"-o {target}: that is the input config; it is never overwritten unless you pass "
-                              f"--in-place (or choose another -o)")
-        if not target.parent.is_dir():
-            raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
-        if target.exists() and not force:
-            raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
+    target = grown_target(src, output, in_place, force)
     original = src.read_text(encoding="utf-8")
     data = yaml.safe_load(original)
     config = load_config(dict(data))
