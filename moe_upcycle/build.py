@@ -7,6 +7,7 @@ file is complete (see `output_dir`).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,23 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     if not chosen:
         raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
     return resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
+
+
+def check_call(output, on_step, **flags) -> None:
+    """Refuse arguments of `upcycle` whose type would fail deep inside, or mean the opposite
+    (``dry_run="no"`` is truthy: it would be a dry run).
+
+    Raises:
+        ConfigError: every wrong argument, named.
+    """
+    problems = [f"{name}: expected True or False, got {value!r}"
+                for name, value in flags.items() if not isinstance(value, bool)]
+    if output is not None and not isinstance(output, (str, os.PathLike)):
+        problems.append(f"output: expected a folder path, not {type(output).__name__}")
+    if not callable(on_step):
+        problems.append(f"on_step: expected a function (step, plan) -> None, not {type(on_step).__name__}")
+    if problems:
+        raise ConfigError(*problems)
 
 
 def check_device(config: UpcycleConfig, verify: bool = False) -> None:
@@ -155,6 +173,8 @@ def upcycle(
         >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
     """
     start = time.perf_counter()
+    check_call(output=output, on_step=on_step, force=force, dry_run=dry_run, verify=verify, from_config=from_config,
+               allow_unknown_keys=allow_unknown_keys)
     recipe_source = config
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")

@@ -161,7 +161,7 @@ def check_dense_model(dense_model: Any) -> None:
         hint = (" (a path: load it first with AutoModelForCausalLM.from_pretrained, or build files with "
                 "moe_upcycle.upcycle)" if isinstance(dense_model, (str, bytes)) or hasattr(dense_model, "__fspath__")
                 else "")
-        raise ConfigError(f"dense_model: got a {kind}, not a loaded transformers model{hint}; pass e.g. "
+        raise ConfigError(f"dense_model: expected a loaded transformers model, not {kind}{hint}; pass e.g. "
                           f"AutoModelForCausalLM.from_pretrained(...)")
     if not any(c.__name__.endswith("ForCausalLM") for c in type(dense_model).__mro__):
         raise ConfigError(f"dense_model: a {kind} is not a causal language model (no LM head: "

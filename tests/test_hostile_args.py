@@ -42,11 +42,11 @@ def assert_unchanged(model: torch.nn.Module, before: dict) -> None:
 
 
 @pytest.mark.parametrize("case_id,make,words", [
-    ("path-string", lambda d, s: str(s), ["dense_model: got a str", "AutoModelForCausalLM.from_pretrained",
+    ("path-string", lambda d, s: str(s), ["dense_model: expected a loaded transformers model, not str", "AutoModelForCausalLM.from_pretrained",
                                           "moe_upcycle.upcycle"]),
-    ("path-object", lambda d, s: s, ["dense_model: got a PosixPath", "moe_upcycle.upcycle"]),
-    ("none", lambda d, s: None, ["dense_model: got a NoneType, not a loaded transformers model"]),
-    ("bare-module", lambda d, s: torch.nn.Linear(4, 4), ["dense_model: got a Linear"]),
+    ("path-object", lambda d, s: s, ["dense_model: expected a loaded transformers model, not PosixPath", "moe_upcycle.upcycle"]),
+    ("none", lambda d, s: None, ["dense_model: expected a loaded transformers model, not NoneType"]),
+    ("bare-module", lambda d, s: torch.nn.Linear(4, 4), ["dense_model: expected a loaded transformers model, not Linear"]),
     ("decoder-without-lm-head", lambda d, s: d.model, ["dense_model: a LlamaModel is not a causal language model",
                                                        "ForCausalLM"]),
 ], ids=["path-string", "path-object", "none", "bare-module", "decoder-without-lm-head"])
@@ -319,3 +319,40 @@ def test_grow_library_limits(kwargs, words):
         grow_prompts([], ["a prompt"], object(), **kwargs)  # refused before the experts or the embedder are used
     for word in words:
         assert word in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# upcycle(): argument types, each refused by name with nothing written
+
+
+@pytest.mark.parametrize("case_id,make_args,kwargs,words", [
+    ("config-int", lambda g, p: (5,), {}, ["config: expected the path of a YAML recipe", "not int"]),
+    ("config-none", lambda g, p: (None,), {}, ["config: expected", "not NoneType"]),
+    ("config-list", lambda g, p: ([g],), {}, ["config: expected", "not list"]),
+    ("config-bytes", lambda g, p: (b"cfg.yaml",), {}, ["config: expected", "not bytes"]),
+    ("config-yaml-text", lambda g, p: ("base_model: x\nnum_experts: 2\n",), {}, ["config: got YAML text, not a file path"]),
+    ("config-folder", lambda g, p: (p,), {}, ["is a folder, not a config file"]),
+    ("config-missing", lambda g, p: (p / "nope.yaml",), {}, ["nope.yaml: config file not found"]),
+    ("key-not-a-string", lambda g, p: ({**g, 5: 1},), {}, ["config: [5]: Keys should be strings"]),
+    ("output-int", lambda g, p: (g, 5), {}, ["output: expected a folder path, not int"]),
+    ("force-string", lambda g, p: (g,), {"force": "yes"}, ["force: expected True or False, got 'yes'"]),
+    ("dry-run-string", lambda g, p: (g,), {"dry_run": "no"}, ["dry_run: expected True or False, got 'no'"]),
+    ("verify-string", lambda g, p: (g,), {"verify": "no"}, ["verify: expected True or False"]),
+    ("on-step-not-callable", lambda g, p: (g,), {"on_step": 5}, ["on_step: expected a function"]),
+    ("tensor-policy", lambda g, p: (g,), {"tensor_policy": "bogus"}, ["option tensor_policy: 'bogus' is not allowed"]),
+    ("shard-bool", lambda g, p: (g,), {"max_shard_size": True}, ["option max_shard_size"]),
+    ("device-int", lambda g, p: (g,), {"device": 5}, ["option device"]),
+    ("checksums-string", lambda g, p: (g,), {"checksums": "no"}, ["option checksums: 'no' is not a boolean"]),
+])
+def test_upcycle_argument_types(case_id, make_args, kwargs, words, stories, tmp_path):
+    from moe_upcycle import upcycle
+
+    good = {"base_model": str(stories), "num_experts": 2, "gate_mode": "random"}
+    args = make_args(good, tmp_path)
+    if len(args) == 1:
+        args = (*args, tmp_path / "moe")
+    with pytest.raises(ConfigError) as info:
+        upcycle(*args, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, lock or staging folder

@@ -13,7 +13,9 @@ This module checks the config on its own; checks against the checkpoints live in
 from __future__ import annotations
 
 import math
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -319,7 +321,7 @@ class UpcycleConfig(_Strict):
 # Loading and error formatting
 
 
-def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = None,
+def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] = None,
                 allow_unknown_keys: bool = False) -> UpcycleConfig:
     """Read and validate a config from a YAML file path or a dict.
 
@@ -337,8 +339,14 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         ConfigError: with every problem, each prefixed by its YAML path.
     """
     where = "config"
-    if isinstance(source, dict):
+    if isinstance(source, Mapping):
         data = dict(source)
+    elif not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"config: expected the path of a YAML recipe, a mapping of its keys or an UpcycleConfig, "
+                          f"not {type(source).__name__}")
+    elif isinstance(source, str) and "\n" in source:
+        raise ConfigError("config: got YAML text, not a file path; write it to a file, or pass "
+                          "yaml.safe_load(text) (a mapping)")
     else:
         path = Path(source)
         where = str(path)
