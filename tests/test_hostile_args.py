@@ -356,3 +356,31 @@ def test_upcycle_argument_types(case_id, make_args, kwargs, words, stories, tmp_
     for word in words:
         assert word in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, lock or staging folder
+
+
+# ---------------------------------------------------------------------------------------------
+# A valid key in the wrong section says where it belongs (it was "unknown key ... valid keys: ...")
+
+WRONG_SECTION = [
+    ("prompts-at-top", RANDOM + "positive_prompts: [a]\n", ["positive_prompts: unknown key — it belongs in experts[i]"]),
+    ("source-model-at-top", RANDOM + "source_model: x\n", ["source_model: unknown key — it belongs in experts[i]"]),
+    ("ratio-at-top", RANDOM + "ratio: 0.5\n", ["ratio: unknown key — it belongs in expert_init; move it there"]),
+    ("granularity-at-top", RANDOM + "granularity: 2\n", ["granularity: unknown key — it belongs in expert_init"]),
+    ("gate-mode-in-expert", "base_model: {base}\nexperts:\n  - source_model: {base}\n    gate_mode: random\n"
+     "  - source_model: {base}\n", ["experts[0].gate_mode: unknown key — it belongs at the top level"]),
+    ("ratio-in-expert", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n    ratio: 0.5\n"
+     "  - source_model: {base}\n", ["experts[0].ratio: unknown key — it belongs in experts[i].expert_init"]),
+    ("seed-in-expert-init", RANDOM + "expert_init:\n  method: drop\n  ratio: 0.5\n  seed: 3\n",
+     ["expert_init.seed: unknown key — it belongs at the top level"]),
+]
+
+
+@pytest.mark.parametrize("case_id,text,words", WRONG_SECTION, ids=[c[0] for c in WRONG_SECTION])
+def test_key_in_wrong_section_says_where_it_belongs(case_id, text, words, stories, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(text.format(base=stories))
+    code, output = cli("build", cfg, tmp_path / "moe", "--no-lint")
+    assert_clean_failure(code, output, tmp_path / "moe", words)
+    code, output = cli("build", cfg, tmp_path / "moe", "--no-lint", "--allow-unknown-keys")
+    flat = " ".join(output.split())
+    assert "unknown key ignored" in flat and f"belongs {words[0].split('belongs ')[1].split(';')[0]}" in flat

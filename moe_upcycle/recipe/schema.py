@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, model_in
+from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, key_elsewhere, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
 from moe_upcycle.recipe.values import device_problem, strict_bools_and_numbers, short_repr
 from moe_upcycle.inputs.text import unicode_problem
@@ -392,7 +392,9 @@ def _format_errors(exc: ValidationError) -> list[str]:
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             hint = intended_key(loc[-1], valid)
+            home = None if hint else key_elsewhere(loc[-1], UpcycleConfig, loc[:-1])
             suggestion = (f" — did you mean {hint}?" if hint else
+                          f" — it belongs {home}; move it there" if home else
                           f" — remove it, or build with --allow-unknown-keys to ignore it with a warning as "
                           f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
