@@ -33,6 +33,7 @@ from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
+from moe_upcycle.recipe.calibration import read_documents
 from moe_upcycle.recipe.params import HIDDEN_MODES
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
@@ -109,6 +110,8 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
         config = load_config(config, overrides=overrides, allow_unknown_keys=allow_unknown_keys)
     elif any(v is not None for v in overrides.values()):
         config = load_config(config.model_dump(), overrides=overrides)
+    if config.gate_mode == "kmeans" and config.calibration_text is not None:
+        read_documents(config.calibration_text)  # a missing or unreadable text fails now, not after loading the base
     if from_config:
         from moe_upcycle.checkpoint.meta_model import meta_sources
 

@@ -384,3 +384,42 @@ def test_key_in_wrong_section_says_where_it_belongs(case_id, text, words, storie
     code, output = cli("build", cfg, tmp_path / "moe", "--no-lint", "--allow-unknown-keys")
     flat = " ".join(output.split())
     assert "unknown key ignored" in flat and f"belongs {words[0].split('belongs ')[1].split(';')[0]}" in flat
+
+
+# ---------------------------------------------------------------------------------------------
+# Files a recipe names (prompt files, calibration text): named with their field, before any model loads
+
+
+@pytest.mark.parametrize("name,words", [
+    ("a_dir", ["experts[0].positive_prompts_from:", "a_dir' is a folder"]),
+    ("binary.txt", ["experts[0].positive_prompts_from:", "binary.txt: cannot read the prompt file"]),
+    ("empty.txt", ["experts[0].positive_prompts_from:", "empty.txt: contains no prompts"]),
+    ("null.yaml", ["experts[0].positive_prompts_from:", "null.yaml: expected a list of prompt strings"]),
+], ids=["folder", "binary", "empty", "yaml-null"])
+def test_prompt_file_named_with_its_field(name, words, stories, files):
+    (files / "null.yaml").write_text("null\n")
+    cfg = files / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: hidden\nexperts:\n  - source_model: {stories}\n"
+                   f"    positive_prompts_from: {files / name}\n  - source_model: {stories}\n    positive_prompts: [a]\n")
+    code, output = cli("build", cfg, files / "moe", "--no-lint")
+    assert_clean_failure(code, output, files / "moe", words)
+
+
+@pytest.mark.parametrize("name,words", [
+    ("a_dir", ["calibration_text: folder", "has no .txt, .md or .jsonl files"]),
+    ("binary.txt", ["calibration_text: cannot read", "binary.txt as UTF-8 text"]),
+    ("empty.txt", ["calibration_text:", "empty.txt contains no text"]),
+    ("nope.txt", ["calibration_text:", "nope.txt does not exist"]),
+], ids=["folder", "binary", "empty", "missing"])
+@pytest.mark.parametrize("command", ["build", "plan"])
+def test_calibration_text_refused_before_the_base_loads(command, name, words, stories, files, monkeypatch):
+    import moe_upcycle.gates.hidden_gates as hidden_gates
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the base model was loaded before the calibration text was checked")
+
+    monkeypatch.setattr(hidden_gates, "load_base", no_load)
+    cfg = files / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: kmeans\nnum_experts: 2\ncalibration_text: {files / name}\n")
+    code, output = cli(command, cfg, *([files / "moe"] if command == "build" else []))
+    assert_clean_failure(code, output, files / "moe", words)
