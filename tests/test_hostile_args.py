@@ -195,13 +195,48 @@ ROUTE_CASES = [
     ("prompts-missing", ["--prompts", "{tmp}/nope.txt"], ["nope.txt"]),
     ("both-inputs", ["--prompts", "{tmp}/prompts.txt", "--labeled", "{tmp}/prompts.txt"], ["exactly one of"]),
     ("label-by-unknown", ["--prompts", "{tmp}/prompts.txt", "--label-by", "magic"], ["--label-by: 'magic'"]),
+    ("labeled-empty", ["--labeled", "{tmp}/empty.txt"], ["--labeled", "empty.txt: holds no prompt"]),
+    ("labeled-blank", ["--labeled", "{tmp}/blank.txt"], ["--labeled", "blank.txt: holds no prompt"]),
+    ("labeled-folder", ["--labeled", "{tmp}/a_dir"], ["--labeled", "a_dir: is a folder, not a file"]),
+    ("labeled-binary", ["--labeled", "{tmp}/binary.txt"], ["--labeled", "binary.txt", "UTF-8"]),
+    ("plot-folder", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/a_dir"], ["--plot", "a_dir: is a folder"]),
+    ("plot-missing-folder", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/no/x.png"],
+     ["--plot", "folder", "does not exist"]),
+    ("plot-unknown-format", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/x.xyz"], [".xyz is not an image format"]),
+    ("plot-no-suffix", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/heatmap"], ["no suffix is not an image"]),
 ]
 
 
 @pytest.mark.parametrize("case_id,args,words", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
-def test_route_bad_option(case_id, args, words, moe_folder, files):
+def test_route_bad_option(case_id, args, words, moe_folder, files, monkeypatch):
+    if case_id.startswith("plot"):
+        pytest.importorskip("matplotlib")
+    import moe_upcycle.check.route as route_module
+
+    def no_route(*args, **kwargs):
+        raise AssertionError("the MoE ran before the options were checked")
+
+    monkeypatch.setattr(route_module, "route", no_route)
+    before = sorted(p.name for p in files.rglob("*"))
     code, output = cli("route", moe_folder, *[a.replace("{tmp}", str(files)) for a in args])
     assert_clean_failure(code, output, files / "no-output", words)
+    assert sorted(p.name for p in files.rglob("*")) == before  # no image written (matplotlib adds .png to a folder)
+
+
+@pytest.mark.parametrize("folder,words", [("nowhere", ["OUT:", "nowhere does not exist"]),
+                                          ("a_dir", ["OUT:", "a_dir is not a model folder (no config.json)"]),
+                                          ("prompts.txt", ["OUT:", "prompts.txt is not a model folder"])])
+def test_route_bad_folder(folder, words, files):
+    code, output = cli("route", files / folder, "--prompts", files / "prompts.txt")
+    assert_clean_failure(code, output, files / "no-output", words)
+    assert "huggingface.co" not in output  # was: transformers' "couldn't connect" for a local path
+
+
+def test_route_library_no_prompts(moe_folder):
+    from moe_upcycle.check.route import route
+
+    with pytest.raises(ConfigError, match="prompts: there is no prompt to route"):
+        route(moe_folder, [])
 
 
 # ---------------------------------------------------------------------------------------------

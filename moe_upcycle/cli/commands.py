@@ -210,8 +210,9 @@ def route(
     """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
     import json as _json
 
-    from moe_upcycle.check.route import plot_routing, read_prompts
+    from moe_upcycle.check.route import check_plot_path, plot_routing, read_prompts
     from moe_upcycle.check.route import route as route_prompts
+    from moe_upcycle.gates.capture import resolve_device
 
     from moe_upcycle.errors import ConfigError
 
@@ -219,6 +220,9 @@ def route(
         raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
     if label_by not in (None, "embedding"):
         raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
+    resolve_device(device)  # a wrong or missing device, before any file is read
+    if plot is not None:
+        check_plot_path(plot)  # before the model runs, not after
     if labeled is not None:
         from moe_upcycle.check.route_eval import read_labeled
 
