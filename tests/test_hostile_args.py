@@ -276,6 +276,19 @@ def test_build_bad_option_named_as_option(case_id, text, args, words, stories, t
     assert "prompt lint" not in output  # refused before the (slow) lint of the prompts
 
 
+@pytest.mark.parametrize("args,words", [
+    (["{tmp}/a", "-o", "{tmp}/b"], ["OUT is", "and -o/--output is", "give the output folder once"]),
+    (["{tmp}/a", "--dry-run", "--verify"], ["--dry-run writes nothing", "--verify"]),
+], ids=["out-twice", "dry-run-verify"])
+def test_build_conflicting_options(args, words, stories, tmp_path):
+    """`build CFG A -o B` built into A and ignored B; `--dry-run --verify` ignored --verify."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(RANDOM.format(base=stories))
+    code, output = cli("build", cfg, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert_clean_failure(code, output, tmp_path / "a", words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]
+
+
 def test_unused_device_does_not_stop_a_random_gate_build(stories, tmp_path):
     """device: is for hidden-state gates; a recipe written on a GPU machine builds on a CPU one."""
     cfg = tmp_path / "cfg.yaml"

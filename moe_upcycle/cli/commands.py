@@ -16,7 +16,7 @@ from rich.table import Table
 
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
 from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, app, cli_errors, console, note, out  # noqa: F401
-from moe_upcycle.errors import UpcycleError, UpcycleWarning
+from moe_upcycle.errors import ConfigError, UpcycleError, UpcycleWarning
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.terminal.tables import fit
 
@@ -56,6 +56,10 @@ def build(
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
 
+    if out_dir is not None and output is not None and out_dir != output:
+        raise ConfigError(f"OUT is {out_dir} and -o/--output is {output}; give the output folder once")
+    if dry_run and verify:
+        raise ConfigError("--dry-run writes nothing, so there is nothing for --verify to check; drop one of them")
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     gate_source = "mergekit" if mergekit else None
@@ -213,8 +217,6 @@ def route(
     from moe_upcycle.check.route import check_plot_path, plot_routing, read_prompts
     from moe_upcycle.check.route import route as route_prompts
     from moe_upcycle.gates.capture import resolve_device
-
-    from moe_upcycle.errors import ConfigError
 
     if (prompts is None) == (labeled is None):
         raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
