@@ -471,3 +471,49 @@ def test_calibration_text_refused_before_the_base_loads(command, name, words, st
     cfg.write_text(f"base_model: {stories}\ngate_mode: kmeans\nnum_experts: 2\ncalibration_text: {files / name}\n")
     code, output = cli(command, cfg, *([files / "moe"] if command == "build" else []))
     assert_clean_failure(code, output, files / "moe", words)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scales that overflow: they built checkpoints of Inf routers or experts with exit 0
+
+
+@pytest.mark.parametrize("case_id,extra,words", [
+    ("router-std-overflows-fp32", "router_init_std: 1.0e+39\n", ["router_init_std: Input should be less than or equal to 100"]),
+    ("router-std-huge", "router_init_std: 1000\n", ["router_init_std:", "100"]),
+    ("noise-overflows-fp32", "expert_init: {{method: noise, scale: 1.0e+30}}\n", ["expert_init.scale:", "less than or equal to 10"]),
+    ("noise-overflows-fp16", "dtype: float16\nexpert_init: {{method: noise, scale: 1.0e+6}}\n", ["expert_init.scale:"]),
+    ("absolute-noise", "expert_init: {{method: noise, scale: 50, absolute: true}}\n", ["expert_init.scale:"]),
+    ("gate-scale-huge", "gate_scale: 1.0e+39\n", ["gate_scale: Input should be less than or equal to 100"]),
+], ids=["router-std-overflows-fp32", "router-std-huge", "noise-overflows-fp32", "noise-overflows-fp16",
+        "absolute-noise", "gate-scale-huge"])
+def test_overflowing_scale_refused(case_id, extra, words, stories, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text((RANDOM + extra).format(base=stories))
+    code, output = cli("build", cfg, tmp_path / "moe", "--no-lint")
+    assert_clean_failure(code, output, tmp_path / "moe", words)
+
+
+def test_per_expert_scales_bounded(stories, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: random\nexperts:\n  - source_model: {stories}\n"
+                   f"    noise_scale: 100.0\n    residual_scale: -1.0e+9\n  - source_model: {stories}\n")
+    code, output = cli("build", cfg, tmp_path / "moe", "--no-lint")
+    assert_clean_failure(code, output, tmp_path / "moe", ["experts[0].noise_scale: Input should be less than or equal to 10",
+                                                         "experts[0].residual_scale: Input should be greater than or equal to -100"])
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"router_init_std": 1e39}, ["router_init_std: Input should be less than or equal to 100"]),
+    ({"dtype": "float16", "expert_init": {"method": "noise", "scale": 1e6}}, ["expert_init.scale"]),
+])
+def test_in_memory_overflowing_scale_refused(kwargs, words, dense):
+    with pytest.raises(ConfigError) as info:
+        upcycle_model(dense, num_experts=2, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_largest_allowed_scales_stay_finite(dense):
+    moe = upcycle_model(dense, num_experts=2, dtype="float16", router_init_std=100.0,
+                        expert_init={"method": "noise", "scale": 10.0})
+    assert all(bool(torch.isfinite(p).all()) for p in moe.parameters())

@@ -51,6 +51,10 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 MAX_SHARD_BYTES_LIMIT = 2**40  # 1 TiB: anything larger is certainly a typo
 MIN_SHARD_BYTES = 1000  # a bare "5" meant 5GB, not 5 bytes
+# Bounds on scales: beyond them the weights overflow (router_init_std: 1e39 wrote Inf routers in
+# float32, noise scale 1e6 Inf experts in float16) or every router logit saturates; no recipe needs more.
+MAX_NOISE = 10.0  # noise std, relative to a matrix's std (10x the weights themselves) or absolute
+MAX_SCALE = 100.0  # router_init_std, gate_scale (default 16/sqrt(hidden)), |residual_scale|
 
 
 def parse_size(value: Union[int, str]) -> int:
@@ -109,7 +113,8 @@ class ExpertInit(_Strict):
     """
 
     method: InitMethod = "copy"
-    scale: Optional[float] = Field(default=None, gt=0)  # noise: std relative to the matrix's std
+    # noise: std relative to the matrix's std (or absolute); MAX_NOISE bounds it: larger only overflows
+    scale: Optional[float] = Field(default=None, gt=0, le=MAX_NOISE)
     absolute: bool = False  # noise: `scale` is the absolute std (mergekit's noise_scale)
     ratio: Optional[float] = Field(default=None, gt=0, le=1)  # drop: fraction of neurons re-initialised
     granularity: Optional[int] = Field(default=None, ge=2, le=64)  # split: slices per FFN
@@ -144,8 +149,8 @@ class ExpertConfig(_Strict):
     # mergekit accepts `positive_prompts:` left empty (null) and [""] (the empty prompt: the BOS token alone)
     positive_prompts: list[str] = Field(default_factory=list)
     negative_prompts: list[str] = Field(default_factory=list)
-    noise_scale: Optional[float] = Field(default=None, ge=0)
-    residual_scale: Optional[float] = None
+    noise_scale: Optional[float] = Field(default=None, ge=0, le=MAX_NOISE)
+    residual_scale: Optional[float] = Field(default=None, ge=-MAX_SCALE, le=MAX_SCALE)
     expert_init: Optional[ExpertInit] = None  # overrides the config's expert_init for this expert
     # [start, end): this expert's FFN for output layer l is the source's layer start + l
     layers: Optional[tuple[int, int]] = None
@@ -214,8 +219,8 @@ class UpcycleConfig(_Strict):
     max_shard_size: int = 5 * 10**9
     checksums: bool = True  # sha256 of every output file in moe_upcycle.json (shards hashed while written)
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
-    router_init_std: float = Field(default=0.02, gt=0)
-    gate_scale: Optional[float] = Field(default=None, gt=0)
+    router_init_std: float = Field(default=0.02, gt=0, le=MAX_SCALE)
+    gate_scale: Optional[float] = Field(default=None, gt=0, le=MAX_SCALE)
     expert_init: ExpertInit = Field(default_factory=ExpertInit)
     router_jitter_noise: float = Field(default=0.0, ge=0, lt=1)
     output_router_logits: bool = False
