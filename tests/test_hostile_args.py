@@ -517,3 +517,27 @@ def test_largest_allowed_scales_stay_finite(dense):
     moe = upcycle_model(dense, num_experts=2, dtype="float16", router_init_std=100.0,
                         expert_init={"method": "noise", "scale": 10.0})
     assert all(bool(torch.isfinite(p).all()) for p in moe.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths, names and prompts that look like rich markup are printed as written (a "[/]" in an
+# output path was a MarkupError traceback after a successful build; "[bold]" vanished)
+
+
+def test_markup_in_paths_names_and_prompts_is_printed_literally(stories, tmp_path):
+    cfg = tmp_path / "c[bold]fg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: random\nexperts:\n  - source_model: {stories}\n"
+                   f"    name: '[/]a'\n  - source_model: {stories}\n    name: '[red]b'\n")
+    (tmp_path / "o[").mkdir()
+    target = tmp_path / "o[" / "]x[bold]"  # "o[/]x[bold]" on screen
+    code, output = cli("plan", cfg, "-o", target)
+    flat = " ".join(output.split())
+    assert code == 0 and "Traceback" not in output and "[/]a" in flat and "[red]b" in flat, output
+    code, output = cli("build", cfg, target, "--no-lint")
+    assert code == 0 and f"Built {target}" in " ".join(output.split()), output
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("[/] closing tag\n[bold]x\n")
+    code, output = cli("route", target, "--prompts", prompts)
+    assert code == 0 and "[/] closing tag" in output and "[bold]x" in output and "[/]a" in output, output
+    code, output = cli("verify", target, "--prompts", prompts, "--max-new-tokens", "1")
+    assert code == 0 and "Traceback" not in output and "[/] closing tag" in output, output

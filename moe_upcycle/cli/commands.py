@@ -79,10 +79,10 @@ def build(
     for line in result.notes:
         note(f"[bold cyan]note:[/] {escape(line)}")
     for line in result.sharing:
-        note(line)
+        note(escape(line))
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
-    out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
+    out.print(f"[green]Built[/] {escape(str(result.output))}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
     if result.drift is not None:
         out.print(result.drift.summary(), highlight=False)
@@ -194,7 +194,7 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
     with stage("prompt lint", note="--no-lint skips it"):
         lines = quick_lint(expert_prompts(cfg.expert_list()))
     for line in lines:
-        console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]lint:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -251,16 +251,16 @@ def route(
     names = data["experts"]
     per_prompt = Table(title="per prompt: top-1 share across layers and tokens")
     for col in ("prompt", "tokens", "top expert", *names):
-        per_prompt.add_column(col)
+        per_prompt.add_column(escape(col))
     for p in data["prompts"]:
         text = p["prompt"].replace("\n", " ")
-        per_prompt.add_row(text if len(text) <= 50 else text[:47] + "...", str(p["tokens"]), p["top_expert"],
+        per_prompt.add_row(escape(text if len(text) <= 50 else text[:47] + "..."), str(p["tokens"]), escape(p["top_expert"]),
                            *[f"{p['top1_share'][n]:.2f}" for n in names])
     out.print(fit(per_prompt, out, optional=("tokens",)))
     load = Table(title=f"per layer: top-{data['experts_per_token']} expert load "
                        f"(entropy in bits, balanced = {data['max_entropy_bits']:.2f})")
     for col in ("layer", *names, "entropy"):
-        load.add_column(col)
+        load.add_column(escape(col))
     for row in data["layers"]:
         load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
     out.print(fit(load, out))
@@ -270,7 +270,7 @@ def route(
         for table in routing_tables(score):
             out.print(fit(table, out))
     if plot is not None:
-        out.print(f"saved {plot}", highlight=False)
+        out.print(f"saved {escape(str(plot))}", highlight=False)
 
 
 def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[str]) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from moe_upcycle.cli.app import app, cli_errors, console, out
@@ -71,13 +72,13 @@ def lint(
             out.print(fit(table, out, optional=("negatives", "cosine")))
         problems = report.problems(max_offenders=MAX_BUILD_OFFENDERS)  # the table lists more
         for line in problems:
-            console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+            console.print(f"[yellow]lint:[/] {escape(line)}", highlight=False, soft_wrap=True)
         if not problems:
             out.print(f"[green]Prompt sets look separable[/] ({len(report.experts)} experts, {report.seconds:.1f}s).")
     flagged = report.flagged_pairs()
     if strict and flagged:
         names = "; ".join(f"{p.first} / {p.second} ({p.centroid_cosine:.2f})" for p in flagged)
-        console.print(f"[bold red]lint failed:[/] {len(flagged)} pair(s) above {report.pair_threshold:.2f}: {names}",
+        console.print(f"[bold red]lint failed:[/] {len(flagged)} pair(s) above {report.pair_threshold:.2f}: {escape(names)}",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
@@ -117,7 +118,7 @@ def grow(
     grown_target(config, output, in_place, force)  # a wrong -o fails before the embedder loads
     read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
     candidates = read.prompts
-    out.print(f"Pool: {read.describe(pool)}.", highlight=False)
+    out.print(f"Pool: {escape(read.describe(pool))}.", highlight=False)
     with stage("load embedder", note=embedder or "all-MiniLM-L6-v2"):
         loaded = load_embedder(embedder)
     with stage("embed prompts", note=f"{len(candidates)} candidates"):
@@ -126,13 +127,13 @@ def grow(
                              min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
                                  output=output, in_place=in_place, force=force)
-    table = Table(title=f"prompts added from {pool.name} ({len(candidates)} candidates)")
+    table = Table(title=f"prompts added from {escape(pool.name)} ({len(candidates)} candidates)")
     for col in ("expert", "prompt", "similarity", "margin"):
         table.add_column(col)
     for name, chosen in picks.items():
         for p in chosen:
-            table.add_row(name, p.text, f"{p.similarity:.2f}", f"{p.margin:.2f}")
+            table.add_row(escape(name), escape(p.text), f"{p.similarity:.2f}", f"{p.margin:.2f}")
     out.print(fit(table, out, optional=("margin",)))
     total = sum(len(v) for v in picks.values())
-    out.print(f"[green]Wrote[/] {written}: {total} prompt(s) added "
-              f"({', '.join(f'{k} +{len(v)}' for k, v in picks.items())}).", highlight=False)
+    out.print(f"[green]Wrote[/] {escape(str(written))}: {total} prompt(s) added "
+              f"({escape(', '.join(f'{k} +{len(v)}' for k, v in picks.items()))}).", highlight=False)
