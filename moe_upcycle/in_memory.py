@@ -163,7 +163,8 @@ def check_dense_model(dense_model: Any) -> None:
                 else "")
         raise ConfigError(f"dense_model: expected a loaded transformers model, not {kind}{hint}; pass e.g. "
                           f"AutoModelForCausalLM.from_pretrained(...)")
-    if not any(c.__name__.endswith("ForCausalLM") for c in type(dense_model).__mro__):
+    head = dense_model.get_output_embeddings() if hasattr(dense_model, "get_output_embeddings") else None
+    if head is None:  # LlamaModel, the decoder alone (an unsupported family with a head gets the plan's message)
         raise ConfigError(f"dense_model: a {kind} is not a causal language model (no LM head: "
                           f"a ...Model is the decoder alone); pass the ...ForCausalLM, e.g. "
                           f"AutoModelForCausalLM.from_pretrained(...)")

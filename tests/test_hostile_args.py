@@ -59,6 +59,17 @@ def test_not_a_causal_lm_is_named(case_id, make, words, dense, stories):
     assert_unchanged(dense, before)
 
 
+def test_unsupported_causal_lm_is_named_by_family():
+    """A GPT-2 has an LM head: it is refused for its family, not called "not a causal language model"."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from moe_upcycle.errors import PlanError
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(PlanError, match="model_type 'gpt2' is not supported as input; supported: LlamaForCausalLM"):
+        upcycle_model(gpt2, num_experts=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # upcycle_model: the caller's autograd state
 
