@@ -375,6 +375,10 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
                           f"got {type(data).__name__}")
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     data.update(given)
+    odd = _non_string_keys(data, "")
+    if odd:  # YAML reads `true:`, `null:` and `1:` as a boolean, None and a number; pydantic showed `true` as [1]
+        raise ConfigError(*[f"{where}: {at}key {_yaml_key(k)} is not a name; keys are names such as base_model — "
+                            f"fix it, or quote it if it is meant" for at, k in odd])
     if allow_unknown_keys:
         data = drop_unknown_keys(data, UpcycleConfig)
     try:
@@ -383,6 +387,31 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
         # a value from an option is named as the option: the user would not find it in the file
         raise ConfigError(*[f"option {line}" if re.match(r"[a-z_]*", line)[0] in given else f"{where}: {line}"
                             for line in _format_errors(exc)]) from None
+
+
+def _yaml_key(key: Any) -> str:
+    """A non-string key as the user wrote it, and what YAML made of it."""
+    if isinstance(key, bool):
+        return f"{str(key).lower()} (YAML reads yes/no/on/off/true/false as a boolean)"
+    if key is None:
+        return "null (YAML reads an empty key, ~ or null as nothing)"
+    kind = "number" if isinstance(key, (int, float)) else type(key).__name__
+    return f"{short_repr(key)} (YAML reads it as a {kind})"
+
+
+def _non_string_keys(value: Any, where: str) -> list[tuple[str, Any]]:
+    """(YAML path prefix, key) for every mapping key that is not a string, anywhere in `value`."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                found.append((f"{where}: " if where else "", key))
+            else:
+                found += _non_string_keys(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found += _non_string_keys(item, f"{where}[{i}]")
+    return found
 
 
 def _format_errors(exc: ValidationError) -> list[str]:
