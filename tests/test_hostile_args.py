@@ -7,6 +7,8 @@ Broken checkpoints, output-folder safety and published configs are covered elsew
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -559,3 +561,36 @@ def test_markup_in_paths_names_and_prompts_is_printed_literally(stories, tmp_pat
     assert code == 0 and "[/] closing tag" in output and "[bold]x" in output and "[/]a" in output, output
     code, output = cli("verify", target, "--prompts", prompts, "--max-new-tokens", "1")
     assert code == 0 and "Traceback" not in output and "[/] closing tag" in output, output
+
+
+# ---------------------------------------------------------------------------------------------
+# Endless or huge text inputs are refused after 64 MiB, not read until memory runs out
+
+
+@pytest.mark.parametrize("source", ["sparse-65MiB", "dev-zero"])
+@pytest.mark.parametrize("command,option,words", [
+    ("verify", "--text", ["--text", "more than 64 MiB"]),
+    ("verify", "--prompts", ["--prompts", "more than 64 MiB"]),
+    ("route", "--prompts", ["prompt file", "more than 64 MiB"]),
+])
+def test_endless_text_input_refused(source, command, option, words, moe_folder, tmp_path):
+    if source == "dev-zero":
+        if not Path("/dev/zero").exists():
+            pytest.skip("no /dev/zero")
+        path = Path("/dev/zero")
+    else:
+        path = tmp_path / "huge.txt"
+        with open(path, "wb") as f:
+            f.truncate(65 * 2**20)  # sparse: no disk used
+    code, output = cli(command, moe_folder, option, path)
+    assert_clean_failure(code, output, tmp_path / "no-output", words)
+
+
+def test_huge_pool_refused(stories, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(PROMPTED.format(base=stories))
+    pool = tmp_path / "pool.txt"
+    with open(pool, "wb") as f:
+        f.truncate(65 * 2**20)
+    code, output = cli("prompts", "grow", cfg, "--pool", pool)
+    assert_clean_failure(code, output, tmp_path / "cfg.grown.yaml", ["--pool", "more than 64 MiB"])

@@ -53,6 +53,7 @@ from moe_upcycle.planning.replan import RecordedBuild, recorded_build
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.values import device_problem
+from moe_upcycle.inputs.text import read_capped
 from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.terminal.progress import advance, stage, staged
 
@@ -89,7 +90,7 @@ def read_prompts(path) -> list[str]:
 def _read_text(path, option: str) -> str:
     path = Path(path) if isinstance(path, str) else path  # a Path or a package resource
     try:
-        return path.read_text(encoding="utf-8")
+        return (read_capped(path, option) if isinstance(path, Path) else path.read_bytes()).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SourceError(f"{option}: cannot read {path} ({exc}); give a UTF-8 text file") from None
 

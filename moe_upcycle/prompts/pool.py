@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.text import read_capped
 
 PoolFormat = Literal["auto", "jsonl", "paragraphs", "lines"]
 FORMAT_WORDS = {"jsonl": "JSONL records", "paragraphs": "paragraphs (blank-line separated)",
@@ -67,7 +68,7 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
         raise ConfigError(f"--pool {path}: {what}; give a text file (prompts separated by blank lines, "
                           f"or one per line) or JSONL with \"text\"/\"prompt\"")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_capped(path, "--pool").decode("utf-8")
     except (UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"--pool {path}: cannot read it as UTF-8 text ({exc}); give a UTF-8 text or JSONL "
                           f"file") from None

@@ -22,7 +22,7 @@ import yaml
 
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.yaml_load import load_yaml_text
-from moe_upcycle.inputs.text import check_texts
+from moe_upcycle.inputs.text import check_texts, read_capped
 
 MIN_SET_PROMPTS = 20
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # moe_upcycle/
@@ -100,7 +100,7 @@ def read_prompt_file(path: Path) -> list[str]:
         ConfigError: unreadable file, wrong shape, or no prompts.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_capped(path, "prompt file").decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the prompt file ({exc})") from None
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
