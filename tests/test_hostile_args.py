@@ -320,13 +320,19 @@ def test_unused_device_does_not_stop_a_random_gate_build(stories, tmp_path):
     ("scalar", lambda p: p.write_text("42\n"), ["must be a YAML mapping", "got int"]),
     ("list", lambda p: p.write_text("- base_model: x\n"), ["must be a YAML mapping", "got list"]),
     ("binary", lambda p: p.write_bytes(bytes(range(256))), ["not a readable YAML file"]),
-], ids=["folder", "missing", "empty", "null", "scalar", "list", "binary"])
+    ("device", None, ["/dev/zero: is not a regular file"]),
+], ids=["folder", "missing", "empty", "null", "scalar", "list", "binary", "device"])
 def test_config_path_not_a_recipe(command, case_id, make, words, tmp_path):
     cfg = tmp_path / "cfg.yaml"
-    make(cfg)
+    if make is None:
+        cfg = Path("/dev/zero")
+        if not cfg.exists():
+            pytest.skip("no /dev/zero")
+    else:
+        make(cfg)
     args = [command, cfg] + ([tmp_path / "moe"] if command == "build" else [])
     code, output = cli(*args)
-    assert_clean_failure(code, output, tmp_path / "moe", ["cfg.yaml", *words])
+    assert_clean_failure(code, output, tmp_path / "moe", [cfg.name, *words])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +484,8 @@ def test_prompt_file_named_with_its_field(name, words, stories, files):
     ("binary.txt", ["calibration_text: cannot read", "binary.txt as UTF-8 text"]),
     ("empty.txt", ["calibration_text:", "empty.txt contains no text"]),
     ("nope.txt", ["calibration_text:", "nope.txt does not exist"]),
-], ids=["folder", "binary", "empty", "missing"])
+    ("/dev/zero", ["calibration_text: /dev/zero is not a regular file"]),
+], ids=["folder", "binary", "empty", "missing", "device"])
 @pytest.mark.parametrize("command", ["build", "plan"])
 def test_calibration_text_refused_before_the_base_loads(command, name, words, stories, files, monkeypatch):
     import moe_upcycle.gates.hidden_gates as hidden_gates

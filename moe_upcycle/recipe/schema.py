@@ -358,6 +358,8 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
         if not path.is_file():
             if path.is_dir():
                 raise ConfigError(f"{path}: is a folder, not a config file; give the YAML recipe's path")
+            if path.exists():
+                raise ConfigError(f"{path}: is not a regular file (a device or a pipe); give the YAML recipe's path")
             if path.is_symlink():
                 raise ConfigError(f"{path}: the config is a symbolic link that leads nowhere (a symlink loop or a "
                                   f"broken link); fix it")
