@@ -601,3 +601,28 @@ def test_huge_pool_refused(stories, tmp_path):
         f.truncate(65 * 2**20)
     code, output = cli("prompts", "grow", cfg, "--pool", pool)
     assert_clean_failure(code, output, tmp_path / "cfg.grown.yaml", ["--pool", "more than 64 MiB"])
+
+
+# ---------------------------------------------------------------------------------------------
+# lint and prompts grow take --allow-unknown-keys, which their error told users to pass
+
+
+@pytest.mark.parametrize("command", [["lint"], ["prompts", "grow"]])
+def test_unknown_key_error_names_an_option_the_command_has(command, stories, files):
+    cfg = files / "cfg.yaml"
+    cfg.write_text(PROMPTED.format(base=stories) + "tokenizer_source: base\n")
+    extra = ["--pool", files / "prompts.txt"] if command[0] == "prompts" else []
+    code, output = cli(*command, cfg, *extra)
+    assert_clean_failure(code, output, files / "cfg.grown.yaml", ["tokenizer_source: unknown key",
+                                                                 "pass --allow-unknown-keys"])
+    code, output = cli(*command, "--help")
+    assert "--allow-unknown-keys" in output
+
+
+def test_grow_keeps_a_mergekit_config_with_unknown_keys(stories, files):
+    cfg = files / "cfg.yaml"
+    cfg.write_text(PROMPTED.format(base=stories) + "tokenizer_source: base\n")
+    code, output = cli("prompts", "grow", cfg, "--pool", files / "prompts.txt", "--allow-unknown-keys")
+    assert code == 0, output
+    assert "tokenizer_source: unknown key ignored" in " ".join(output.split())
+    assert "tokenizer_source: base" in (files / "cfg.grown.yaml").read_text()

@@ -41,6 +41,8 @@ def lint(
                                                         help="Prompt cosine from which two prompts are near-duplicates (default 0.90)."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per embedding forward pass."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
+    allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
+                                            "warning, as mergekit-moe does (misspelt keys stay errors)."),
 ) -> None:
     """Check that the experts' prompt sets are distinct enough for their routers to tell apart."""
     from moe_upcycle.recipe.schema import load_config
@@ -49,7 +51,7 @@ def lint(
     from moe_upcycle.prompts.lint import DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, PAIR_THRESHOLD, lint_config
     from moe_upcycle.recipe.resolve import expert_prompts
 
-    cfg = load_config(config)
+    cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
         out.print(f"Nothing to lint: gate_mode {cfg.gate_mode} makes routers without prompts "
                   f"({PROMPTLESS_GATE_MODES[cfg.gate_mode]}).", highlight=False)
@@ -100,6 +102,8 @@ def grow(
     margin: Optional[float] = typer.Option(None, "--margin", help="Least lead over the next most similar expert (default 0.05)."),
     min_similarity: Optional[float] = typer.Option(None, "--min-similarity", help="Least similarity to the expert's prompts (default 0.20)."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+    allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
+                                            "warning, as mergekit-moe does (misspelt keys stay errors)."),
 ) -> None:
     """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
     from moe_upcycle.errors import ConfigError
@@ -112,7 +116,7 @@ def grow(
 
     if pool_format not in ("auto", "paragraphs", "lines", "jsonl"):
         raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use auto, paragraphs, lines or jsonl")
-    cfg = load_config(config)
+    cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     check_limits(per_expert, MIN_SIMILARITY if min_similarity is None else min_similarity,
                  MARGIN if margin is None else margin)
     grown_target(config, output, in_place, force)  # a wrong -o fails before the embedder loads
@@ -126,7 +130,7 @@ def grow(
                              margin=MARGIN if margin is None else margin,
                              min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
-                                 output=output, in_place=in_place, force=force)
+                                 output=output, in_place=in_place, force=force, allow_unknown_keys=allow_unknown_keys)
     table = Table(title=f"prompts added from {escape(pool.name)} ({len(candidates)} candidates)")
     for col in ("expert", "prompt", "similarity", "margin"):
         table.add_column(col)

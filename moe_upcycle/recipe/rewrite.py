@@ -8,12 +8,13 @@ it is written atomically.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence, Union
 
 import yaml
 
-from moe_upcycle.errors import OutputError
+from moe_upcycle.errors import OutputError, UpcycleWarning
 from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.recipe.yaml_write import add_prompts
 
@@ -46,7 +47,7 @@ def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] =
 
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
                        output: Union[str, Path, None] = None, in_place: bool = False,
-                       force: bool = False) -> Path:
+                       force: bool = False, allow_unknown_keys: bool = False) -> Path:
     """Write the config with the picks appended to each expert's `positive_prompts`.
 
     Args:
@@ -55,6 +56,7 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         output: where to write; default ``<name>.grown.yaml`` beside the input.
         in_place: replace the input file (atomically). Without it the input is never written.
         force: replace an existing output file other than the input.
+        allow_unknown_keys: accept keys moe-upcycle does not know (kept in the output as written).
 
     Returns:
         The path written.
@@ -66,11 +68,15 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     target = grown_target(src, output, in_place, force)
     original = src.read_text(encoding="utf-8")
     data = yaml.safe_load(original)
-    config = load_config(dict(data))
+    with warnings.catch_warnings():  # the command already warned about unknown keys, once
+        warnings.simplefilter("ignore", UpcycleWarning)
+        config = load_config(dict(data), allow_unknown_keys=allow_unknown_keys)
     added = {i: list(picks.get(expert.name, []))
              for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
     text = add_prompts(original, added)  # comments and layout kept
-    load_config(dict(yaml.safe_load(text)))  # the result must still be a valid config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UpcycleWarning)
+        load_config(dict(yaml.safe_load(text)), allow_unknown_keys=allow_unknown_keys)  # still a valid config
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half

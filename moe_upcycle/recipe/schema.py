@@ -431,7 +431,7 @@ def _format_errors(exc: ValidationError) -> list[str]:
             home = None if hint else key_elsewhere(loc[-1], UpcycleConfig, loc[:-1])
             suggestion = (f" — did you mean {hint}?" if hint else
                           f" — it belongs {home}; move it there" if home else
-                          f" — remove it, or build with --allow-unknown-keys to ignore it with a warning as "
+                          f" — remove it, or pass --allow-unknown-keys to ignore it with a warning as "
                           f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
