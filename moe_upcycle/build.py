@@ -79,6 +79,8 @@ def check_call(output, on_step, **flags) -> None:
                 for name, value in flags.items() if not isinstance(value, bool)]
     if output is not None and not isinstance(output, (str, os.PathLike)):
         problems.append(f"output: expected a folder path, not {type(output).__name__}")
+    if flags.get("dry_run") is True and flags.get("verify") is True:
+        problems.append("verify: a dry run writes nothing to verify; pass one of dry_run and verify")
     if not callable(on_step):
         problems.append(f"on_step: expected a function (step, plan) -> None, not {type(on_step).__name__}")
     if problems:

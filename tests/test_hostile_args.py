@@ -406,6 +406,7 @@ def test_grow_library_limits(kwargs, words):
     ("dry-run-string", lambda g, p: (g,), {"dry_run": "no"}, ["dry_run: expected True or False, got 'no'"]),
     ("verify-string", lambda g, p: (g,), {"verify": "no"}, ["verify: expected True or False"]),
     ("on-step-not-callable", lambda g, p: (g,), {"on_step": 5}, ["on_step: expected a function"]),
+    ("dry-run-and-verify", lambda g, p: (g,), {"dry_run": True, "verify": True}, ["verify: a dry run writes nothing"]),
     ("tensor-policy", lambda g, p: (g,), {"tensor_policy": "bogus"}, ["option tensor_policy: 'bogus' is not allowed"]),
     ("shard-bool", lambda g, p: (g,), {"max_shard_size": True}, ["option max_shard_size"]),
     ("device-int", lambda g, p: (g,), {"device": 5}, ["option device"]),
