@@ -7,6 +7,7 @@ file is complete (see `output_dir`).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,8 @@ from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
+from moe_upcycle.recipe.calibration import read_documents
+from moe_upcycle.recipe.params import HIDDEN_MODES
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 from moe_upcycle.checkpoint.ownership import input_paths
@@ -65,6 +68,40 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     return resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
 
 
+def check_call(output, on_step, **flags) -> None:
+    """Refuse arguments of `upcycle` whose type would fail deep inside, or mean the opposite
+    (``dry_run="no"`` is truthy: it would be a dry run).
+
+    Raises:
+        ConfigError: every wrong argument, named.
+    """
+    problems = [f"{name}: expected True or False, got {value!r}"
+                for name, value in flags.items() if not isinstance(value, bool)]
+    if output is not None and not isinstance(output, (str, os.PathLike)):
+        problems.append(f"output: expected a folder path, not {type(output).__name__}")
+    if flags.get("dry_run") is True and flags.get("verify") is True:
+        problems.append("verify: a dry run writes nothing to verify; pass one of dry_run and verify")
+    if not callable(on_step):
+        problems.append(f"on_step: expected a function (step, plan) -> None, not {type(on_step).__name__}")
+    if problems:
+        raise ConfigError(*problems)
+
+
+def check_device(config: UpcycleConfig, verify: bool = False) -> None:
+    """Check that the recipe's device exists when the build will run a model on it.
+
+    Hidden-state gate modes and ``verify`` run the base model; other modes never use the device,
+    so a recipe written on a GPU machine still builds on a CPU one.
+
+    Raises:
+        DependencyError: ``cuda`` asked for and no GPU is visible (or too few).
+    """
+    if verify or config.gate_mode in HIDDEN_MODES:
+        from moe_upcycle.gates.capture import resolve_device
+
+        resolve_device(config.device)
+
+
 def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = False,
             allow_unknown_keys: bool = False, **overrides) -> tuple[UpcycleConfig, dict, Plan]:
     """Validate the config, open the sources and plan; nothing is written.
@@ -84,6 +121,8 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
         check_prompts(gate_params(config))
     except ConfigError as exc:
         raise ConfigError(*[f"{where}{p}" for p in exc.problems]) from None
+    if config.gate_mode == "kmeans" and config.calibration_text is not None:
+        read_documents(config.calibration_text)  # a missing or unreadable text fails now, not after loading the base
     if from_config:
         from moe_upcycle.checkpoint.meta_model import meta_sources
 
@@ -148,12 +187,16 @@ def upcycle(
         >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
     """
     start = time.perf_counter()
+    check_call(output=output, on_step=on_step, force=force, dry_run=dry_run, verify=verify, from_config=from_config,
+               allow_unknown_keys=allow_unknown_keys)
     recipe_source = config
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
     config, sources, plan = prepare(config, from_config, allow_unknown_keys, tensor_policy=tensor_policy,
                                     max_shard_size=max_shard_size, device=device, batch_size=batch_size,
                                     checksums=checksums, gate_source=gate_source)
+    if not dry_run:
+        check_device(config, verify)  # before the output folder, the gates and any model load
     sharing = sharing_report(plan, sources, config.tensor_policy)
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)

@@ -81,7 +81,7 @@ def upcycle_model(
     router_jitter_noise: float = 0.0,
     router_aux_loss_coef: Optional[float] = None,
     output_router_logits: bool = False,
-    dtype: Optional[str] = None,
+    dtype: Union[str, torch.dtype, None] = None,
     architecture: Optional[str] = None,
 ) -> torch.nn.Module:
     """Turn a dense model into an MoE model in memory (Mixtral by default), ready for continued training.
@@ -98,7 +98,7 @@ def upcycle_model(
         router_init_std: std of the random router rows.
         router_jitter_noise, router_aux_loss_coef, output_router_logits: MoE training knobs
             written into the model's config.
-        dtype: "float32", "bfloat16" or "float16"; default: the dense model's parameter dtype.
+        dtype: "float32", "bfloat16" or "float16" (or the torch.dtype); default: the dense model's parameter dtype.
         architecture: the output architecture ("mixtral", "qwen2_moe", "qwen3_moe"...); default:
             the one a build picks for the dense family.
 
@@ -107,19 +107,22 @@ def upcycle_model(
         parameter has its own storage, on the dense model's device(s).
 
     Raises:
-        ConfigError: an invalid option (reported with the option's name), or a dense model whose
-            weights are offloaded (on the meta device).
+        ConfigError: an invalid option (reported with the option's name), a `dense_model` that is
+            not a loaded transformers causal LM, or one whose weights are offloaded (on the meta device).
         PlanError: the dense model cannot be upcycled (e.g. an unsupported architecture).
 
     Example:
         >>> moe = upcycle_model(dense, num_experts=8, experts_per_token=2,
         ...                     expert_init={"method": "drop", "ratio": 0.5})  # doctest: +SKIP
     """
-    if gate not in GATE_MODES:
+    check_dense_model(dense_model)
+    if not isinstance(gate, str) or gate not in GATE_MODES:
         raise ConfigError(f"gate: {gate!r} is not available in memory; use one of {', '.join(GATE_MODES)} "
                           f"(prompt-based modes need model files: use moe_upcycle.upcycle)")
     if isinstance(expert_init, ExpertInit):
         expert_init = expert_init.model_dump(exclude_unset=True)
+    if isinstance(dtype, torch.dtype):  # torch.bfloat16 as well as "bfloat16"
+        dtype = str(dtype).removeprefix("torch.")
     config = load_config({
         "base_model": IN_MEMORY_REF, "num_experts": num_experts, "experts_per_token": experts_per_token,
         "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,
@@ -127,17 +130,44 @@ def upcycle_model(
         "output_router_logits": output_router_logits, "dtype": dtype,
         **({"architecture": architecture} if architecture else {}),
     })
-    placement = dense_placement(dense_model)
-    source = state_dict_source(dense_model)
-    sources = {IN_MEMORY_REF: source}
-    plan = make_plan(config, sources)
-    gates = compute_gates(gate_params(config), plan, source, device=placement.main)
-    router = router_fields(config)
-    cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
-    model = empty_moe_model(cfg, plan)
-    fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
-    move_buffers(model, placement)
-    return dispatch_like(model, placement).train()
+    # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
+    # which autograd refuses: the model could never be trained. It is built as ordinary tensors.
+    with torch.inference_mode(False):
+        placement = dense_placement(dense_model)
+        source = state_dict_source(dense_model)
+        sources = {IN_MEMORY_REF: source}
+        plan = make_plan(config, sources)
+        gates = compute_gates(gate_params(config), plan, source, device=placement.main)
+        router = router_fields(config)
+        cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
+        model = empty_moe_model(cfg, plan)
+        fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
+        move_buffers(model, placement)
+        return dispatch_like(model, placement).train()
+
+
+def check_dense_model(dense_model: Any) -> None:
+    """Refuse what is not a loaded transformers causal LM, naming the argument.
+
+    Raises:
+        ConfigError: `dense_model` is not a ``torch.nn.Module`` with a transformers config (a path,
+            None, a bare module), or is the decoder without its LM head (``LlamaModel``).
+    """
+    from transformers import PretrainedConfig
+
+    kind = type(dense_model).__name__
+    if not isinstance(dense_model, torch.nn.Module) or not isinstance(getattr(dense_model, "config", None),
+                                                                       PretrainedConfig):
+        hint = (" (a path: load it first with AutoModelForCausalLM.from_pretrained, or build files with "
+                "moe_upcycle.upcycle)" if isinstance(dense_model, (str, bytes)) or hasattr(dense_model, "__fspath__")
+                else "")
+        raise ConfigError(f"dense_model: expected a loaded transformers model, not {kind}{hint}; pass e.g. "
+                          f"AutoModelForCausalLM.from_pretrained(...)")
+    head = dense_model.get_output_embeddings() if hasattr(dense_model, "get_output_embeddings") else None
+    if head is None:  # LlamaModel, the decoder alone (an unsupported family with a head gets the plan's message)
+        raise ConfigError(f"dense_model: a {kind} is not a causal language model (no LM head: "
+                          f"a ...Model is the decoder alone); pass the ...ForCausalLM, e.g. "
+                          f"AutoModelForCausalLM.from_pretrained(...)")
 
 
 def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:

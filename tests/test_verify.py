@@ -181,7 +181,7 @@ def test_verify_without_recipe_or_base_checks_loading_only(tiny_moe, tmp_path, p
 
 def test_verify_errors_name_the_folder(tmp_path):
     res = _verify_cli(tmp_path / "nowhere")
-    assert res.exit_code == 1 and "is not a model folder (no config.json)" in res.stderr
+    assert res.exit_code == 1 and "nowhere does not exist" in res.stderr
 
 
 @pytest.mark.cuda

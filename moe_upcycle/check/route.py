@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import torch
 
-from moe_upcycle.errors import DependencyError, SourceError
+from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
@@ -91,6 +91,9 @@ class RoutingResult:
         }
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp")  # matplotlib writes these with no extra
+
+
 def read_prompts(path: Union[str, Path]) -> list[str]:
     """Prompts from a YAML/JSON list (or a mapping with ``prompts:``) or a text file, one per line."""
     return read_prompt_file(Path(path))
@@ -135,6 +138,11 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(model_dir)
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        what = "does not exist" if not folder.exists() else "is not a model folder (no config.json)"
+        raise SourceError(f"OUT: {folder} {what}; route a folder written by moe-upcycle build")
+    if not prompts:
+        raise ConfigError("prompts: there is no prompt to route; give at least one")
     dev = resolve_device(device)
     kwargs = {"dtype": torch.float32} if dev == "cpu" else {"dtype": torch.bfloat16, "device_map": "auto"}
     try:
@@ -186,12 +194,27 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k)
 
 
-def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[str] = None) -> Path:
-    """Save a heatmap of prompts × experts (top-1 share) to `path` (PNG/PDF/SVG by suffix).
+def check_plot_path(path: Union[str, Path]) -> Path:
+    """The heatmap's file, checked before any routing: matplotlib present, a known image suffix,
+    a folder that exists, not a folder itself.
 
     Raises:
         DependencyError: matplotlib (the ``plot`` extra) is not installed.
+        ConfigError: the path cannot hold the image.
     """
+    _pyplot()
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"--plot {out}: is a folder; give an image file name such as {out / 'routing.png'}")
+    if out.suffix.lower() not in PLOT_SUFFIXES:
+        raise ConfigError(f"--plot {out}: {out.suffix or 'no suffix'} is not an image format; end the name with "
+                          f"{', '.join(PLOT_SUFFIXES)}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--plot {out}: folder {out.parent} does not exist; create it or choose another path")
+    return out
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -202,6 +225,19 @@ def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[
 
         raise DependencyError(f"--plot needs matplotlib, which is not installed; {install_hint('plot')}, "
                               f"or drop --plot") from None
+    return plt
+
+
+def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[str] = None) -> Path:
+    """Save a heatmap of prompts × experts (top-1 share) to `path` (PNG/PDF/SVG by suffix).
+
+    Raises:
+        DependencyError: matplotlib (the ``plot`` extra) is not installed.
+        ConfigError: see `check_plot_path`.
+        OutputError: the file cannot be written (permissions, disk full).
+    """
+    out = check_plot_path(path)
+    plt = _pyplot()
     share = result.prompt_share().numpy()
     labels = [p if len(p) <= 40 else p[:37] + "..." for p in (q.replace("\n", " ") for q in result.prompts)]
     n_experts = len(result.expert_names)
@@ -217,7 +253,10 @@ def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[
     ax.set_title(title or "top-1 share per prompt (all layers, real tokens)", fontsize=9)
     fig.colorbar(image, ax=ax, label="top-1 share")
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as exc:
+        raise OutputError(f"--plot {out}: cannot write it ({exc})") from None
+    finally:
+        plt.close(fig)
     return out

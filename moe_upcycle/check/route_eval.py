@@ -148,11 +148,12 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     label gets None (to be filled by `label_by_embedding`).
 
     Raises:
-        ConfigError: the file is missing or a line has no prompt (file and line named).
+        ConfigError: the file is missing, a folder or holds no prompt, or a line has no prompt
+            (file and line named).
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--labeled {path}: file not found")
+        raise ConfigError(f"--labeled {path}: {'is a folder, not a file' if path.is_dir() else 'file not found'}")
     prompts: list[str] = []
     labels: list[Optional[str]] = []
     problems = []
@@ -175,6 +176,9 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
             continue
         prompts.append(text.strip())
         labels.append(label.strip() if isinstance(label, str) and label.strip() else None)
+    if not prompts and not problems:
+        problems.append(f"--labeled {path}: holds no prompt; write `expert<TAB>prompt` lines or JSONL with "
+                        f"\"text\" and \"expert\" fields")
     if problems:
         raise ConfigError(*problems)
     return prompts, labels

@@ -48,16 +48,19 @@ from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, outp
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.checkpoint.source import TensorInfo, read_safetensors_header, resolve_model
 from moe_upcycle.checkpoint.writer import INDEX_NAME
-from moe_upcycle.errors import SourceError, UpcycleError
+from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
+from moe_upcycle.recipe.values import device_problem
+from moe_upcycle.inputs.text import read_capped
 from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.terminal.progress import advance, stage, staged
 
 IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
 IDENTITY_MIN_AGREEMENT = 0.95
 EDITABLE_FILES = ("README.md",)  # a publisher may edit the card (e.g. the license); not a failure
+MAX_NEW_TOKENS = 1024  # each token is a forward pass of both models (100,000 took minutes even on stories260K)
 VERIFY_STEPS = 5  # progress: files and plan, load the MoE, run it, load the dense base, run it
 
 
@@ -87,7 +90,7 @@ def read_prompts(path) -> list[str]:
 def _read_text(path, option: str) -> str:
     path = Path(path) if isinstance(path, str) else path  # a Path or a package resource
     try:
-        return path.read_text(encoding="utf-8")
+        return (read_capped(path, option) if isinstance(path, Path) else path.read_bytes()).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SourceError(f"{option}: cannot read {path} ({exc}); give a UTF-8 text file") from None
 
@@ -225,8 +228,12 @@ def verify(
         True
     """
     folder = Path(folder).expanduser().resolve()
+    if not folder.exists():
+        raise SourceError(f"OUT: {folder} does not exist; give the folder a build wrote")
     if not (folder / "config.json").is_file():
         raise SourceError(f"OUT: {folder} is not a model folder (no config.json); give the folder a build wrote")
+    _check_options(device, max_new_tokens, max_kl, min_agreement)
+    base_given = _explicit_base(base)  # before any model is loaded: a wrong --base fails at once
     require_moe(folder)  # a dense folder would "pass" against its own base
     result = VerifyResult(folder=str(folder))
     recipe = read_recipe(folder)
@@ -240,6 +247,9 @@ def verify(
     if recipe is None and check is None:
         result.notes.append(f"no {RECIPE_NAME} (not built by moe-upcycle?): sha256 and plan checks skipped")
     text_str = _read_text(Path(text), "--text") if text is not None else default_text()
+    if text is not None and not text_str.strip():
+        raise SourceError(f"--text: {text} holds no text, so there is no perplexity to measure; give a text file "
+                          f"(or leave --text out for the shipped text)")
     prompt_list = read_prompts(prompts) if prompts is not None else _default_prompts(check)
 
     tensors = check_files(folder, result)
@@ -297,7 +307,7 @@ def verify(
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
     advance("verify", note="loading the dense base")
 
-    base_path = _resolve_base(base, check, result)
+    base_path = base_given or _resolve_base(check, result)
     dense_run = None
     if base_path is not None:
         result.base = str(base if base is not None else check.base_model)
@@ -356,9 +366,38 @@ def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> N
             result.problems.append(f"config.json: {key} is {cfg.get(key)} but the recipe has {want}")
 
 
-def _resolve_base(base, check: Optional[CheckParams], result: VerifyResult) -> Optional[Path]:
-    if base is not None:
-        return resolve_model(str(base), "--base")  # given explicitly: an error if absent
+def _check_options(device: str, max_new_tokens: int, max_kl: Optional[float],
+                   min_agreement: Optional[float]) -> None:
+    """Refuse a device name, continuation length or threshold that could only fail (or run for hours) later."""
+    problems = []
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if max_kl is not None and not (number(max_kl) and max_kl >= 0):  # NaN fails too: no KL is ever above NaN
+        problems.append(f"max_kl: {max_kl!r} is not a threshold; give a number >= 0 (nats per position)")
+    if min_agreement is not None and not (number(min_agreement) and 0 <= min_agreement <= 1):
+        problems.append(f"min_agreement: {min_agreement!r} is not a fraction; give a number from 0 to 1")
+    if device_problem(device):
+        problems.append(f"device: {device_problem(device)}")
+    if not (number(max_new_tokens) and isinstance(max_new_tokens, int) and 1 <= max_new_tokens <= MAX_NEW_TOKENS):
+        problems.append(f"max_new_tokens: {max_new_tokens!r} is not a number of tokens from 1 to {MAX_NEW_TOKENS}; "
+                        f"the continuations are a glance at the text (default 8)")
+    if problems:
+        raise ConfigError(*problems)
+
+
+def _explicit_base(base) -> Optional[Path]:
+    """The folder of an explicitly given --base, which must be a model folder; None when not given."""
+    if base is None:
+        return None
+    path = resolve_model(str(base), "--base")  # given explicitly: an error if absent
+    if not (path / "config.json").is_file():
+        raise SourceError(f"--base: {path} is not a model folder (no config.json); give the dense model's folder")
+    return path
+
+
+def _resolve_base(check: Optional[CheckParams], result: VerifyResult) -> Optional[Path]:
+    """The recipe's base_model, or None (with a note) when there is none to compare with."""
     if check is None:
         result.notes.append("no dense base to compare with (no recipe); pass --base DENSE")
         return None

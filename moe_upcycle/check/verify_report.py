@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moe_upcycle import __version__
@@ -92,19 +93,19 @@ def _cell(text: str) -> str:
 
 def print_verify(result: VerifyResult, out: Console, err: Console) -> None:
     """Print the result table and continuations to `out`, notes and problems to `err`."""
-    table = Table(title=f"moe-upcycle verify {result.folder}", show_header=False)
+    table = Table(title=f"moe-upcycle verify {escape(str(result.folder))}", show_header=False)
     for check, value in result.rows():
         style = "" if check != "result" else ("bold green" if result.ok else "bold red")
-        table.add_row(check, f"[{style}]{value}[/]" if style else value)
+        table.add_row(check, f"[{style}]{escape(str(value))}[/]" if style else escape(str(value)))
     out.print(table)
     if result.continuations:
         cont = Table(title="greedy continuations")
         for col in ("prompt", "dense", "MoE"):
             cont.add_column(col, overflow="fold")
         for c in result.continuations:
-            cont.add_row(c["prompt"], c["dense"] if c["dense"] is not None else "-", c["moe"])
+            cont.add_row(escape(c["prompt"]), escape(c["dense"]) if c["dense"] is not None else "-", escape(c["moe"]))
         out.print(cont)
     for note in result.notes:
-        err.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     for problem in result.problems:
-        err.print(f"[bold red]verify failed:[/] {problem}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]verify failed:[/] {escape(problem)}", highlight=False, soft_wrap=True)

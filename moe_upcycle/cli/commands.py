@@ -16,7 +16,7 @@ from rich.table import Table
 
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
 from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, app, cli_errors, console, note, out  # noqa: F401
-from moe_upcycle.errors import UpcycleError, UpcycleWarning
+from moe_upcycle.errors import ConfigError, UpcycleError, UpcycleWarning
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.terminal.tables import fit
 
@@ -56,11 +56,17 @@ def build(
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
 
-    if not no_lint:
-        _warn_prompt_lint(config, allow_unknown_keys)
+    if out_dir is not None and output is not None and out_dir != output:
+        raise ConfigError(f"OUT is {out_dir} and -o/--output is {output}; give the output folder once")
+    if dry_run and verify:
+        raise ConfigError("--dry-run writes nothing, so there is nothing for --verify to check; drop one of them")
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     gate_source = "mergekit" if mergekit else None
+    if not no_lint:
+        options = {} if dry_run else dict(tensor_policy=policy, max_shard_size=max_shard_size, device=device,
+                                          batch_size=batch_size, checksums=checksums, gate_source=gate_source)
+        _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify)
     if dry_run:
         print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
                            allow_unknown_keys=allow_unknown_keys, gate_source=gate_source))
@@ -73,10 +79,10 @@ def build(
     for line in result.notes:
         note(f"[bold cyan]note:[/] {escape(line)}")
     for line in result.sharing:
-        note(line)
+        note(escape(line))
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
-    out.print(f"[green]Built[/] {result.output}: {len(result.shards)} shard(s), "
+    out.print(f"[green]Built[/] {escape(str(result.output))}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
     if result.drift is not None:
         out.print(result.drift.summary(), highlight=False)
@@ -164,8 +170,13 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), metavar="FOLDER",
         raise typer.Exit(1)
 
 
-def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False) -> None:
-    """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build."""
+def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: Optional[dict] = None,
+                      device_needed: bool = False) -> None:
+    """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build.
+
+    A missing GPU (`build.check_device`) is reported before the lint, not after it.
+    """
+    from moe_upcycle.build import check_device
     from moe_upcycle.prompts.lint import quick_lint
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.schema import load_config
@@ -173,15 +184,17 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False) -> None:
     try:
         with warnings.catch_warnings():  # the build prints the config's warnings, once
             warnings.simplefilter("ignore", UpcycleWarning)
-            cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
+            cfg = load_config(config, overrides=options, allow_unknown_keys=allow_unknown_keys)
     except UpcycleError:
         return  # the build reports it, with every problem
+    if options:  # a real build (not --dry-run)
+        check_device(cfg, device_needed)
     if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from sets included
         return
     with stage("prompt lint", note="--no-lint skips it"):
         lines = quick_lint(expert_prompts(cfg.expert_list()))
     for line in lines:
-        console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]lint:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -201,15 +214,17 @@ def route(
     """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
     import json as _json
 
-    from moe_upcycle.check.route import plot_routing, read_prompts
+    from moe_upcycle.check.route import check_plot_path, plot_routing, read_prompts
     from moe_upcycle.check.route import route as route_prompts
-
-    from moe_upcycle.errors import ConfigError
+    from moe_upcycle.gates.capture import resolve_device
 
     if (prompts is None) == (labeled is None):
         raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
     if label_by not in (None, "embedding"):
         raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
+    resolve_device(device)  # a wrong or missing device, before any file is read
+    if plot is not None:
+        check_plot_path(plot)  # before the model runs, not after
     if labeled is not None:
         from moe_upcycle.check.route_eval import read_labeled
 
@@ -236,16 +251,16 @@ def route(
     names = data["experts"]
     per_prompt = Table(title="per prompt: top-1 share across layers and tokens")
     for col in ("prompt", "tokens", "top expert", *names):
-        per_prompt.add_column(col)
+        per_prompt.add_column(escape(col))
     for p in data["prompts"]:
         text = p["prompt"].replace("\n", " ")
-        per_prompt.add_row(text if len(text) <= 50 else text[:47] + "...", str(p["tokens"]), p["top_expert"],
+        per_prompt.add_row(escape(text if len(text) <= 50 else text[:47] + "..."), str(p["tokens"]), escape(p["top_expert"]),
                            *[f"{p['top1_share'][n]:.2f}" for n in names])
     out.print(fit(per_prompt, out, optional=("tokens",)))
     load = Table(title=f"per layer: top-{data['experts_per_token']} expert load "
                        f"(entropy in bits, balanced = {data['max_entropy_bits']:.2f})")
     for col in ("layer", *names, "entropy"):
-        load.add_column(col)
+        load.add_column(escape(col))
     for row in data["layers"]:
         load.add_row(str(row["layer"]), *[f"{row['load'][n]:.2f}" for n in names], f"{row['entropy_bits']:.2f}")
     out.print(fit(load, out))
@@ -255,7 +270,7 @@ def route(
         for table in routing_tables(score):
             out.print(fit(table, out))
     if plot is not None:
-        out.print(f"saved {plot}", highlight=False)
+        out.print(f"saved {escape(str(plot))}", highlight=False)
 
 
 def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[str]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from moe_upcycle.build import upcycle
 from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
@@ -23,10 +24,10 @@ def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4)
     console = console or Console()
     folder = prepare_demo_folder(Path(folder))  # refuses a folder the demo did not make
     dense = make_dense_model(folder / "dense", family="llama", seed=0)
-    console.print(f"1. generated a tiny dense Llama in {dense}")
+    console.print(f"1. generated a tiny dense Llama in {escape(str(dense))}")
     result = upcycle({"base_model": str(dense), "num_experts": num_experts, "experts_per_token": 2,
                       "gate_mode": "random", "seed": 0}, folder / "moe")
-    console.print(f"2. upcycled it to {num_experts} experts (top-2, random gates) in {result.output} "
+    console.print(f"2. upcycled it to {num_experts} experts (top-2, random gates) in {escape(str(result.output))} "
                   f"({len(result.plan.steps)} tensors, {result.seconds:.2f}s)")
     for line in result.sharing:
         console.print("   " + line, highlight=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from moe_upcycle.cli.app import app, cli_errors, console, out
@@ -40,6 +41,8 @@ def lint(
                                                         help="Prompt cosine from which two prompts are near-duplicates (default 0.90)."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per embedding forward pass."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
+    allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
+                                            "warning, as mergekit-moe does (misspelt keys stay errors)."),
 ) -> None:
     """Check that the experts' prompt sets are distinct enough for their routers to tell apart."""
     from moe_upcycle.recipe.schema import load_config
@@ -48,7 +51,7 @@ def lint(
     from moe_upcycle.prompts.lint import DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, PAIR_THRESHOLD, lint_config
     from moe_upcycle.recipe.resolve import expert_prompts
 
-    cfg = load_config(config)
+    cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
         out.print(f"Nothing to lint: gate_mode {cfg.gate_mode} makes routers without prompts "
                   f"({PROMPTLESS_GATE_MODES[cfg.gate_mode]}).", highlight=False)
@@ -71,13 +74,13 @@ def lint(
             out.print(fit(table, out, optional=("negatives", "cosine")))
         problems = report.problems(max_offenders=MAX_BUILD_OFFENDERS)  # the table lists more
         for line in problems:
-            console.print(f"[yellow]lint:[/] {line}", highlight=False, soft_wrap=True)
+            console.print(f"[yellow]lint:[/] {escape(line)}", highlight=False, soft_wrap=True)
         if not problems:
             out.print(f"[green]Prompt sets look separable[/] ({len(report.experts)} experts, {report.seconds:.1f}s).")
     flagged = report.flagged_pairs()
     if strict and flagged:
         names = "; ".join(f"{p.first} / {p.second} ({p.centroid_cosine:.2f})" for p in flagged)
-        console.print(f"[bold red]lint failed:[/] {len(flagged)} pair(s) above {report.pair_threshold:.2f}: {names}",
+        console.print(f"[bold red]lint failed:[/] {len(flagged)} pair(s) above {report.pair_threshold:.2f}: {escape(names)}",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
@@ -99,22 +102,27 @@ def grow(
     margin: Optional[float] = typer.Option(None, "--margin", help="Least lead over the next most similar expert (default 0.05)."),
     min_similarity: Optional[float] = typer.Option(None, "--min-similarity", help="Least similarity to the expert's prompts (default 0.20)."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+    allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
+                                            "warning, as mergekit-moe does (misspelt keys stay errors)."),
 ) -> None:
     """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
     from moe_upcycle.errors import ConfigError
     from moe_upcycle.prompts.embed import load_embedder
-    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, grow_prompts
+    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, check_limits, grow_prompts
     from moe_upcycle.prompts.pool import read_pool_file
     from moe_upcycle.recipe.resolve import expert_prompts
-    from moe_upcycle.recipe.rewrite import write_grown_config
+    from moe_upcycle.recipe.rewrite import grown_target, write_grown_config
     from moe_upcycle.recipe.schema import load_config
 
     if pool_format not in ("auto", "paragraphs", "lines", "jsonl"):
         raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use auto, paragraphs, lines or jsonl")
-    cfg = load_config(config)
+    cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
+    check_limits(per_expert, MIN_SIMILARITY if min_similarity is None else min_similarity,
+                 MARGIN if margin is None else margin)
+    grown_target(config, output, in_place, force)  # a wrong -o fails before the embedder loads
     read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
     candidates = read.prompts
-    out.print(f"Pool: {read.describe(pool)}.", highlight=False)
+    out.print(f"Pool: {escape(read.describe(pool))}.", highlight=False)
     with stage("load embedder", note=embedder or "all-MiniLM-L6-v2"):
         loaded = load_embedder(embedder)
     with stage("embed prompts", note=f"{len(candidates)} candidates"):
@@ -122,14 +130,14 @@ def grow(
                              margin=MARGIN if margin is None else margin,
                              min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
-                                 output=output, in_place=in_place, force=force)
-    table = Table(title=f"prompts added from {pool.name} ({len(candidates)} candidates)")
+                                 output=output, in_place=in_place, force=force, allow_unknown_keys=allow_unknown_keys)
+    table = Table(title=f"prompts added from {escape(pool.name)} ({len(candidates)} candidates)")
     for col in ("expert", "prompt", "similarity", "margin"):
         table.add_column(col)
     for name, chosen in picks.items():
         for p in chosen:
-            table.add_row(name, p.text, f"{p.similarity:.2f}", f"{p.margin:.2f}")
+            table.add_row(escape(name), escape(p.text), f"{p.similarity:.2f}", f"{p.margin:.2f}")
     out.print(fit(table, out, optional=("margin",)))
     total = sum(len(v) for v in picks.values())
-    out.print(f"[green]Wrote[/] {written}: {total} prompt(s) added "
-              f"({', '.join(f'{k} +{len(v)}' for k, v in picks.items())}).", highlight=False)
+    out.print(f"[green]Wrote[/] {escape(str(written))}: {total} prompt(s) added "
+              f"({escape(', '.join(f'{k} +{len(v)}' for k, v in picks.items()))}).", highlight=False)

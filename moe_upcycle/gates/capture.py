@@ -25,6 +25,7 @@ import torch
 from moe_upcycle.errors import ConfigError, DependencyError, SourceError, UpcycleWarning
 from moe_upcycle.inputs.text import check_texts, check_token_ids
 from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW
+from moe_upcycle.recipe.values import device_problem
 from moe_upcycle.terminal.hints import install_hint
 from moe_upcycle.terminal.progress import stage
 
@@ -81,8 +82,11 @@ def resolve_device(device: str) -> str:
     """``auto`` → ``cuda`` when a GPU is present, else ``cpu``; checks a requested GPU exists.
 
     Raises:
+        ConfigError: not a device name (``gpu``, ``cuda:x``).
         DependencyError: CUDA requested but not available, or GPU index out of range.
     """
+    if device_problem(device):
+        raise ConfigError(f"device: {device_problem(device)}")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):

@@ -8,6 +8,8 @@
   the forward pass; it is refused naming the id, the text and the tokenizer's folder.
 - `read_utf8`: read a text file the user gave, with named errors for non-UTF-8 bytes, folders
   and symlink loops.
+- `read_capped`: the bytes of a prompts or text file, at most `MAX_INPUT_BYTES` (``/dev/zero``
+  or a wrong multi-GB file would otherwise be read until memory runs out).
 
 It raises `UpcycleError`s; it never changes a text or an id.
 """
@@ -21,6 +23,23 @@ from moe_upcycle.errors import ConfigError, SourceError
 
 if TYPE_CHECKING:  # the recipe schema uses this module and must not pull in torch
     import torch
+
+MAX_INPUT_BYTES = 64 * 2**20  # prompts, pools, labels and perplexity text: far more than any needs
+
+
+def read_capped(path: Union[str, Path], what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of `path`, refused past `limit` without reading further.
+
+    Raises:
+        ConfigError: the file holds more than `limit` bytes (named with `what`, the option or field).
+        OSError: left to the caller, which names the file.
+    """
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(f"{what} {path}: more than {limit // 2**20} MiB; prompts and texts are small files — is "
+                          f"this the right file?")
+    return data
 
 
 def unicode_problem(text: str) -> Optional[str]:
@@ -70,7 +89,7 @@ def read_utf8(path: Union[str, Path], what: str) -> str:
     """The text of a file the user named, with a named `ConfigError` for every way it can fail."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_capped(path, what)
     except OSError as exc:
         reason = "a symlink loop" if exc.errno == 40 else (exc.strerror or str(exc))
         raise ConfigError(f"{what} {path}: cannot read it ({reason})") from None

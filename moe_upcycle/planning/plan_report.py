@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moe_upcycle.checkpoint import names
@@ -196,7 +197,7 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     s = summary
     table = Table(title="moe-upcycle plan", show_header=False)
     table.add_row("architecture", s.architecture)
-    table.add_row("experts", f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}")
+    table.add_row("experts", escape(f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}"))
     table.add_row("gate mode", s.gate_mode)
     table.add_row("dtype", s.dtype)
     table.add_row("parameters", f"{readable_count(s.total_params)} total, {readable_count(s.active_params)} "
@@ -218,11 +219,11 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     for col in ("name template", "count", "shape", "kind", "source", "params", "bytes"):
         comp.add_column(col)
     for c in s.components:
-        comp.add_row(c.template, str(c.count), "x".join(map(str, c.shape)), c.kind, c.source, f"{c.params:,}",
+        comp.add_row(escape(c.template), str(c.count), "x".join(map(str, c.shape)), c.kind, escape(c.source), f"{c.params:,}",
                      human_bytes(c.nbytes))
     console.print(fit(comp, console, optional=("source", "params")))
     for line in s.sharing + s.notes:
-        console.print(line, highlight=False)
+        console.print(escape(line), highlight=False)
     if s.runtimes:
         rt = Table(title="runtimes" + (" (fused layout: transformers >= 5 only)" if any(
             "transformers >= 5 only" in v.why for v in s.runtimes) else ""))
@@ -236,4 +237,4 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     else:
         verdict = "[green]fits[/]" if s.fits_on_disk else "[bold red]does NOT fit[/]"
         console.print(f"Disk: needs {human_bytes(s.disk_needed_bytes)}, {human_bytes(s.disk_free_bytes)} free on the "
-                      f"filesystem of {s.output} — {verdict}", highlight=False)
+                      f"filesystem of {escape(str(s.output))} — {verdict}", highlight=False)

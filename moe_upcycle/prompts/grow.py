@@ -55,6 +55,28 @@ def read_pool(path: Union[str, Path], fmt: PoolFormat = "auto") -> list[str]:
     return read_pool_file(path, fmt).prompts
 
 
+def check_limits(per_expert: int, min_similarity: float, margin: float) -> None:
+    """Refuse limits that can pick nothing (or everything): similarities are cosines in [-1, 1].
+
+    Raises:
+        ConfigError: every limit out of range, named as its option.
+    """
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    problems = []
+    if not (number(per_expert) and isinstance(per_expert, int) and per_expert >= 1):
+        problems.append(f"--per-expert: {per_expert!r} is not a count; give a whole number >= 1")
+    if not (number(min_similarity) and -1 <= min_similarity <= 1):
+        problems.append(f"--min-similarity: {min_similarity!r} is not a cosine similarity; give a number from "
+                        f"-1 to 1 (default {MIN_SIMILARITY})")
+    if not (number(margin) and 0 <= margin <= 2):
+        problems.append(f"--margin: {margin!r} is not a lead between two cosine similarities; give a number from "
+                        f"0 to 2 (default {MARGIN})")
+    if problems:
+        raise ConfigError(*problems)
+
+
 def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Optional[Embedder] = None, *,
                  per_expert: int = 10, min_similarity: float = MIN_SIMILARITY, margin: float = MARGIN,
                  duplicate_threshold: float = DUPLICATE_THRESHOLD) -> dict[str, list[Pick]]:
@@ -73,8 +95,9 @@ def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Op
         ``{expert name: picks, best first}`` for every expert with prompts (possibly empty lists).
 
     Raises:
-        ConfigError: no expert has positive prompts.
+        ConfigError: no expert has positive prompts, or a limit is out of its range (NaN included).
     """
+    check_limits(per_expert, min_similarity, margin)
     known = {p for e in experts for p in e.positive + e.negative}
     experts = [e for e in experts if e.positive]
     if not experts:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.text import read_capped
 
 PoolFormat = Literal["auto", "jsonl", "paragraphs", "lines"]
 FORMAT_WORDS = {"jsonl": "JSONL records", "paragraphs": "paragraphs (blank-line separated)",
@@ -51,7 +52,8 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
         fmt: ``auto`` (see `detect_format`), ``jsonl``, ``paragraphs`` or ``lines``.
 
     Raises:
-        ConfigError: the file is missing, or JSONL lines are unusable (every one named, file:line).
+        ConfigError: the file is missing, a folder, not UTF-8 or holds no prompt, or JSONL lines are
+            unusable (every one named, file:line).
 
     Example:
         >>> import tempfile, os
@@ -62,9 +64,14 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--pool {path}: file not found; give a text file (prompts separated by blank lines, "
+        what = "is a folder, not a file" if path.is_dir() else "file not found"
+        raise ConfigError(f"--pool {path}: {what}; give a text file (prompts separated by blank lines, "
                           f"or one per line) or JSONL with \"text\"/\"prompt\"")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_capped(path, "--pool").decode("utf-8")
+    except (UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"--pool {path}: cannot read it as UTF-8 text ({exc}); give a UTF-8 text or JSONL "
+                          f"file") from None
     fmt = detect_format(path, text) if fmt == "auto" else fmt
     if fmt == "jsonl":
         prompts = _jsonl(path, text)
@@ -73,7 +80,11 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
         prompts = ["\n".join(ln.rstrip() for ln in b.strip("\n").splitlines()).strip() for b in blocks]
     else:
         prompts = [ln.strip() for ln in text.splitlines()]
-    return Pool(list(dict.fromkeys(p for p in prompts if p)), fmt)
+    prompts = list(dict.fromkeys(p for p in prompts if p))
+    if not prompts:
+        raise ConfigError(f"--pool {path}: holds no prompt (the file is empty or blank); give candidate prompts, "
+                          f"separated by blank lines or one per line")
+    return Pool(prompts, fmt)
 
 
 def _jsonl(path: Path, text: str) -> list[str]:

@@ -42,6 +42,8 @@ def read_documents(path: str | Path) -> list[str]:
             raise ConfigError(f"calibration_text: folder {root} has no .txt, .md or .jsonl files")
     elif root.is_file():
         files = [root]
+    elif root.exists():  # a device or a pipe: /dev/zero would never end
+        raise ConfigError(f"calibration_text: {root} is not a regular file; give a .txt/.jsonl file or a folder")
     else:
         raise ConfigError(f"calibration_text: {root} does not exist; give a .txt/.jsonl file or a folder")
     docs: list[str] = []

@@ -22,7 +22,7 @@ import yaml
 
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.yaml_load import load_yaml_text
-from moe_upcycle.inputs.text import check_texts
+from moe_upcycle.inputs.text import check_texts, read_capped
 
 MIN_SET_PROMPTS = 20
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # moe_upcycle/
@@ -86,6 +86,9 @@ def resolve_reference(ref: str) -> Path:
         return path
     if path.is_symlink():
         raise ValueError(f"{ref!r} is a symbolic link that leads nowhere (a symlink loop or a broken link); fix it")
+    if path.is_dir():
+        raise ValueError(f"{ref!r} is a folder; give the path of a YAML/JSON/text prompt file in it, or name a "
+                         f"prompt set ({', '.join(set_names()) or 'none found'})")
     raise ValueError(f"{ref!r} is neither a prompt set ({', '.join(set_names()) or 'none found'}) nor an "
                      f"existing file; name a set or give the path of a YAML/JSON/text prompt file")
 
@@ -97,7 +100,7 @@ def read_prompt_file(path: Path) -> list[str]:
         ConfigError: unreadable file, wrong shape, or no prompts.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_capped(path, "prompt file").decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the prompt file ({exc})") from None
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
@@ -137,4 +140,7 @@ def load_prompts(ref: str, where: str) -> list[str]:
         path = resolve_reference(ref)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return list(_cached(str(path.resolve()), path.stat().st_mtime))
+    try:
+        return list(_cached(str(path.resolve()), path.stat().st_mtime))
+    except ConfigError as exc:  # the file's own problems, with the YAML field that named it
+        raise ConfigError(*[f"{where}: {problem}" for problem in exc.problems]) from None

@@ -8,19 +8,46 @@ it is written atomically.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence, Union
 
 import yaml
 
-from moe_upcycle.errors import OutputError
+from moe_upcycle.errors import OutputError, UpcycleWarning
 from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.recipe.yaml_write import add_prompts
 
 
+def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] = None, in_place: bool = False,
+                 force: bool = False) -> Path:
+    """The file `write_grown_config` writes, checked before any work is done.
+
+    Raises:
+        OutputError: the output is the input without `in_place`, a folder, in a missing folder, or
+            exists without `force`.
+    """
+    src = Path(config_path)
+    if in_place:
+        if output is not None and Path(output).resolve() != src.resolve():
+            raise OutputError(f"-o {output}: --in-place writes {src}; give one of -o and --in-place")
+        return src
+    target = Path(output) if output is not None else src.with_name(f"{src.stem}.grown.yaml")
+    if target.resolve() == src.resolve():
+        raise OutputError(f"-o {target}: that is the input config; it is never overwritten unless you pass "
+                          f"--in-place (or choose another -o)")
+    if target.is_dir():  # never replaced, --force or not: it is not a file this command wrote
+        raise OutputError(f"-o {target}: is a folder; give the path of the YAML file to write")
+    if not target.parent.is_dir():
+        raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
+    if target.exists() and not force:
+        raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
+    return target
+
+
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
                        output: Union[str, Path, None] = None, in_place: bool = False,
-                       force: bool = False) -> Path:
+                       force: bool = False, allow_unknown_keys: bool = False) -> Path:
     """Write the config with the picks appended to each expert's `positive_prompts`.
 
     Args:
@@ -29,34 +56,27 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         output: where to write; default ``<name>.grown.yaml`` beside the input.
         in_place: replace the input file (atomically). Without it the input is never written.
         force: replace an existing output file other than the input.
+        allow_unknown_keys: accept keys moe-upcycle does not know (kept in the output as written).
 
     Returns:
         The path written.
 
     Raises:
-        OutputError: the output is the input without `in_place`, or exists without `force`.
+        OutputError: see `grown_target`.
     """
     src = Path(config_path)
-    if in_place:
-        if output is not None and Path(output).resolve() != src.resolve():
-            raise OutputError(f"-o {output}: --in-place writes {src}; give one of -o and --in-place")
-        target = src
-    else:
-        target = Path(output) if output is not None else src.with_name(f"{src.stem}.grown.yaml")
-        if target.resolve() == src.resolve():
-            raise OutputError(f"-o {target}: that is the input config; it is never overwritten unless you pass "
-                              f"--in-place (or choose another -o)")
-        if not target.parent.is_dir():
-            raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
-        if target.exists() and not force:
-            raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
+    target = grown_target(src, output, in_place, force)
     original = src.read_text(encoding="utf-8")
     data = yaml.safe_load(original)
-    config = load_config(dict(data))
+    with warnings.catch_warnings():  # the command already warned about unknown keys, once
+        warnings.simplefilter("ignore", UpcycleWarning)
+        config = load_config(dict(data), allow_unknown_keys=allow_unknown_keys)
     added = {i: list(picks.get(expert.name, []))
              for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
     text = add_prompts(original, added)  # comments and layout kept
-    load_config(dict(yaml.safe_load(text)))  # the result must still be a valid config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UpcycleWarning)
+        load_config(dict(yaml.safe_load(text)), allow_unknown_keys=allow_unknown_keys)  # still a valid config
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half

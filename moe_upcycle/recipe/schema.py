@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -25,9 +27,9 @@ from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, model_in
+from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, key_elsewhere, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
-from moe_upcycle.recipe.values import strict_bools_and_numbers, short_repr
+from moe_upcycle.recipe.values import device_problem, strict_bools_and_numbers, short_repr
 from moe_upcycle.inputs.text import unicode_problem
 
 GateMode = Literal[
@@ -52,6 +54,10 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 MAX_SHARD_BYTES_LIMIT = 2**40  # 1 TiB: anything larger is certainly a typo
 MIN_SHARD_BYTES = 1000  # a bare "5" meant 5GB, not 5 bytes
+# Bounds on scales: beyond them the weights overflow (router_init_std: 1e39 wrote Inf routers in
+# float32, noise scale 1e6 Inf experts in float16) or every router logit saturates; no recipe needs more.
+MAX_NOISE = 10.0  # noise std, relative to a matrix's std (10x the weights themselves) or absolute
+MAX_SCALE = 100.0  # router_init_std, gate_scale (default 16/sqrt(hidden)), |residual_scale|
 
 
 def parse_size(value: Union[int, str]) -> int:
@@ -110,7 +116,8 @@ class ExpertInit(_Strict):
     """
 
     method: InitMethod = "copy"
-    scale: Optional[float] = Field(default=None, gt=0)  # noise: std relative to the matrix's std
+    # noise: std relative to the matrix's std (or absolute); MAX_NOISE bounds it: larger only overflows
+    scale: Optional[float] = Field(default=None, gt=0, le=MAX_NOISE)
     absolute: bool = False  # noise: `scale` is the absolute std (mergekit's noise_scale)
     ratio: Optional[float] = Field(default=None, gt=0, le=1)  # drop: fraction of neurons re-initialised
     granularity: Optional[int] = Field(default=None, ge=2, le=64)  # split: slices per FFN
@@ -145,8 +152,8 @@ class ExpertConfig(_Strict):
     # mergekit accepts `positive_prompts:` left empty (null) and [""] (the empty prompt: the BOS token alone)
     positive_prompts: list[str] = Field(default_factory=list)
     negative_prompts: list[str] = Field(default_factory=list)
-    noise_scale: Optional[float] = Field(default=None, ge=0)
-    residual_scale: Optional[float] = None
+    noise_scale: Optional[float] = Field(default=None, ge=0, le=MAX_NOISE)
+    residual_scale: Optional[float] = Field(default=None, ge=-MAX_SCALE, le=MAX_SCALE)
     expert_init: Optional[ExpertInit] = None  # overrides the config's expert_init for this expert
     # [start, end): this expert's FFN for output layer l is the source's layer start + l
     layers: Optional[tuple[int, int]] = None
@@ -242,8 +249,8 @@ class UpcycleConfig(_Strict):
     max_shard_size: int = 5 * 10**9
     checksums: bool = True  # sha256 of every output file in moe_upcycle.json (shards hashed while written)
     router_aux_loss_coef: Optional[float] = Field(default=None, ge=0)
-    router_init_std: float = Field(default=0.02, gt=0)
-    gate_scale: Optional[float] = Field(default=None, gt=0)
+    router_init_std: float = Field(default=0.02, gt=0, le=MAX_SCALE)
+    gate_scale: Optional[float] = Field(default=None, gt=0, le=MAX_SCALE)
     expert_init: ExpertInit = Field(default_factory=ExpertInit)
     router_jitter_noise: float = Field(default=0.0, ge=0, lt=1)
     output_router_logits: bool = False
@@ -269,8 +276,8 @@ class UpcycleConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
-            raise ValueError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
+        if device_problem(value):
+            raise ValueError(device_problem(value))
         return value
 
     @field_validator("dtype", "gate_dtype", mode="before")
@@ -384,13 +391,14 @@ class UpcycleConfig(_Strict):
 # Loading and error formatting
 
 
-def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = None,
+def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] = None,
                 allow_unknown_keys: bool = False) -> UpcycleConfig:
     """Read and validate a config from a YAML file path or a dict.
 
     Args:
         source: path to a YAML file, or the already-parsed mapping.
-        overrides: keys that replace the file's (CLI options); ``None`` values are ignored.
+        overrides: keys that replace the file's (CLI options); ``None`` values are ignored. A
+            problem with one is reported as ``option KEY: ...``, not under the file's name.
         allow_unknown_keys: ignore genuinely unknown keys with a warning instead of refusing
             them (misspelt keys are errors either way; see `unknown_keys`).
 
@@ -401,12 +409,22 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
         ConfigError: with every problem, each prefixed by its YAML path.
     """
     where = "config"
-    if isinstance(source, dict):
+    if isinstance(source, Mapping):
         data = dict(source)
+    elif not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"config: expected the path of a YAML recipe, a mapping of its keys or an UpcycleConfig, "
+                          f"not {type(source).__name__}")
+    elif isinstance(source, str) and "\n" in source:
+        raise ConfigError("config: got YAML text, not a file path; write it to a file, or pass "
+                          "yaml.safe_load(text) (a mapping)")
     else:
         path = Path(source)
         where = str(path)
         if not path.is_file():
+            if path.is_dir():
+                raise ConfigError(f"{path}: is a folder, not a config file; give the YAML recipe's path")
+            if path.exists():
+                raise ConfigError(f"{path}: is not a regular file (a device or a pipe); give the YAML recipe's path")
             if path.is_symlink():
                 raise ConfigError(f"{path}: the config is a symbolic link that leads nowhere (a symlink loop or a "
                                   f"broken link); fix it")
@@ -422,15 +440,45 @@ def load_config(source: Union[str, Path, dict], *, overrides: Optional[dict] = N
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...), "
                           f"got {type(data).__name__}")
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            data[key] = value
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    data.update(given)
+    odd = _non_string_keys(data, "")
+    if odd:  # YAML reads `true:`, `null:` and `1:` as a boolean, None and a number; pydantic showed `true` as [1]
+        raise ConfigError(*[f"{where}: {at}key {_yaml_key(k)} is not a name; keys are names such as base_model — "
+                            f"fix it, or quote it if it is meant" for at, k in odd])
     if allow_unknown_keys:
         data = drop_unknown_keys(data, UpcycleConfig)
     try:
         return UpcycleConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(*[f"{where}: {line}" for line in _format_errors(exc)]) from None
+        # a value from an option is named as the option: the user would not find it in the file
+        raise ConfigError(*[f"option {line}" if re.match(r"[a-z_]*", line)[0] in given else f"{where}: {line}"
+                            for line in _format_errors(exc)]) from None
+
+
+def _yaml_key(key: Any) -> str:
+    """A non-string key as the user wrote it, and what YAML made of it."""
+    if isinstance(key, bool):
+        return f"{str(key).lower()} (YAML reads yes/no/on/off/true/false as a boolean)"
+    if key is None:
+        return "null (YAML reads an empty key, ~ or null as nothing)"
+    kind = "number" if isinstance(key, (int, float)) else type(key).__name__
+    return f"{short_repr(key)} (YAML reads it as a {kind})"
+
+
+def _non_string_keys(value: Any, where: str) -> list[tuple[str, Any]]:
+    """(YAML path prefix, key) for every mapping key that is not a string, anywhere in `value`."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                found.append((f"{where}: " if where else "", key))
+            else:
+                found += _non_string_keys(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found += _non_string_keys(item, f"{where}[{i}]")
+    return found
 
 
 def _format_errors(exc: ValidationError) -> list[str]:
@@ -446,10 +494,12 @@ def _format_errors(exc: ValidationError) -> list[str]:
             valid = _fields_at(loc[:-1])
             hint = intended_key(loc[-1], valid)
             merge_key = MERGE_CONFIG_KEYS.get(str(loc[-1])) if len(loc) == 1 else None
+            home = None if hint or merge_key else key_elsewhere(loc[-1], UpcycleConfig, loc[:-1])
             suggestion = (f" — did you mean {hint}?" if hint else
-                          f" — {merge_key}; remove it, or build with --allow-unknown-keys to ignore it with a warning"
+                          f" — {merge_key}; remove it, or pass --allow-unknown-keys to ignore it with a warning"
                           if merge_key else
-                          f" — remove it, or build with --allow-unknown-keys to ignore it with a warning as "
+                          f" — it belongs {home}; move it there" if home else
+                          f" — remove it, or pass --allow-unknown-keys to ignore it with a warning as "
                           f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")

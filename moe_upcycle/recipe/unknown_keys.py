@@ -66,24 +66,50 @@ def intended_key(key: Any, valid: list[str]) -> Optional[str]:
     return best if best is not None and edit_distance(text, best) <= limit else None
 
 
+def key_elsewhere(key: Any, root: type[BaseModel], where: list) -> Optional[str]:
+    """Where in the recipe `key` belongs when it is a valid key of another section, else None.
+
+    Example: ``positive_prompts`` at the top level belongs in ``experts[i]``; ``ratio`` beside
+    ``num_experts`` belongs in ``expert_init``. `where` is the YAML path the key was found at.
+    """
+    if not isinstance(key, str):
+        return None
+    here = [p for p in where if not isinstance(p, int)]
+    sections: list[tuple[str, list, type[BaseModel]]] = [("", [], root)]
+    for path, names, model in sections:  # breadth first
+        for name, field in model.model_fields.items():
+            inner = model_in(field.annotation)
+            if inner is not None and len(names) < 2:
+                shown = f"{name}[i]" if typing.get_origin(field.annotation) is list else name
+                sections.append((f"{path}.{shown}" if path else shown, names + [name], inner))
+    homes = [(path, names) for path, names, model in sections if key in model.model_fields and names != here]
+    # a section inside the one the key was found in wins (experts[i].ratio -> experts[i].expert_init), then the shallowest
+    homes.sort(key=lambda home: (home[1][:len(here)] != here, len(home[1])))
+    if not homes:
+        return None
+    return f"in {homes[0][0]}" if homes[0][0] else "at the top level"
+
+
 def drop_unknown_keys(data: dict, model: type[BaseModel]) -> dict:
     """A copy of `data` without its genuinely unknown keys, each reported as an `UpcycleWarning`.
 
     Misspelt keys are kept, so that validation reports them with "did you mean".
     """
-    dropped: list[str] = []
-    cleaned = _walk(data, model, "", dropped)
-    for path in dropped:
-        warnings.warn(f"{path}: unknown key ignored (mergekit-moe ignores it too); remove it to silence this warning",
-                      UpcycleWarning, stacklevel=3)
+    dropped: list[tuple[str, Optional[str]]] = []
+    cleaned = _walk(data, model, "", dropped, model, [])
+    for path, home in dropped:
+        moved = f"; if it was meant for moe-upcycle, it belongs {home}" if home else ""
+        warnings.warn(f"{path}: unknown key ignored (mergekit-moe ignores it too){moved}; remove it to silence this "
+                      f"warning", UpcycleWarning, stacklevel=3)
     return cleaned
 
 
-def _walk(value: Any, model: Optional[type[BaseModel]], where: str, dropped: list[str]) -> Any:
+def _walk(value: Any, model: Optional[type[BaseModel]], where: str, dropped: list, root: type[BaseModel],
+          loc: list) -> Any:
     if model is None:
         return value
     if isinstance(value, list):
-        return [_walk(v, model, f"{where}[{i}]", dropped) for i, v in enumerate(value)]
+        return [_walk(v, model, f"{where}[{i}]", dropped, root, loc + [i]) for i, v in enumerate(value)]
     if not isinstance(value, dict):
         return value
     valid = list(model.model_fields)
@@ -92,9 +118,9 @@ def _walk(value: Any, model: Optional[type[BaseModel]], where: str, dropped: lis
         path = f"{where}.{key}" if where else str(key)
         field = model.model_fields.get(key) if isinstance(key, str) else None
         if field is None and intended_key(key, valid) is None:
-            dropped.append(path)
+            dropped.append((path, key_elsewhere(key, root, loc)))
             continue
-        out[key] = _walk(item, model_in(field.annotation) if field else None, path, dropped)
+        out[key] = _walk(item, model_in(field.annotation) if field else None, path, dropped, root, loc + [key])
     return out
 
 

@@ -4,6 +4,8 @@
   pydantic would accept them as the numbers 1 and 0 (``experts_per_token: yes`` became 1); a
   boolean given where the schema wants a number (or a list/tuple of numbers) is an error, and so
   is anything but true/false where it wants a boolean (pydantic would read ``1`` or ``"off"``).
+- `device_problem`: a device name is auto, cpu, cuda or cuda:N (torch would read "gpu" or
+  "cuda:x" only when the model is loaded, with a message that names no option).
 - `short_repr`: quote a user's value in a message without printing megabytes of it.
 
 It does not know the recipe's fields; `config` applies these to every field.
@@ -11,8 +13,9 @@ It does not know the recipe's fields; `config` applies these to every field.
 
 from __future__ import annotations
 
+import re
 import typing
-from typing import Any
+from typing import Any, Optional
 
 MAX_SHOWN_CHARS = 120
 
@@ -53,6 +56,18 @@ def strict_bools_and_numbers(value: Any, annotation: Any) -> Any:
             raise ValueError(f"{str(item).lower()} is a boolean, not a number; write a number (YAML reads "
                              f"yes/no/on/off as true/false)")
     return value
+
+
+def device_problem(value: Any) -> Optional[str]:
+    """What is wrong with a device name, or None for auto, cpu, cuda and cuda:N.
+
+    Example:
+        >>> device_problem("gpu")
+        "'gpu' is not a device; use auto, cpu, cuda or cuda:N"
+    """
+    if isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+        return None
+    return f"{short_repr(value)} is not a device; use auto, cpu, cuda or cuda:N"
 
 
 def short_repr(value: Any, limit: int = MAX_SHOWN_CHARS) -> str:
