@@ -350,7 +350,7 @@ def test_mergekit_yaml_keys_say_what_happens_instead(key, value, words):
             "experts": [{"source_model": "org/a"}, {"source_model": "org/b"}]}
     with pytest.raises(UpcycleError) as info:
         load_config(data)
-    assert f"{key}: unknown key — {words}; remove it, or build with --allow-unknown-keys" in str(info.value)
+    assert f"{key}: unknown key — {words}; remove it, or pass --allow-unknown-keys" in str(info.value)
     with pytest.warns(UserWarning, match=f"{key}: unknown key ignored"):
         assert load_config(data, allow_unknown_keys=True).base_model == "org/base"
 

@@ -48,6 +48,9 @@ def load_recipe_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: the recipe is {size} bytes; a recipe is a small YAML file (at most "
                           f"{MAX_FILE_BYTES} bytes) — is this the right file?")
     data = path.read_bytes()
+    if b"\x00" in data and not data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"{path}: not a readable YAML file: a binary file (it holds NUL bytes), not a recipe; "
+                          f"give the experts.yaml file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
