@@ -179,10 +179,10 @@ def test_build_force_replaces_previous_build(tiny_llama, tmp_path):
     cfg = _recipe(tmp_path, tiny_llama)
     out = tmp_path / "out"
     assert cli("build", cfg, out)[0] == 0
-    (out / "extra.txt").write_text("stale")
+    (out / "README.md").unlink()  # removing one of the build's own files does not make the folder a user's
     code, output = cli("build", cfg, out, "--force")
     assert code == 0, output
-    assert not (out / "extra.txt").exists() and json.loads((out / "moe_upcycle.json").read_text())["tool"] == "moe-upcycle"
+    assert (out / "README.md").is_file() and json.loads((out / "moe_upcycle.json").read_text())["tool"] == "moe-upcycle"
     assert leftovers(out) == ["out"]
 
 
