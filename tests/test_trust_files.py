@@ -4,10 +4,13 @@ file or entry, and that every file a user owns survives byte for byte."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from failure_checks import cli, leftovers
 
@@ -110,3 +113,99 @@ def test_force_replaces_previous_build_copied_elsewhere(previous, tiny_llama, tm
     code, output = cli("build", _recipe(tmp_path, tiny_llama), out, "--force")
     assert code == 0, output
     assert leftovers(out) == ["out"]
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors headers that Python's json reads but the safetensors library (so transformers) refuses.
+
+_A = '"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}'
+_B = '"b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}'
+_M = '"__metadata__": {"format": "pt"}'
+_PLAIN = "{" + f"{_M}, {_A}, {_B}" + "}"
+
+# (id, header bytes, words our message must contain; None: safetensors reads it, and so must we)
+HEADERS = [
+    ("utf8-bom", b"\xef\xbb\xbf" + _PLAIN.encode(), ["not valid JSON", "BOM"]),
+    ("utf16", _PLAIN.encode("utf-16-le"), ["not valid JSON"]),
+    ("utf32-bom", _PLAIN.encode("utf-32"), ["not valid JSON"]),
+    ("latin1-name", ("{" + f'{_M}, "\xe9": ' + _A[5:] + f", {_B}" + "}").encode("latin-1"), ["not valid JSON"]),
+    ("lone-surrogate-name", ("{" + f'{_M}, "\\ud800": ' + _A[5:] + f", {_B}" + "}").encode(), ["not valid JSON"]),
+    ("nan-in-metadata", ("{" + f'"__metadata__": {{"format": "pt", "x": NaN}}, {_A}, {_B}' + "}").encode(),
+     ["not valid JSON", "NaN"]),
+    ("infinity-offset", ("{" + f'{_M}, "a": {{"dtype": "F32", "shape": [2], "data_offsets": [0, Infinity]}}, {_B}'
+                         + "}").encode(), ["not valid JSON", "Infinity"]),
+    ("duplicate-metadata", ("{" + f"{_M}, {_M}, {_A}, {_B}" + "}").encode(), ["'__metadata__' appears 2 times"]),
+    ("duplicate-field", ("{" + f'{_M}, "a": {{"dtype": "F16", "dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, '
+                         f"{_B}" + "}").encode(), ["'dtype' appears 2 times"]),
+    ("null-metadata", ("{" + f'"__metadata__": null, {_A}, {_B}' + "}").encode(), None),
+    ("leading-whitespace", (" \n" + _PLAIN + "  ").encode(), None),
+]
+
+
+@pytest.mark.parametrize("case_id,raw,words", HEADERS, ids=[c[0] for c in HEADERS])
+def test_header_read_as_strictly_as_safetensors(case_id, raw, words, tmp_path):
+    from safetensors import safe_open
+
+    from moe_upcycle.checkpoint.source import read_safetensors_header
+    from moe_upcycle.errors import SourceError
+
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(12))
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            theirs = sorted(f.keys())
+    except Exception:  # noqa: BLE001 - safetensors' own error type
+        theirs = None
+    if words is None:
+        assert theirs == ["a", "b"] and sorted(read_safetensors_header(file)) == theirs
+        return
+    assert theirs is None, "safetensors reads this header: the case is wrong"
+    with pytest.raises(SourceError) as err:
+        read_safetensors_header(file)
+    assert str(file) in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_duplicate_tensor_name_refused_through_cli(tiny_llama, tmp_path):
+    """Two entries for one tensor: the build stops naming the file and the tensor, and writes nothing."""
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    file = model / "model.safetensors"
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8:8 + n].decode().rstrip()
+    entry = json.dumps(json.loads(text)["model.norm.weight"])
+    new = (text[:-1] + f', "model.norm.weight": {entry}' + "}").encode()
+    new += b" " * (-len(new) % 8)
+    file.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe",
+                         [f"{file}: safetensors header is not valid JSON", "'model.norm.weight' appears 2 times",
+                          "re-download"])
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["memory-mapped", "unaligned"])
+@pytest.mark.parametrize("change", ["truncated", "garbage", "removed"])
+def test_source_changed_after_its_header_was_read(aligned, change, tmp_path):
+    """A shard rewritten between the header check and the read (a re-download) is a SourceError naming it."""
+    from safetensors.torch import save_file
+
+    from moe_upcycle.checkpoint.source import Checkpoint, read_safetensors_header
+    from moe_upcycle.errors import SourceError
+
+    file = tmp_path / "model.safetensors"
+    if aligned:
+        save_file({"w": torch.ones(64, 64)}, str(file))
+    else:  # a 1-byte-padded header puts the data at an odd offset, so the reader goes through safe_open
+        header = json.dumps({"w": {"dtype": "F32", "shape": [64, 64], "data_offsets": [0, 4 * 64 * 64]}}).encode()
+        header += b" " * ((5 - len(header)) % 8)
+        file.write_bytes(struct.pack("<Q", len(header)) + header + torch.ones(64, 64).numpy().tobytes())
+    ckpt = Checkpoint("m", tmp_path, {}, read_safetensors_header(file))
+    assert (ckpt.tensors["w"].offset % 4 == 0) == aligned
+    if change == "removed":
+        file.unlink()
+    else:
+        file.write_bytes(file.read_bytes()[:100] if change == "truncated" else b"\xff" * 50)
+    with pytest.raises(SourceError, match=f"{file}: cannot read tensor 'w'"):
+        ckpt.read("w")

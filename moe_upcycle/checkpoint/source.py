@@ -104,17 +104,19 @@ class Checkpoint:
             return torch.empty(info.shape, dtype=info.dtype, device="meta")
         if info.file.endswith(".safetensors") and info.offset >= 0 and info.offset % info.dtype.itemsize == 0:
             return self._mapped(info)
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._open(info.file)
-            if info.file.endswith(".safetensors"):
-                # keep one shard open at a time: reads are ordered by shard
-                for name in [n for n in self._handles if isinstance(n, str) and n.endswith(".safetensors")]:
-                    del self._handles[name]
-            self._handles[info.file] = handle
         try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._open(info.file)
+                if info.file.endswith(".safetensors"):
+                    # keep one shard open at a time: reads are ordered by shard
+                    for name in [n for n in self._handles if isinstance(n, str) and n.endswith(".safetensors")]:
+                        del self._handles[name]
+                self._handles[info.file] = handle
             return handle.get_tensor(key) if info.file.endswith(".safetensors") else handle[key]
-        except Exception as exc:  # a damaged file: name it
+        except SourceError:
+            raise
+        except Exception as exc:  # a damaged file (or one changed since its header was read): name it
             raise SourceError(f"{self.path / info.file}: cannot read tensor {key!r} ({exc}); "
                               f"the file is damaged or truncated — re-download it") from None
 
@@ -124,11 +126,19 @@ class Checkpoint:
             # keep one shard mapped at a time: reads are ordered by shard (views keep theirs alive)
             for name in [n for n in self._handles if isinstance(n, tuple)]:
                 del self._handles[name]
-            with open(self.path / info.file, "rb") as fh:
-                mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            try:
+                with open(self.path / info.file, "rb") as fh:
+                    mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as exc:  # removed, unreadable or emptied since its header was read
+                raise SourceError(f"{self.path / info.file}: cannot read tensor {info.key!r} "
+                                  f"({getattr(exc, 'strerror', None) or exc}); was the file changed during "
+                                  f"the build?") from None
             self._handles[("mmap", info.file)] = mapping
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
+        if info.offset + info.nbytes > len(mapping):
+            raise SourceError(f"{self.path / info.file}: cannot read tensor {info.key!r}: the file is shorter than "
+                              f"its header said when the build started; was it changed during the build?")
         raw = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
         return raw.view(info.dtype).view(info.shape)
 
@@ -287,13 +297,11 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise SourceError(f"{file}: safetensors header claims {n} bytes but the file has {size}; "
                               f"the file is truncated or not safetensors")
-        try:
-            header = json.loads(fh.read(n))
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise SourceError(f"{file}: safetensors header is not valid JSON ({exc})") from None
+        header = _parse_header(file, fh.read(n))
     if not isinstance(header, dict):
         raise SourceError(f"{file}: safetensors header is not a JSON object")
-    meta = header.get("__metadata__", {})
+    meta = header.get("__metadata__")
+    meta = {} if meta is None else meta  # safetensors reads a null __metadata__ as none
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SourceError(f"{file}: safetensors __metadata__ must map names to strings; the file is corrupt")
     data_size = size - 8 - n
@@ -328,6 +336,34 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     return {key: out[key] for _, _, key in spans}
 
 
+def _parse_header(file: Path, raw: bytes) -> Any:
+    """The header's JSON, parsed as strictly as the safetensors library parses it.
+
+    Python's `json` is laxer: it guesses UTF-16/32 and skips a byte-order mark when given bytes,
+    takes ``NaN``, keeps the last of duplicate names and lets ``"\\ud800"`` through. safetensors
+    (and so transformers) refuses such a header; a file it cannot load must not build a model.
+    """
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        names = [k for k, _ in items]
+        for k in names:
+            if names.count(k) > 1:
+                raise ValueError(f"the name {k!r} appears {names.count(k)} times in one object")
+            k.encode("utf-8")  # a lone surrogate escape cannot be UTF-8
+        for _, v in items:
+            if isinstance(v, str):
+                v.encode("utf-8")
+        return dict(items)
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and Unicode errors are ValueErrors
+        raise SourceError(f"{file}: safetensors header is not valid JSON ({exc}); the file is damaged or not "
+                          f"safetensors — re-download it") from None
+
+
 def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, int]:
     """One tensor's header entry as (info, start, end); strict about types (no floats, no bools)."""
     def ints(values: Any, length: Optional[int] = None) -> Optional[list[int]]:
@@ -341,8 +377,10 @@ def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, in
         raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r}")
     dtype_name = entry.get("dtype")
     if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        quantized = (" — a quantized checkpoint: upcycle the model's unquantized (bf16, fp16 or fp32) release"
+                     if isinstance(dtype_name, str) and dtype_name.startswith(("F8", "F6", "F4", "I4", "U4")) else "")
         raise SourceError(f"{file}: tensor {key!r} has dtype {dtype_name!r}, which moe-upcycle does not read "
-                          f"(supported: {', '.join(SAFETENSORS_DTYPES)})")
+                          f"(supported: {', '.join(SAFETENSORS_DTYPES)}){quantized}")
     shape, offsets = ints(entry.get("shape")), ints(entry.get("data_offsets"), 2)
     if shape is None or offsets is None:
         raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r} "
