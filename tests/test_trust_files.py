@@ -209,3 +209,28 @@ def test_source_changed_after_its_header_was_read(aligned, change, tmp_path):
         file.write_bytes(file.read_bytes()[:100] if change == "truncated" else b"\xff" * 50)
     with pytest.raises(SourceError, match=f"{file}: cannot read tensor 'w'"):
         ckpt.read("w")
+
+
+# ---------------------------------------------------------------------------------------------
+# pytorch_model.bin whose weights are not where transformers looks for them.
+
+
+@pytest.mark.parametrize("wrapper", ["state_dict", "model", "module"])
+def test_bin_with_wrapped_weights_refused(wrapper, tiny_llama, tmp_path):
+    """{"state_dict": {...}} (a training checkpoint): transformers loads only top-level tensors, so
+    from_pretrained would initialise every weight at random. Building from the nested tensors would
+    make an MoE of a model no loader sees; it is refused, with the command that unwraps it."""
+    from safetensors.torch import load_file
+
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    state = load_file(str(model / "model.safetensors"))
+    (model / "model.safetensors").unlink()
+    torch.save({wrapper: state, "epoch": 3}, model / "pytorch_model.bin")
+    code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", [
+        f"{model}/pytorch_model.bin: expected a dict of tensors, but '{wrapper}' holds a dict",
+        "(and 1 more entries are not tensors)", f"read none of the weights under '{wrapper}'",
+        f"torch.save(checkpoint['{wrapper}'], 'pytorch_model.bin')"])

@@ -434,10 +434,19 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
                           f"it if it is damaged") from None
     except Exception as exc:
         raise SourceError(f"{file}: not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise SourceError(f"{file}: expected a dict of tensors")
+    if not isinstance(state, dict):
+        raise SourceError(f"{file}: expected a dict of tensors, got {type(state).__name__}")
+    nested = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if nested:
+        # transformers loads only top-level tensors: a wrapper such as {"state_dict": {...}} gives it none of
+        # the weights (every one would be initialised at random), so the nested ones are not the model either
+        k = nested[0]
+        raise SourceError(f"{file}: expected a dict of tensors, but {k!r} holds a {type(state[k]).__name__}"
+                          + (f" (and {len(nested) - 1} more entries are not tensors)" if len(nested) > 1 else "")
+                          + ("; transformers loads only top-level tensors, so it would read none of the weights "
+                             f"under {k!r} (they are not the model it loads). If they are the model, save them "
+                             f"unwrapped: torch.save(checkpoint[{k!r}], 'pytorch_model.bin')"
+                             if isinstance(state[k], dict) else "; re-download or re-save the model"))
     return state
 
 
