@@ -234,3 +234,48 @@ def test_bin_with_wrapped_weights_refused(wrapper, tiny_llama, tmp_path):
         f"{model}/pytorch_model.bin: expected a dict of tensors, but '{wrapper}' holds a dict",
         "(and 1 more entries are not tensors)", f"read none of the weights under '{wrapper}'",
         f"torch.save(checkpoint['{wrapper}'], 'pytorch_model.bin')"])
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json fields that mean different things in the dense family and the MoE: sliding_window.
+
+
+@pytest.mark.parametrize("fixture,changes", [
+    ("tiny_llama", {"sliding_window": 4}),  # Llama ignores it; Mixtral would apply it
+    # published Qwen2.5 configs: a window, switched off, and no layer_types (older transformers)
+    ("tiny_qwen2", {"sliding_window": 4, "use_sliding_window": False, "max_window_layers": 28, "layer_types": None}),
+    ("tiny_qwen3", {"sliding_window": 4, "layer_types": None}),  # use_sliding_window missing: off
+], ids=["llama", "qwen2-published-shape", "qwen3-no-switch"])
+def test_window_the_dense_model_ignores_is_not_added(fixture, changes, request, tmp_path):
+    """The MoE of identical experts must give the dense logits on a text longer than the window."""
+    from conftest import model_logits
+    from tolerances import assert_close_rel
+
+    model = tmp_path / "model"
+    shutil.copytree(request.getfixturevalue(fixture), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update({k: v for k, v in changes.items() if v is not None})
+    for k in [k for k, v in changes.items() if v is None]:
+        config.pop(k, None)
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, model), out)
+    assert code == 0, output
+    moe = json.loads((out / "config.json").read_text())
+    assert moe["sliding_window"] is None and moe.get("use_sliding_window", False) is False
+    assert_close_rel(model_logits(out), model_logits(model))
+
+
+def test_dense_windows_follow_each_family():
+    from moe_upcycle.planning.windows import dense_windows
+
+    qwen = {"model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 8}
+    assert dense_windows({**qwen, "model_type": "llama"}) == [None] * 3
+    assert dense_windows({**qwen, "model_type": "mistral"}) == [8] * 3
+    assert dense_windows({**qwen, "model_type": "mistral", "sliding_window": None}) == [None] * 3
+    assert dense_windows(qwen) == [None] * 3  # use_sliding_window defaults to false
+    assert dense_windows({**qwen, "use_sliding_window": True, "max_window_layers": 1}) == [None, 8, 8]
+    assert dense_windows({**qwen, "use_sliding_window": True}) == [None] * 3  # max_window_layers defaults to 28
+    assert dense_windows({**qwen, "model_type": "qwen3", "use_sliding_window": True,
+                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}) == [8, None, 8]
+    assert dense_windows({**qwen, "use_sliding_window": False, "layer_types": ["sliding_attention"] * 3}) == [None] * 3

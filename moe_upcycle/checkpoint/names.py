@@ -39,6 +39,9 @@ class InputFamily:
     model_type: str
     class_name: str
     default_output: str  # the output tried first when `architecture:` is not given
+    # which layers its attention window applies to, as transformers runs it (`planning.windows`):
+    # "none" (Llama ignores sliding_window), "all" (Mistral), "qwen" (use_sliding_window, layer_types)
+    window_rule: str = "none"
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,10 @@ TENSOR_GROUPS = {
 WINDOW_FIELDS = ("use_sliding_window", "max_window_layers", "layer_types")
 
 INPUT_FAMILIES: dict[str, InputFamily] = {
-    "llama": InputFamily("llama", "LlamaForCausalLM", "mixtral"),
-    "mistral": InputFamily("mistral", "MistralForCausalLM", "mixtral"),
-    "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe"),
-    "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe"),
+    "llama": InputFamily("llama", "LlamaForCausalLM", "mixtral", window_rule="none"),
+    "mistral": InputFamily("mistral", "MistralForCausalLM", "mixtral", window_rule="all"),
+    "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe", window_rule="qwen"),
+    "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe", window_rule="qwen"),
 }
 
 OUTPUT_LAYOUTS: dict[str, OutputLayout] = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
+from moe_upcycle.planning import windows
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.schema import UpcycleConfig
 
@@ -144,7 +145,9 @@ def config_fields(plan: "Plan") -> dict:
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})
-    if "layer_types" in layout.inherit and "layer_types" not in base and base.get("sliding_window"):
+    if not any(windows.dense_windows(base)):  # a sliding_window the dense model does not apply is not copied
+        fields.update(windows.no_window_fields(layout, base["num_hidden_layers"]))
+    elif "layer_types" in layout.inherit and "layer_types" not in base and base.get("sliding_window"):
         # Mistral slides every layer; Qwen MoE configs say so per layer
         fields.update(use_sliding_window=True, max_window_layers=base["num_hidden_layers"],
                       layer_types=["sliding_attention"] * base["num_hidden_layers"])
