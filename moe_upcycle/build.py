@@ -23,7 +23,7 @@ from moe_upcycle.gates.router import compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
 from moe_upcycle.planning.fused import SAFETENSORS_METADATA
 from moe_upcycle.checkpoint.disk_space import check_free_space
-from moe_upcycle.planning.guards import check_source_dtypes
+from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
 from moe_upcycle.planning.report import sharing_report
@@ -84,6 +84,7 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
     with progress_stage("plan", total=1) as st:
         plan = make_plan(config, sources)
         check_source_dtypes(plan, sources)
+        check_tied_head(plan, sources[config.base_model], config.base_model)
         st.advance(note=f"{len(plan.steps)} tensors")
     return config, sources, plan
 

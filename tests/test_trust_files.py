@@ -279,3 +279,35 @@ def test_dense_windows_follow_each_family():
     assert dense_windows({**qwen, "model_type": "qwen3", "use_sliding_window": True,
                           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}) == [8, None, 8]
     assert dense_windows({**qwen, "use_sliding_window": False, "layer_types": ["sliding_attention"] * 3}) == [None] * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# tie_word_embeddings against the stored weights.
+
+
+@pytest.mark.parametrize("head", ["different", "same-bytes"])
+def test_tied_config_with_stored_head(head, tiny_llama, tmp_path):
+    """tie_word_embeddings: true beside a stored lm_head.weight: transformers 5 runs the stored head,
+    4.x the embedding. A head equal to the embedding is unambiguous and builds; a different one is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = load_file(str(model / "model.safetensors"))
+    if head == "same-bytes":
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]) == (head == "same-bytes")
+    out = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, model), out)
+    if head == "same-bytes":
+        assert code == 0, output
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+        return
+    assert_clean_failure(code, output, out, [
+        f"base_model ({model}): config.json says tie_word_embeddings: true, but {model}/model.safetensors stores "
+        f"an lm_head.weight that differs from model.embed_tokens.weight", "set tie_word_embeddings: false"])
