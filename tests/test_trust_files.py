@@ -311,3 +311,29 @@ def test_tied_config_with_stored_head(head, tiny_llama, tmp_path):
     assert_clean_failure(code, output, out, [
         f"base_model ({model}): config.json says tie_word_embeddings: true, but {model}/model.safetensors stores "
         f"an lm_head.weight that differs from model.embed_tokens.weight", "set tie_word_embeddings: false"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Leftovers of a build killed (SIGKILL) in the middle of a --force swap.
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+def test_previous_output_left_mid_swap_is_put_back_before_the_checks(force, tiny_llama, tmp_path):
+    """The previous output, left as .moe.old-<pid> with no target, is moved back before the target is
+    checked: without --force the build stops at once saying so (it used to do all the work and then
+    fail at the final rename with "appeared during the build"); with --force it is replaced."""
+    from failure_checks import previous_build
+
+    target = tmp_path / "moe"
+    previous_build(tmp_path / ".moe.old-99999", {"config.json": '{"previous": true}'})
+    before = _snapshot(tmp_path / ".moe.old-99999")
+    code, output = cli("build", _recipe(tmp_path, tiny_llama), target, *(["--force"] if force else []))
+    assert leftovers(target) == ["moe"]
+    if force:
+        assert code == 0, output
+        assert json.loads((target / "config.json").read_text())["num_local_experts"] == 2
+        return
+    assert code == 1 and "Traceback" not in output
+    assert ("already exists and is not empty (it is the previous output, put back from .moe.old-99999, where a "
+            "build killed while replacing it had left it)") in _flat(output), output
+    assert "appeared during the build" not in output and _snapshot(target) == before

@@ -19,7 +19,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from moe_upcycle.errors import OutputError
 
@@ -35,8 +35,10 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
     Args:
         inputs: other files the build reads (recipe, prompt files): no folder holding one is replaced.
 
+    A killed build's leftovers beside the target are cleared first (`_recover`), under the lock.
+
     Raises:
-        OutputError: the target exists and is not empty (without `force`), is a file, or is
+        OutputError: another build is writing the target; the target exists and is not empty (without `force`), is a file, or is
             inside / equal to / a parent of a source model folder; or, with `force`, is not a
             previous moe-upcycle output, or is the current folder or holds an input (`ownership`).
     """
@@ -46,6 +48,16 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
         if target == src or src in target.parents or target in src.parents:
             raise OutputError(f"output {target} overlaps the source model folder {src}; "
                               f"choose an output folder outside every source")
+    if target.parent.is_dir():
+        # a killed build's leftovers first: a previous output it was swapping out is put back now, so
+        # the checks below see it (not the final rename, after all the work); refused while another build runs
+        lock, fd = _take_lock(target)
+        try:
+            restored = _recover(target)
+        finally:
+            _release_lock(lock, fd)
+    else:
+        restored = None
     if target.exists() and not target.is_dir():
         raise OutputError(f"output {target} exists and is a file; choose another output path")
     reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
@@ -53,7 +65,9 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
         raise OutputError(f"output: {reason}; it is never replaced, with or without --force. Write the model to "
                           f"a new folder, e.g. {target / 'moe-model'}")
     if target.is_dir() and any(target.iterdir()) and not force:
-        raise OutputError(f"output folder {target} already exists and is not empty; "
+        put_back = (f" (it is the previous output, put back from {restored.name}, where a build killed while "
+                    f"replacing it had left it)" if restored else "")
+        raise OutputError(f"output folder {target} already exists and is not empty{put_back}; "
                           f"choose another folder or pass --force to replace it")
     if target.is_dir() and any(target.iterdir()):
         problem = replace_problem(target, [*sources, *inputs])
@@ -157,20 +171,26 @@ def _lock_owner(lock: Path) -> str:
         return ""
 
 
-def _recover(target: Path) -> None:
+def _recover(target: Path) -> Optional[Path]:
     """With the lock held, clear what a killed build left beside the target.
 
     Partial folders are deleted. A build killed in the middle of a --force swap (SIGKILL; other
     signals are held off during it) leaves the previous target as ``.<name>.old-<pid>``: it is
     moved back if the target is missing, else deleted.
+
+    Returns:
+        The swap folder that was moved back to the target, if one was.
     """
+    restored = None
     for leftover in sorted(target.parent.glob(f".{glob.escape(target.name)}.partial-*")):
         shutil.rmtree(leftover, ignore_errors=True)
     for old in sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*")):
         if not target.exists():
             os.rename(old, target)
+            restored = old
         else:
             shutil.rmtree(old, ignore_errors=True)
+    return restored
 
 
 def _space_hint(exc: OSError, folder: Path) -> str:
