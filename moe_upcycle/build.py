@@ -8,6 +8,7 @@ file is complete (see `output_dir`).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -17,7 +18,7 @@ from moe_upcycle.check.drift import InitDrift, build_drift
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME, check_target, make_parent, staged_output  # noqa: F401 (RECIPE_NAME: public)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
-from moe_upcycle.errors import ConfigError, OutputError
+from moe_upcycle.errors import ConfigError, OutputError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.router import compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
@@ -30,7 +31,7 @@ from moe_upcycle.planning.report import sharing_report
 from moe_upcycle.publish.card import write_model_card
 from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
-from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
+from moe_upcycle.publish.model_files import copy_tokenizer_files, missing_tokenizer_warning, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
@@ -156,6 +157,9 @@ def upcycle(
                  input_paths(recipe_source, config, ()))
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
+    no_tokenizer = missing_tokenizer_warning(base.path)
+    if no_tokenizer:
+        warnings.warn(no_tokenizer, UpcycleWarning, stacklevel=2)
     gating, writing, checking = gate_params(config), write_params(config), check_params(config)
     with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
         gates = compute_gates(gating, plan, base)

@@ -337,3 +337,24 @@ def test_previous_output_left_mid_swap_is_put_back_before_the_checks(force, tiny
     assert ("already exists and is not empty (it is the previous output, put back from .moe.old-99999, where a "
             "build killed while replacing it had left it)") in _flat(output), output
     assert "appeared during the build" not in output and _snapshot(target) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# A base without a tokenizer: the MoE is right but has none; the build says so, verify names it.
+
+
+def test_base_without_tokenizer_warns_and_verify_names_the_tokenizer(tiny_llama, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    out = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, model), out)
+    assert code == 0, output
+    assert (f"warning: {model} holds no tokenizer (tokenizer.json, tokenizer.model, vocab.json), so the MoE will "
+            f"have none") in _flat(output), output
+    assert not (out / "tokenizer.json").exists() and (out / "config.json").is_file()
+    code, output = cli("verify", out)
+    flat = _flat(output)
+    assert code == 1 and "its tokenizer does not load with transformers AutoTokenizer" in flat, output
+    assert "copy the base model's tokenizer files into it" in flat and "AutoModelForCausalLM" not in flat

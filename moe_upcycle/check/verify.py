@@ -42,7 +42,8 @@ from typing import Optional, Union
 
 import torch
 
-from moe_upcycle.check.compare import compare_logits, encode_inputs, load_causal_lm, run_model, upcast_to_fp32
+from moe_upcycle.check.compare import (TokenizerLoadError, compare_logits, encode_inputs, load_causal_lm, run_model,
+                                        upcast_to_fp32)
 from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
@@ -259,6 +260,9 @@ def verify(
     advance("verify", note="loading the MoE with transformers")
     try:
         moe = load_causal_lm(folder, dtype="auto", device=device)  # as a user would: the folder's own dtype
+    except TokenizerLoadError as exc:
+        result.problems.append(str(exc))
+        return result
     except Exception as exc:  # any loading failure is the finding, whatever transformers raises
         result.problems.append(f"does not load with transformers AutoModelForCausalLM: {_first_line(exc)}")
         return result
