@@ -358,3 +358,48 @@ def test_base_without_tokenizer_warns_and_verify_names_the_tokenizer(tiny_llama,
     flat = _flat(output)
     assert code == 1 and "its tokenizer does not load with transformers AutoTokenizer" in flat, output
     assert "copy the base model's tokenizer files into it" in flat and "AutoModelForCausalLM" not in flat
+
+
+# ---------------------------------------------------------------------------------------------
+# Source files the user may not read (chmod 000; simulated too, since tests may run as root).
+
+
+@pytest.mark.parametrize("fixture,name,words", [
+    ("tiny_llama", "config.json", ["base_model: cannot read {m}/config.json (Permission denied)",
+                                   "check that the model folder and its files are readable by you"]),
+    ("tiny_llama", "model.safetensors", ["base_model: cannot read {m}/model.safetensors (Permission denied)"]),
+    ("tiny_mistral", "model.safetensors.index.json", ["{m}/model.safetensors.index.json", "Permission denied"]),
+    ("tiny_mistral", "model-00002-of-00012.safetensors",
+     ["base_model: cannot read {m}/model-00002-of-00012.safetensors (Permission denied)"]),
+    ("tiny_llama_bin_tied", "pytorch_model.bin", ["base_model: cannot read {m}/pytorch_model.bin (Permission denied)"]),
+    ("tiny_llama", "tokenizer.json", ["{m}/tokenizer.json: cannot read it (Permission denied)", "make it readable"]),
+    ("tiny_llama", "chat_template.jinja", ["{m}/chat_template.jinja: cannot read it (Permission denied)"]),
+], ids=lambda v: v if isinstance(v, str) and "." in v else None)
+def test_unreadable_source_file_named(fixture, name, words, request, tmp_path, monkeypatch):
+    import errno
+    import io
+    import os
+
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(request.getfixturevalue(fixture), model)
+    if name == "chat_template.jinja":
+        (model / name).write_text("{{ messages }}")
+    assert (model / name).is_file(), sorted(p.name for p in model.iterdir())
+    locked = str(model / name)
+    real_open = io.open
+
+    def refusing_open(file, *args, **kwargs):
+        if os.fspath(file) == locked if isinstance(file, (str, os.PathLike)) else False:
+            raise PermissionError(errno.EACCES, "Permission denied", locked)
+        return real_open(file, *args, **kwargs)
+
+    (model / name).chmod(0)  # refused for a normal user; root needs the simulation below
+    monkeypatch.setattr(io, "open", refusing_open)
+    monkeypatch.setattr("builtins.open", refusing_open)
+    try:
+        code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    finally:
+        (model / name).chmod(0o644)
+    assert_clean_failure(code, output, tmp_path / "moe", [w.replace("{m}", str(model)) for w in words])

@@ -22,6 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moe_upcycle.checkpoint.names import TOKENIZER_FILES
+
 # largest sane values: far above any released model, far below what makes the planner hang
 SIZE_LIMITS = {
     "hidden_size": 2**17, "intermediate_size": 2**20, "num_hidden_layers": 2**12, "vocab_size": 2**24,
@@ -104,19 +106,28 @@ SIDE_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def side_file_problems(folder: Path) -> list[str]:
-    """Tokenizer and generation JSON files that are truncated or not JSON objects.
+    """Tokenizer and generation files that cannot be read, or JSON ones truncated or not JSON objects.
 
     They are copied unchanged into the output, so a half-downloaded one would ship a model that
     loads its weights but not its tokenizer; better to say so before building.
     """
     out = []
-    for name in SIDE_JSON_FILES:
+    for name in TOKENIZER_FILES:
         file = folder / name
         if not file.is_file():
             continue
         try:
-            data = json.loads(file.read_bytes().decode("utf-8"))
-        except (OSError, ValueError, RecursionError) as exc:
+            raw = file.read_bytes() if name in SIDE_JSON_FILES else None
+            if raw is None:
+                open(file, "rb").close()  # copied at the very end: find out now that it cannot be read
+                continue
+        except OSError as exc:
+            out.append(f"{file}: cannot read it ({exc.strerror or exc}); it is copied into the MoE, so make it "
+                       f"readable by you")
+            continue
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:
             out.append(f"{file}: not valid JSON ({str(exc)[:120]}); the file is damaged or truncated — re-download it")
             continue
         if not isinstance(data, dict):

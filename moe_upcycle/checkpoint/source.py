@@ -215,6 +215,15 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     Raises:
         SourceError: missing config/weights, unreadable or inconsistent files.
     """
+    try:
+        return _open_checkpoint(ref, field_name)
+    except OSError as exc:  # a file or folder we may not read (permissions), an I/O error
+        where = exc.filename or ref
+        raise SourceError(f"{field_name}: cannot read {where} ({exc.strerror or exc}); check that the model folder "
+                          f"and its files are readable by you") from None
+
+
+def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     path = resolve_model(ref, field_name)
     config = read_config(path, field_name)
     damaged = side_file_problems(path)
@@ -432,6 +441,8 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
                           f"tensors and plain containers, and a pickle that asks for anything else could run "
                           f"code. Convert the checkpoint to safetensors in a trusted environment, or re-download "
                           f"it if it is damaged") from None
+    except OSError:
+        raise  # cannot read the file at all: `open_checkpoint` says so
     except Exception as exc:
         raise SourceError(f"{file}: not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict):
