@@ -403,3 +403,31 @@ def test_unreadable_source_file_named(fixture, name, words, request, tmp_path, m
     finally:
         (model / name).chmod(0o644)
     assert_clean_failure(code, output, tmp_path / "moe", [w.replace("{m}", str(model)) for w in words])
+
+
+# ---------------------------------------------------------------------------------------------
+# Model references that point at the wrong kind of thing.
+
+
+@pytest.mark.parametrize("case", ["weights-file", "config-file", "relative-file", "broken-weights-link"])
+def test_model_reference_of_the_wrong_kind(case, tiny_llama, tmp_path, monkeypatch):
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "my model é"  # spaces and non-ASCII in the path
+    shutil.copytree(tiny_llama, model)
+    ref = {"weights-file": model / "model.safetensors", "config-file": model / "config.json",
+           "relative-file": Path("my model é") / "model.safetensors", "broken-weights-link": model}[case]
+    monkeypatch.chdir(tmp_path)
+    if case == "broken-weights-link":  # an interrupted hub download leaves links to missing blobs
+        (model / "model.safetensors").unlink()
+        (model / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123abcd")
+        words = [f"base_model: {model} has no model.safetensors",
+                 f"model.safetensors is a link to {tmp_path}/blobs/0123abcd, which does not exist",
+                 "download it again"]
+    else:
+        words = [f"base_model: model '{ref}' is a file, not a model folder",
+                 f"give the folder that holds its config.json and weights ({model})"]
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(GOOD.replace("{base}", f'"{ref}"'))
+    code, output = cli("build", cfg, tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", words)

@@ -29,7 +29,7 @@ from moe_upcycle.errors import SourceError
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.inputs.paths import resolve_or_raise
-from moe_upcycle.checkpoint.weight_files import choose_weights, duplicate_problems
+from moe_upcycle.checkpoint.weight_files import WEIGHT_FILES, choose_weights, duplicate_problems
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -166,6 +166,9 @@ def resolve_model(ref: str, field_name: str) -> Path:
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         return path.resolve()
+    if path.is_file():  # e.g. the model.safetensors itself: not a hub id either
+        raise SourceError(f"{field_name}: model {ref!r} is a file, not a model folder; give the folder that holds "
+                          f"its config.json and weights ({resolve_or_raise(path, SourceError, field_name).parent})")
     looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
     # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
@@ -254,8 +257,11 @@ def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
                 found_in.setdefault(key, []).append(file)
             shared += _shared_storage(state)
     else:
+        broken = [f"{name} is a link to {os.readlink(path / name)}, which does not exist" for name in WEIGHT_FILES
+                  if (path / name).is_symlink() and not (path / name).exists()]
         raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
-                          f"pytorch_model.bin or pytorch_model.bin.index.json")
+                          f"pytorch_model.bin or pytorch_model.bin.index.json"
+                          + (f" ({'; '.join(broken)}: an incomplete download? download it again)" if broken else ""))
     duplicates = duplicate_problems(path, found_in, files, f"{chosen}")
     if duplicates:
         raise SourceError(*duplicates)
