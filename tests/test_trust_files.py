@@ -431,3 +431,42 @@ def test_model_reference_of_the_wrong_kind(case, tiny_llama, tmp_path, monkeypat
     cfg.write_text(GOOD.replace("{base}", f'"{ref}"'))
     code, output = cli("build", cfg, tmp_path / "moe")
     assert_clean_failure(code, output, tmp_path / "moe", words)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights that hold no layer under the names the family uses.
+
+
+def _rename_all(model: Path, rename) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(model / "model.safetensors"))
+    save_file({rename(k): v for k, v in state.items()}, str(model / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case,words", [
+    ("wrapped", ["none of its 21 tensors is named like a LlamaForCausalLM layer",
+                 "it holds e.g. 'language_model.model.layers.0.", "give the checkpoint of the language model itself"]),
+    ("headless", ["none of its 21 tensors is named like a LlamaForCausalLM layer", "it holds e.g. 'layers.0."]),
+    ("no-tensors", ["its weight files hold no tensors at all"]),
+    ("empty-index", ["model.safetensors.index.json: its weight_map lists no tensors", "re-download"]),
+])
+def test_weights_without_family_layer_names(case, words, tiny_llama, tmp_path):
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    if case == "wrapped":  # a multimodal checkpoint's language model under a prefix
+        _rename_all(model, lambda k: "language_model." + k)
+    elif case == "headless":  # LlamaModel.save_pretrained: no "model." prefix
+        _rename_all(model, lambda k: k.removeprefix("model."))
+    elif case == "no-tensors":
+        (model / "model.safetensors").write_bytes(struct.pack("<Q", 8) + b"{}      ")
+    else:
+        (model / "model.safetensors").unlink()
+        (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    if case != "empty-index":
+        words = [f"base_model ({model}): {words[0]}", *words[1:]]
+    assert_clean_failure(code, output, tmp_path / "moe", words)
+    assert "no the tensor" not in output

@@ -409,6 +409,8 @@ def _index_files(index: Path) -> dict[str, Optional[set[str]]]:
         assert isinstance(weight_map, dict)
     except Exception as exc:
         raise SourceError(f"{index}: not a valid index (needs a weight_map object): {exc}") from None
+    if not weight_map:
+        raise SourceError(f"{index}: its weight_map lists no tensors; the index is damaged — re-download it")
     files: dict[str, Optional[set[str]]] = {}
     for key, file in weight_map.items():
         # a hostile index must not make us read files outside the model folder

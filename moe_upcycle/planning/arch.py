@@ -59,8 +59,8 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
                 out.append((f"the base has {group} ({suffix}), which {layout.label} cannot hold", suffix))
     missing = [s for s in layout.layer_tensors if s not in suffixes]
     if missing:
-        group = names.TENSOR_GROUPS.get(missing[0], "the tensor")
-        out.append((f"the base has no {group} ({missing[0]}), which {layout.label} needs", "missing:" + missing[0]))
+        what = f"{names.TENSOR_GROUPS[missing[0]]} ({missing[0]})" if missing[0] in names.TENSOR_GROUPS else missing[0]
+        out.append((f"the base has no {what}, which {layout.label} needs", "missing:" + missing[0]))
     if config.shared_experts and not layout.shared_expert:
         out.append((f"{layout.label} has no shared expert, but shared_experts lists {len(config.shared_experts)}",
                     "shared_experts"))
@@ -76,6 +76,8 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
     """
     where = f"base_model ({config.base_model})"
     family = names.input_family(base.model_type, where)
+    if base.path is not None and not layer_suffixes(base):
+        raise PlanError(_no_layers(where, base, family))
     if config.architecture == "deepseek":
         raise PlanError(deepseek_refusal(config, family.default_output))
     if config.architecture:
@@ -99,6 +101,17 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
         report += [f"{name}: {text}{_suggest(config, base, key, name)}" for text, key in reasons]
     raise PlanError(f"{where}: no output architecture can hold this {family.class_name} "
                     f"(tried {', '.join(order)}):", *report)
+
+
+def _no_layers(where: str, base: Checkpoint, family: names.InputFamily) -> str:
+    """The message for weights without a single ``model.layers.N.`` tensor (a wrapped or foreign checkpoint)."""
+    if not base.tensors:
+        return f"{where}: its weight files hold no tensors at all; re-download the model"
+    sample = next((k for k in base.tensors if f".{k}".find(".layers.0.") >= 0), next(iter(base.tensors)))
+    return (f"{where}: none of its {len(base.tensors)} tensors is named like a {family.class_name} layer "
+            f"(model.layers.0.self_attn.q_proj.weight ...); it holds e.g. {sample!r}. The weights are not "
+            f"{family.class_name}'s (a multimodal model, or one saved inside a wrapper?): give the checkpoint of "
+            f"the language model itself")
 
 
 def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
