@@ -470,3 +470,19 @@ def test_weights_without_family_layer_names(case, words, tiny_llama, tmp_path):
         words = [f"base_model ({model}): {words[0]}", *words[1:]]
     assert_clean_failure(code, output, tmp_path / "moe", words)
     assert "no the tensor" not in output
+
+
+# ---------------------------------------------------------------------------------------------
+# Output names near the filesystem's 255-byte limit: the lock and staging names beside them are longer.
+
+
+@pytest.mark.parametrize("name", ["x" * 250, "模型" * 42, "x" * 255], ids=["250-ascii", "252-utf8", "255-ascii"])
+def test_output_name_near_the_length_limit(name, tiny_llama, tmp_path):
+    parent = tmp_path / "out"
+    parent.mkdir()
+    cfg = _recipe(tmp_path, tiny_llama)
+    for args in ([], ["--force"]):  # a new folder, then a rebuild over it
+        code, output = cli("build", cfg, parent / name, *args)
+        assert code == 0, output
+        assert [p.name for p in parent.iterdir()] == [name]  # no lock, staging or swap folder left
+        assert json.loads((parent / name / "config.json").read_text())["num_local_experts"] == 2

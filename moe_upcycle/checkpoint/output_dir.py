@@ -6,7 +6,7 @@ and removed only after the new one is in place). On any error, Ctrl-C, SIGTERM o
 folder is deleted, so nothing half-written ever carries the target's name. A lock file
 ``.<name>.lock`` (an flock, released by the kernel if the process dies) refuses a second
 concurrent build to the same target; leftovers of a killed build are cleared by the next one.
-POSIX only (fcntl).
+A name near the 255-byte limit is shortened in these helper names (`_stem`). POSIX only (fcntl).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import glob
+import hashlib
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from moe_upcycle.errors import OutputError
 
 # our manifest: the tool version, recipe, seed and sha256 of every file of a folder the tool wrote
 RECIPE_NAME = "moe_upcycle.json"
+MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
 from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 
@@ -110,7 +112,7 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
     """
     target = Path(target).resolve()
     lock, fd = _take_lock(target)
-    stage = target.parent / f".{target.name}.partial-{os.getpid()}"
+    stage = target.parent / f".{_stem(target)}.partial-{os.getpid()}"
     try:
         _recover(target)
         stage.mkdir()
@@ -125,6 +127,19 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
         _release_lock(lock, fd)
 
 
+def _stem(target: Path) -> str:
+    """The target's name as used in the names of its lock, staging and swap folders beside it.
+
+    Those add up to 20 bytes to the name (``.<name>.partial-<pid>``), so a name near the
+    filesystem's 255-byte limit is shortened: its start and a digest of the whole, still unique.
+    """
+    name = target.name
+    if len(name.encode("utf-8", "surrogateescape")) <= MAX_STEM_BYTES:
+        return name
+    head = name.encode("utf-8", "surrogateescape")[:MAX_STEM_BYTES - 17].decode("utf-8", "ignore")
+    return f"{head}~{hashlib.sha256(name.encode('utf-8', 'surrogateescape')).hexdigest()[:16]}"
+
+
 def _take_lock(target: Path) -> tuple[Path, int]:
     """Hold an exclusive ``flock`` on ``.<name>.lock`` (which records our pid).
 
@@ -134,7 +149,7 @@ def _take_lock(target: Path) -> tuple[Path, int]:
     Returns:
         The lock path and the open descriptor that holds the lock.
     """
-    lock = target.parent / f".{target.name}.lock"
+    lock = target.parent / f".{_stem(target)}.lock"
     while True:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
@@ -182,9 +197,9 @@ def _recover(target: Path) -> Optional[Path]:
         The swap folder that was moved back to the target, if one was.
     """
     restored = None
-    for leftover in sorted(target.parent.glob(f".{glob.escape(target.name)}.partial-*")):
+    for leftover in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.partial-*")):
         shutil.rmtree(leftover, ignore_errors=True)
-    for old in sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*")):
+    for old in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.old-*")):
         if not target.exists():
             os.rename(old, target)
             restored = old
@@ -235,7 +250,7 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
         problem = replace_problem(target) if any(target.iterdir()) else None
         if problem:  # checked again here: the folder may have changed since the build started
             raise OutputError(problem + "; nothing was replaced")
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        old = target.parent / f".{_stem(target)}.old-{os.getpid()}"
         os.rename(target, old)
         try:
             os.rename(stage, target)
