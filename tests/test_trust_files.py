@@ -486,3 +486,51 @@ def test_output_name_near_the_length_limit(name, tiny_llama, tmp_path):
         assert code == 0, output
         assert [p.name for p in parent.iterdir()] == [name]  # no lock, staging or swap folder left
         assert json.loads((parent / name / "config.json").read_text())["num_local_experts"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json's transformers_weights names the weight file (transformers 4.57 and 5 obey it).
+
+
+def test_transformers_weights_file_is_the_one_read(tiny_llama, tiny_mistral, tmp_path):
+    """model.safetensors holds one model, the file config.json names holds another: the MoE is built
+    from the named one, as transformers loads it (before: from model.safetensors)."""
+    from conftest import model_logits
+    from tolerances import assert_close_rel
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    shutil.copyfile(model / "model.safetensors", model / "consolidated.safetensors")
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(model / "model.safetensors"))
+    save_file({k: v * 0.5 for k, v in state.items()}, str(model / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "transformers_weights": "consolidated.safetensors"}))
+    out = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, model), out)
+    assert code == 0, output
+    assert "transformers_weights" not in json.loads((out / "config.json").read_text())
+    assert_close_rel(model_logits(out), model_logits(model))  # the MoE of identical experts = the dense model
+    assert_close_rel(model_logits(out), model_logits(tiny_llama))  # ... whose weights are consolidated's
+
+
+@pytest.mark.parametrize("value,words", [
+    ("missing.safetensors", ["transformers_weights names missing.safetensors, which is missing from"]),
+    ("../model.safetensors", ["transformers_weights is '../model.safetensors', which is not a file name in"]),
+    ("pytorch_model.bin", ["transformers_weights is 'pytorch_model.bin'; transformers loads only a *.safetensors"]),
+    (5, ["transformers_weights is 5"]),
+    ("dcp", ["holds distributed-checkpoint shards (shard-00000-model-00001-of-00001.safetensors)",
+             "transformers 5 loads instead of the usual weight files"]),
+])
+def test_weight_file_named_elsewhere_refused(value, words, tiny_llama, tmp_path):
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    if value == "dcp":
+        shutil.copyfile(model / "model.safetensors", model / "shard-00000-model-00001-of-00001.safetensors")
+    else:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "transformers_weights": value}))
+    code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", words)

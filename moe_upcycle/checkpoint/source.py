@@ -234,34 +234,27 @@ def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
         raise SourceError(*damaged)
     tensors: dict[str, TensorInfo] = {}
     shared: list[list[str]] = []
-    st_index = path / "model.safetensors.index.json"
-    bin_index = path / "pytorch_model.bin.index.json"
-    chosen = choose_weights(path)  # the file transformers would load, nothing else
-    found_in: dict[str, list[str]] = {}  # key -> shards holding it (more than one is refused)
-    if chosen in ("model.safetensors", st_index.name):
-        files = _index_files(st_index) if chosen == st_index.name else {"model.safetensors": None}
-        for file, expected in files.items():
-            found = read_safetensors_header(path / file)
-            _check_index(path, file, expected, found, st_index)
-            tensors.update(found)
-            for key in found:
-                found_in.setdefault(key, []).append(file)
-    elif chosen in ("pytorch_model.bin", bin_index.name):
-        files = _index_files(bin_index) if chosen == bin_index.name else {"pytorch_model.bin": None}
-        for file, expected in files.items():
-            state = _load_bin(path / file)
-            found = {k: TensorInfo(k, tuple(t.shape), t.dtype, file) for k, t in state.items()}
-            _check_index(path, file, expected, found, bin_index)
-            tensors.update(found)
-            for key in found:
-                found_in.setdefault(key, []).append(file)
-            shared += _shared_storage(state)
-    else:
+    chosen = choose_weights(path, config, field_name)  # the file transformers would load, nothing else
+    if chosen is None:
         broken = [f"{name} is a link to {os.readlink(path / name)}, which does not exist" for name in WEIGHT_FILES
                   if (path / name).is_symlink() and not (path / name).exists()]
         raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
                           f"pytorch_model.bin or pytorch_model.bin.index.json"
                           + (f" ({'; '.join(broken)}: an incomplete download? download it again)" if broken else ""))
+    index = path / chosen
+    files = _index_files(index) if chosen.endswith(".index.json") else {chosen: None}
+    found_in: dict[str, list[str]] = {}  # key -> shards holding it (more than one is refused)
+    for file, expected in files.items():
+        if file.endswith(".safetensors"):
+            found = read_safetensors_header(path / file)
+        else:
+            state = _load_bin(path / file)
+            found = {k: TensorInfo(k, tuple(t.shape), t.dtype, file) for k, t in state.items()}
+            shared += _shared_storage(state)
+        _check_index(path, file, expected, found, index)
+        tensors.update(found)
+        for key in found:
+            found_in.setdefault(key, []).append(file)
     duplicates = duplicate_problems(path, found_in, files, f"{chosen}")
     if duplicates:
         raise SourceError(*duplicates)
