@@ -534,3 +534,29 @@ def test_weight_file_named_elsewhere_refused(value, words, tiny_llama, tmp_path)
         (model / "config.json").write_text(json.dumps({**config, "transformers_weights": value}))
     code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
     assert_clean_failure(code, output, tmp_path / "moe", words)
+
+
+# ---------------------------------------------------------------------------------------------
+# A hub id whose local cache holds only part of the model (offline: nothing is downloaded).
+
+
+def test_hub_id_with_partial_cache_says_what_to_download(tiny_llama, tmp_path, monkeypatch):
+    """`hf download org/tiny config.json` (what `plan --from-config` needs) caches no weights."""
+    import huggingface_hub.constants
+
+    from failure_checks import assert_clean_failure
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    shutil.copyfile(tiny_llama / "config.json", snapshot / "config.json")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(GOOD.replace("{base}", "org/tiny"))
+    code, output = cli("build", cfg, tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", [
+        f"base_model: {snapshot} has no model.safetensors", "the Hugging Face cache holds only part of org/tiny",
+        "download org/tiny"])

@@ -186,6 +186,12 @@ def resolve_model(ref: str, field_name: str) -> Path:
                       f"{missing_model_hint(ref)}")
 
 
+def _repo_and_revision(ref: str) -> tuple[str, ...]:
+    """``org/name@rev`` as the arguments of a download command: ("org/name", "--revision", "rev")."""
+    repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    return (repo, "--revision", revision) if revision else (repo,)
+
+
 def open_sources(refs: dict[str, str],
                  opener: Optional[Callable[[str, str], "Checkpoint"]] = None) -> dict[str, "Checkpoint"]:
     """Open every model a recipe names (each once), reporting all missing ones together.
@@ -238,9 +244,15 @@ def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     if chosen is None:
         broken = [f"{name} is a link to {os.readlink(path / name)}, which does not exist" for name in WEIGHT_FILES
                   if (path / name).is_symlink() and not (path / name).exists()]
+        from moe_upcycle.terminal.hints import download_command
+
+        cached = not Path(os.path.expanduser(ref)).is_dir()  # resolved from the Hugging Face cache
         raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
                           f"pytorch_model.bin or pytorch_model.bin.index.json"
-                          + (f" ({'; '.join(broken)}: an incomplete download? download it again)" if broken else ""))
+                          + (f" ({'; '.join(broken)}: an incomplete download? download it again)" if broken else "")
+                          + (f"; the Hugging Face cache holds only part of {ref} (e.g. config.json alone, enough for "
+                             f"`plan --from-config`): download the weights with "
+                             f"{download_command(*_repo_and_revision(ref))}" if cached else ""))
     index = path / chosen
     files = _index_files(index) if chosen.endswith(".index.json") else {chosen: None}
     found_in: dict[str, list[str]] = {}  # key -> shards holding it (more than one is refused)
