@@ -450,6 +450,10 @@ def _rename_all(model: Path, rename) -> None:
     ("headless", ["none of its 21 tensors is named like a LlamaForCausalLM layer", "it holds e.g. 'layers.0."]),
     ("no-tensors", ["its weight files hold no tensors at all"]),
     ("empty-index", ["model.safetensors.index.json: its weight_map lists no tensors", "re-download"]),
+    ("index-names-bin", ["model.safetensors.index.json: tensor 'model.norm.weight' is mapped to 'pytorch_model.bin', "
+                         "but a safetensors index names only *.safetensors files"]),
+    ("bin-index-names-safetensors", ["pytorch_model.bin.index.json: tensor 'model.norm.weight' is mapped to "
+                                     "'model-00001-of-00001.safetensors', but a pytorch_model.bin index names only PyTorch files"]),
 ])
 def test_weights_without_family_layer_names(case, words, tiny_llama, tmp_path):
     from failure_checks import assert_clean_failure
@@ -462,11 +466,16 @@ def test_weights_without_family_layer_names(case, words, tiny_llama, tmp_path):
         _rename_all(model, lambda k: k.removeprefix("model."))
     elif case == "no-tensors":
         (model / "model.safetensors").write_bytes(struct.pack("<Q", 8) + b"{}      ")
-    else:
+    elif case == "empty-index":
         (model / "model.safetensors").unlink()
         (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    else:  # an index naming a file the other loader reads (transformers would fail on it)
+        stored = "pytorch_model.bin" if case == "index-names-bin" else "model-00001-of-00001.safetensors"
+        index = "model.safetensors.index.json" if case == "index-names-bin" else "pytorch_model.bin.index.json"
+        shutil.move(model / "model.safetensors", model / stored)
+        (model / index).write_text(json.dumps({"weight_map": {"model.norm.weight": stored}}))
     code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
-    if case != "empty-index":
+    if not case.endswith(("index", "-bin", "-safetensors")):
         words = [f"base_model ({model}): {words[0]}", *words[1:]]
     assert_clean_failure(code, output, tmp_path / "moe", words)
     assert "no the tensor" not in output

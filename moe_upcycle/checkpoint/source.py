@@ -411,17 +411,26 @@ def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, in
 def _index_files(index: Path) -> dict[str, Optional[set[str]]]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        assert isinstance(weight_map, dict)
+        if not isinstance(weight_map, dict):  # not an assert: `python -O` would skip it
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+    except OSError:
+        raise  # unreadable: `open_checkpoint` says so
     except Exception as exc:
         raise SourceError(f"{index}: not a valid index (needs a weight_map object): {exc}") from None
     if not weight_map:
         raise SourceError(f"{index}: its weight_map lists no tensors; the index is damaged — re-download it")
     files: dict[str, Optional[set[str]]] = {}
+    safetensors = index.name.endswith(".safetensors.index.json")
     for key, file in weight_map.items():
         # a hostile index must not make us read files outside the model folder
         if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
             raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, which is not a file name in the "
                               f"model folder; fix or re-download the index")
+        if file.endswith(".safetensors") != safetensors:  # each index is read by one loader only
+            raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, but a "
+                              f"{'safetensors' if safetensors else 'pytorch_model.bin'} index names only "
+                              f"{'*.safetensors files' if safetensors else 'PyTorch files (not *.safetensors)'}; "
+                              f"fix or re-download the index")
         files.setdefault(file, set()).add(key)
     for file in files:
         if not (index.parent / file).is_file():
