@@ -569,3 +569,39 @@ def test_hub_id_with_partial_cache_says_what_to_download(tiny_llama, tmp_path, m
     assert_clean_failure(code, output, tmp_path / "moe", [
         f"base_model: {snapshot} has no model.safetensors", "the Hugging Face cache holds only part of org/tiny",
         "download org/tiny"])
+
+
+# ---------------------------------------------------------------------------------------------
+# route --plot: refused before the routing work when the path cannot take an image or is an input.
+
+
+@pytest.fixture(scope="module")
+def routed_moe(tiny_llama, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("routed")
+    code, output = cli("build", _recipe(folder, tiny_llama), folder / "moe")
+    assert code == 0, output
+    return folder / "moe"
+
+
+@pytest.mark.parametrize("where,words", [
+    ("prompts", ["--plot {p}: the suffix picks the image format, and '.txt' is not one"]),
+    ("same-prompts-png", ["--plot {p}: that is an input of this command; it is never overwritten"]),
+    ("model-config", ["--plot {p}: the suffix picks the image format, and '.json' is not one"]),
+    ("model-folder", ["--plot {p}: that is a folder; give an image file"]),
+    ("no-suffix", ["--plot {p}: the suffix picks the image format, and 'none' is not one", "routing.png"]),
+    ("missing-parent", ["--plot {p}: folder {parent} does not exist"]),
+])
+def test_route_plot_path_refused_before_work(where, words, routed_moe, tmp_path):
+    from failure_checks import assert_clean_failure
+
+    prompts = tmp_path / ("prompts.png" if where == "same-prompts-png" else "prompts.txt")
+    prompts.write_text("Once upon a time\nThe cat sat on the mat\n")
+    plot = {"prompts": prompts, "same-prompts-png": prompts, "model-config": routed_moe / "config.json",
+            "model-folder": routed_moe, "no-suffix": tmp_path / "routing",
+            "missing-parent": tmp_path / "nowhere" / "r.png"}[where]
+    before = {p: p.read_bytes() for p in [prompts, *routed_moe.iterdir()]}
+    code, output = cli("route", routed_moe, "--prompts", prompts, "--plot", plot)
+    assert_clean_failure(code, output, tmp_path / "no-target",
+                         [w.format(p=plot, parent=plot.parent) for w in words])
+    assert {p: p.read_bytes() for p in [prompts, *routed_moe.iterdir()]} == before
+    assert not list(tmp_path.glob("*.png")) or where == "same-prompts-png"

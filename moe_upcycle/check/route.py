@@ -14,17 +14,19 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
-from moe_upcycle.errors import DependencyError, SourceError
+from moe_upcycle.errors import DependencyError, OutputError, SourceError
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.terminal.progress import stage
 
+# image formats matplotlib writes whatever its backend (its savefig picks the format by suffix)
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
 
 
 @dataclass
@@ -186,8 +188,35 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k)
 
 
+def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] = ()) -> Path:
+    """Refuse a ``--plot`` path that could not be written, or whose writing would lose a file, before any work.
+
+    Args:
+        path: where the heatmap goes; its suffix picks the format.
+        inputs: files and folders the command reads (the prompts file, the model folder): never written.
+
+    Raises:
+        OutputError: no image suffix (matplotlib would fail, or silently add ``.png``), a folder, a
+            missing parent folder, or one of `inputs`.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise OutputError(f"--plot {path}: that is a folder; give an image file, e.g. {path / 'routing.png'}")
+    if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise OutputError(f"--plot {path}: the suffix picks the image format, and {path.suffix or 'none'!r} is not "
+                          f"one ({', '.join(PLOT_FORMATS)}); e.g. {path.with_suffix('.png').name}")
+    if not path.parent.is_dir():
+        raise OutputError(f"--plot {path}: folder {path.parent} does not exist; create it or choose another path")
+    resolved = path.resolve()
+    for item in inputs:
+        if resolved == Path(item).expanduser().resolve():
+            raise OutputError(f"--plot {path}: that is an input of this command; it is never overwritten — "
+                              f"choose another path")
+    return path
+
+
 def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[str] = None) -> Path:
-    """Save a heatmap of prompts × experts (top-1 share) to `path` (PNG/PDF/SVG by suffix).
+    """Save a heatmap of prompts × experts (top-1 share) to `path` (PNG/PDF/SVG by suffix; see `check_plot_path`).
 
     Raises:
         DependencyError: matplotlib (the ``plot`` extra) is not installed.

@@ -201,13 +201,15 @@ def route(
     """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
     import json as _json
 
-    from moe_upcycle.check.route import plot_routing, read_prompts
+    from moe_upcycle.check.route import check_plot_path, plot_routing, read_prompts
     from moe_upcycle.check.route import route as route_prompts
 
     from moe_upcycle.errors import ConfigError
 
     if (prompts is None) == (labeled is None):
         raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
+    if plot is not None:  # before the routing work, not after it
+        check_plot_path(plot, [p for p in (prompts, labeled) if p is not None])
     if label_by not in (None, "embedding"):
         raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
     if labeled is not None:
