@@ -605,3 +605,43 @@ def test_route_plot_path_refused_before_work(where, words, routed_moe, tmp_path)
                          [w.format(p=plot, parent=plot.parent) for w in words])
     assert {p: p.read_bytes() for p in [prompts, *routed_moe.iterdir()]} == before
     assert not list(tmp_path.glob("*.png")) or where == "same-prompts-png"
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts grow -o: never another input, never a folder, no temporary file left on failure.
+
+
+GROW_CONFIG = ("base_model: x\ngate_mode: random\nexperts:\n  - source_model: x\n    name: a\n"
+               "    positive_prompts_from: a_prompts.txt\n  - source_model: x\n    name: b\n"
+               "    positive_prompts: [world]\n")
+
+
+@pytest.mark.parametrize("target,words", [
+    ("pool.txt", ["that is an input of this command", "never overwritten, even with --force"]),
+    ("a_prompts.txt", ["that is an input of this command (a_prompts.txt)"]),
+    ("folder", ["that is a folder; give a file name"]),
+    ("unwritable.yaml", ["cannot write it (No space left on device); nothing was changed"]),
+])
+def test_grown_config_output_refused(target, words, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from moe_upcycle.errors import OutputError
+    from moe_upcycle.recipe.rewrite import write_grown_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(GROW_CONFIG)
+    (tmp_path / "a_prompts.txt").write_text("hello there\n")
+    (tmp_path / "pool.txt").write_text("one\ntwo\n")
+    (tmp_path / "folder").mkdir()
+    before = _snapshot(tmp_path)
+    if target == "unwritable.yaml":
+        def full(src, dst):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OutputError) as err:
+        write_grown_config(tmp_path / "cfg.yaml", {"b": ["new prompt"]}, output=tmp_path / target, force=True,
+                           inputs=[tmp_path / "pool.txt"])
+    assert str(err.value).startswith(f"-o {tmp_path / target}: ") and all(w in str(err.value) for w in words)
+    assert _snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["cfg.yaml", "a_prompts.txt", "pool.txt", "folder"])

@@ -122,7 +122,7 @@ def grow(
                              margin=MARGIN if margin is None else margin,
                              min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
-                                 output=output, in_place=in_place, force=force)
+                                 output=output, in_place=in_place, force=force, inputs=[pool])
     table = Table(title=f"prompts added from {pool.name} ({len(candidates)} candidates)")
     for col in ("expert", "prompt", "similarity", "margin"):
         table.add_column(col)

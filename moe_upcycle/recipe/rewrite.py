@@ -20,7 +20,7 @@ from moe_upcycle.recipe.yaml_write import add_prompts
 
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
                        output: Union[str, Path, None] = None, in_place: bool = False,
-                       force: bool = False) -> Path:
+                       force: bool = False, inputs: Sequence[Union[str, Path]] = ()) -> Path:
     """Write the config with the picks appended to each expert's `positive_prompts`.
 
     Args:
@@ -29,12 +29,15 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         output: where to write; default ``<name>.grown.yaml`` beside the input.
         in_place: replace the input file (atomically). Without it the input is never written.
         force: replace an existing output file other than the input.
+        inputs: other files the command reads (the pool); like the config's own prompt files
+            (``*_prompts_from``), they are never written, even with `force`.
 
     Returns:
         The path written.
 
     Raises:
-        OutputError: the output is the input without `in_place`, or exists without `force`.
+        OutputError: the output is the input without `in_place`, another input, a folder, exists
+            without `force`, or cannot be written.
     """
     src = Path(config_path)
     if in_place:
@@ -48,16 +51,30 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
                               f"--in-place (or choose another -o)")
         if not target.parent.is_dir():
             raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
+        if target.is_dir():
+            raise OutputError(f"-o {target}: that is a folder; give a file name, e.g. {target / src.name}")
         if target.exists() and not force:
             raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
     original = src.read_text(encoding="utf-8")
     data = yaml.safe_load(original)
     config = load_config(dict(data))
+    if not in_place:
+        prompt_files = [getattr(e, f"{kind}_prompts_from", None) for e in config.expert_list() + list(config.shared_experts)
+                        for kind in ("positive", "negative")]
+        for item in [*inputs, *[f for f in prompt_files if isinstance(f, str)]]:
+            if target.resolve() == Path(item).expanduser().resolve():
+                raise OutputError(f"-o {target}: that is an input of this command ({item}); it is never overwritten, "
+                                  f"even with --force — choose another -o")
     added = {i: list(picks.get(expert.name, []))
              for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
     text = add_prompts(original, added)  # comments and layout kept
     load_config(dict(yaml.safe_load(text)))  # the result must still be a valid config
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
+    except OSError as exc:
+        raise OutputError(f"-o {target}: cannot write it ({exc.strerror or exc}); nothing was changed") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the replace; a leftover only after a failure
     return target
