@@ -645,3 +645,18 @@ def test_grown_config_output_refused(target, words, tmp_path, monkeypatch):
     assert str(err.value).startswith(f"-o {tmp_path / target}: ") and all(w in str(err.value) for w in words)
     assert _snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["cfg.yaml", "a_prompts.txt", "pool.txt", "folder"])
+
+
+def test_multimodal_config_named(tiny_llama, tmp_path):
+    """A multimodal config.json (the language model under text_config) is named as such, not as missing fields."""
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    text = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": text,
+                                                   "architectures": ["LlavaForConditionalGeneration"]}))
+    code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", [
+        f"{model}/config.json: describes a 'llava' model whose language model is under text_config",
+        "give that checkpoint"])

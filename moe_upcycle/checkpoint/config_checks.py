@@ -5,8 +5,8 @@ A config.json edited by hand or half-downloaded must not build a broken model wi
 - `value_problems`: types and bounds (``tie_word_embeddings: "no"`` is not a boolean; sizes are
   positive integers of sane size, so ``num_hidden_layers: 1000000000`` is refused before anything
   loops over it; eps and rope theta are positive finite numbers; heads divide evenly).
-- `side_file_problems`: tokenizer and generation JSON files that do not parse (they are copied
-  into the output unchanged).
+- `side_file_problems`: tokenizer and generation files that cannot be read, JSON ones that do not
+  parse, a tokenizer.json the tokenizers library cannot load (they are copied into the output unchanged).
 
 Checks of config.json against the tensors and of experts against the base are plan-time checks:
 see `planning.source_checks`.
@@ -132,4 +132,20 @@ def side_file_problems(folder: Path) -> list[str]:
             continue
         if not isinstance(data, dict):
             out.append(f"{file}: expected a JSON object, got {type(data).__name__}; re-download it")
+        elif name == "tokenizer.json":
+            out += _tokenizer_problems(file, raw)
     return out
+
+
+def _tokenizer_problems(file: Path, raw: bytes) -> list[str]:
+    """tokenizer.json that the tokenizers library (behind AutoTokenizer) cannot build a tokenizer from."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # transformers brings it; without it nothing here could load the output anyway
+        return []
+    try:
+        Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - the Rust library's error types
+        return [f"{file}: not a tokenizer the tokenizers library can read ({str(exc)[:160]}); it is copied into the "
+                f"MoE, whose tokenizer would not load — re-download it"]
+    return []

@@ -285,6 +285,11 @@ def read_config(path: Path, field_name: str) -> dict:
     if not isinstance(config, dict):
         raise SourceError(f"{cfg}: expected a JSON object")
     missing = [k for k in ("model_type", *REQUIRED_INT_FIELDS) if k not in config]
+    nested = [k for k in ("text_config", "language_config", "llm_config") if isinstance(config.get(k), dict)]
+    if missing and nested:  # a multimodal model: its language model is described under a sub-config
+        raise SourceError(f"{cfg}: describes a {config.get('model_type', 'multimodal')!r} model whose language model "
+                          f"is under {nested[0]}; moe-upcycle upcycles a dense language model (Llama, Mistral, Qwen2, "
+                          f"Qwen3) saved on its own — give that checkpoint")
     if missing:
         raise SourceError(f"{cfg}: missing required field(s) {', '.join(missing)}")
     wrong = [f"{k} must be a positive integer, got {config[k]!r}" for k in REQUIRED_INT_FIELDS
