@@ -660,3 +660,16 @@ def test_multimodal_config_named(tiny_llama, tmp_path):
     assert_clean_failure(code, output, tmp_path / "moe", [
         f"{model}/config.json: describes a 'llava' model whose language model is under text_config",
         "give that checkpoint"])
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_output_path_through_a_file(depth, tiny_llama, tmp_path):
+    from failure_checks import assert_clean_failure
+
+    (tmp_path / "notes.txt").write_text("mine")
+    target = tmp_path.joinpath("notes.txt", *["sub"] * (depth - 1), "moe")
+    code, output = cli("build", _recipe(tmp_path, tiny_llama), target)
+    assert_clean_failure(code, output, tmp_path / "moe",
+                         [f"{tmp_path}/notes.txt is a file, not a folder, so the output cannot go under it"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"

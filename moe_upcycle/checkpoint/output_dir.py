@@ -40,9 +40,10 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
     A killed build's leftovers beside the target are cleared first (`_recover`), under the lock.
 
     Raises:
-        OutputError: another build is writing the target; the target exists and is not empty (without `force`), is a file, or is
-            inside / equal to / a parent of a source model folder; or, with `force`, is not a
-            previous moe-upcycle output, or is the current folder or holds an input (`ownership`).
+        OutputError: another build is writing the target; the target exists and is not empty
+            (without `force`), is a file, or is inside / equal to / a parent of a source model
+            folder; or, with `force`, is not a previous moe-upcycle output holding only its own
+            files, or is the current folder or holds an input (`ownership`).
     """
     target = target.resolve()
     for src in sources:
@@ -86,6 +87,10 @@ def make_parent(target: Path) -> None:
         OutputError: a parent cannot be created (a file is in the way, no permission).
     """
     parent = Path(target).expanduser().resolve().parent
+    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # mkdir would only say "File exists" or "Not a directory"
+        raise OutputError(f"output {target}: {blocking} is a file, not a folder, so the output cannot go under it; "
+                          f"choose another output path")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -6,10 +6,9 @@ build writes one; the demo writes one at the top of its scratch folder). ``--for
 a folder only while it holds nothing but what that build wrote: a file the manifest does not list
 (``notes.txt``, a ``checkpoint-500/`` folder, a ``.git``) or a listed file changed since the build
 (a fine-tuned model saved over it) is the user's, so the folder is refused (`foreign_entries`).
-On top of that, a few
-folders are never replaced even when they are ours: the current folder and its ancestors, and
-any folder holding an input of the build (the recipe, a source model, a prompt or calibration
-file).
+On top of that, a few folders are never replaced even when they are ours: the current folder and
+its ancestors, and any folder holding an input of the build (the recipe, a source model, a prompt
+or calibration file).
 
 `replace_problem` says why a folder may not be replaced (None when it may); `check_replaceable`
 raises it. `prepare_demo_folder` empties only what a previous demo wrote. This module reads
