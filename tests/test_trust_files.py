@@ -285,6 +285,23 @@ def test_dense_windows_follow_each_family():
 # tie_word_embeddings against the stored weights.
 
 
+def test_untied_config_without_head_says_which_flag(tiny_llama, tmp_path):
+    """No lm_head.weight and tie_word_embeddings false: transformers would draw a random head."""
+    from safetensors.torch import load_file, save_file
+
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    state = load_file(str(model / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", [
+        f"tensor 'lm_head.weight' is missing from {model} (config.json has tie_word_embeddings: false; if the "
+        f"model's output head is its embedding, set it to true)"])
+
+
 @pytest.mark.parametrize("head", ["different", "same-bytes"])
 def test_tied_config_with_stored_head(head, tiny_llama, tmp_path):
     """tie_word_embeddings: true beside a stored lm_head.weight: transformers 5 runs the stored head,
