@@ -384,10 +384,10 @@ def test_base_without_tokenizer_warns_and_verify_names_the_tokenizer(tiny_llama,
 @pytest.mark.parametrize("fixture,name,words", [
     ("tiny_llama", "config.json", ["base_model: cannot read {m}/config.json (Permission denied)",
                                    "check that the model folder and its files are readable by you"]),
-    ("tiny_llama", "model.safetensors", ["base_model: cannot read {m}/model.safetensors (Permission denied)"]),
+    ("tiny_llama", "model.safetensors", ["{m}/model.safetensors: cannot read it (Permission denied)"]),
     ("tiny_mistral", "model.safetensors.index.json", ["{m}/model.safetensors.index.json", "Permission denied"]),
     ("tiny_mistral", "model-00002-of-00012.safetensors",
-     ["base_model: cannot read {m}/model-00002-of-00012.safetensors (Permission denied)"]),
+     ["{m}/model-00002-of-00012.safetensors: cannot read it (Permission denied)"]),
     ("tiny_llama_bin_tied", "pytorch_model.bin", ["base_model: cannot read {m}/pytorch_model.bin (Permission denied)"]),
     ("tiny_llama", "tokenizer.json", ["{m}/tokenizer.json: cannot read it (Permission denied)", "make it readable"]),
     ("tiny_llama", "chat_template.jinja", ["{m}/chat_template.jinja: cannot read it (Permission denied)"]),
@@ -690,3 +690,30 @@ def test_output_path_through_a_file(depth, tiny_llama, tmp_path):
                          [f"{tmp_path}/notes.txt is a file, not a folder, so the output cannot go under it"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml", "notes.txt"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name,words", [
+    ("moe_upcycle.json", ["moe_upcycle.json: cannot read it (Permission denied)"]),
+    ("README.md", ["README.md: cannot read it (Permission denied); its sha256 was not checked"]),
+    ("model-00001-of-00001.safetensors", ["model-00001-of-00001.safetensors: cannot read it (Permission denied)"]),
+])
+def test_verify_names_an_unreadable_file(name, words, routed_moe, tmp_path, monkeypatch):
+    import errno
+    import io
+    import os
+
+    folder = tmp_path / "moe"
+    shutil.copytree(routed_moe, folder)
+    locked = str(folder / name)
+    real_open = io.open
+
+    def refusing_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", locked)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", refusing_open)
+    monkeypatch.setattr("builtins.open", refusing_open)
+    code, output = cli("verify", folder)
+    assert code == 1 and "Traceback" not in output, output
+    assert all(w in _flat(output) for w in words), output

@@ -105,6 +105,8 @@ def read_recipe(folder: Path) -> Optional[dict]:
         return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read it ({exc.strerror or exc}); check that it is readable by you") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SourceError(f"{path}: not valid JSON ({exc}); rebuild the model or delete the file") from None
 
@@ -154,10 +156,14 @@ def _check_hashes(folder: Path, recipe: dict, result: VerifyResult, st) -> None:
             result.problems.append(f"{name}: recorded in {RECIPE_NAME} but missing from the folder")
             continue
         h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(2**24), b""):
-                h.update(chunk)
-                st.advance(len(chunk), note=name)
+        try:
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(2**24), b""):
+                    h.update(chunk)
+                    st.advance(len(chunk), note=name)
+        except OSError as exc:
+            result.problems.append(f"{name}: cannot read it ({exc.strerror or exc}); its sha256 was not checked")
+            continue
         if h.hexdigest() != digest:
             if name in EDITABLE_FILES:
                 result.notes.append(f"{name} was edited after the build (its sha256 differs from {RECIPE_NAME})")

@@ -313,16 +313,20 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     """
     if not file.is_file():
         raise SourceError(f"{file}: shard file is missing")
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise SourceError(f"{file}: empty or truncated safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise SourceError(f"{file}: safetensors header claims {n} bytes but the file has {size}; "
-                              f"the file is truncated or not safetensors")
-        header = _parse_header(file, fh.read(n))
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise SourceError(f"{file}: empty or truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise SourceError(f"{file}: safetensors header claims {n} bytes but the file has {size}; "
+                                  f"the file is truncated or not safetensors")
+            raw = fh.read(n)
+    except OSError as exc:  # permissions, I/O error
+        raise SourceError(f"{file}: cannot read it ({exc.strerror or exc}); check that it is readable by you") from None
+    header = _parse_header(file, raw)
     if not isinstance(header, dict):
         raise SourceError(f"{file}: safetensors header is not a JSON object")
     meta = header.get("__metadata__")
