@@ -717,3 +717,35 @@ def test_verify_names_an_unreadable_file(name, words, routed_moe, tmp_path, monk
     code, output = cli("verify", folder)
     assert code == 1 and "Traceback" not in output, output
     assert all(w in _flat(output) for w in words), output
+
+
+# ---------------------------------------------------------------------------------------------
+# demo DIR rerun: the demo's own dense/ and moe/ are rewritten only while they hold only its files.
+
+
+@pytest.fixture(scope="module")
+def demo_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("demo") / "demo_out"
+    code, output = cli("demo", folder)
+    assert code == 0, output
+    return folder
+
+
+@pytest.mark.parametrize("where", ["moe/notes.txt", "dense/notes.txt", "moe/eval/", "clean"])
+def test_demo_rerun_keeps_user_files_in_its_parts(where, demo_folder, tmp_path):
+    folder = tmp_path / "demo_out"
+    shutil.copytree(demo_folder, folder)
+    if where.endswith("/"):
+        (folder / where).mkdir()
+        (folder / where / "scores.json").write_text("{}")
+    elif where != "clean":
+        (folder / where).write_text("my notes")
+    before = _snapshot(folder)
+    code, output = cli("demo", folder)
+    if where == "clean":
+        assert code == 0, output
+        return
+    part, _, name = where.partition("/")
+    assert code == 1 and "Traceback" not in output, output
+    assert f"demo folder {folder} is a previous demo's, but {part}/ also holds {name}" in _flat(output), output
+    assert _snapshot(folder) == before

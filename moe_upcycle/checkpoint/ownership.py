@@ -11,7 +11,8 @@ its ancestors, and any folder holding an input of the build (the recipe, a sourc
 or calibration file).
 
 `replace_problem` says why a folder may not be replaced (None when it may); `check_replaceable`
-raises it. `prepare_demo_folder` empties only what a previous demo wrote. This module reads
+raises it. `prepare_demo_folder` empties only what a previous demo wrote (and refuses when its
+``dense/`` or ``moe/`` also holds something else). This module reads
 folders; it deletes nothing except the demo's own sub-folders.
 """
 
@@ -29,6 +30,9 @@ from moe_upcycle.errors import OutputError
 MANIFEST = "moe_upcycle.json"
 INDEX = "model.safetensors.index.json"  # names the shards, which `--no-checksums` leaves out of the manifest
 DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides the manifest
+# what `tiny.make_dense_model` writes into the demo's dense/
+DEMO_DENSE_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                              "tokenizer_config.json"})
 _SHOWN = 5  # names listed when a folder is refused
 
 
@@ -201,6 +205,10 @@ def prepare_demo_folder(folder: Path) -> Path:
             raise OutputError(f"demo folder {folder} is not empty (it holds {describe_contents(folder)}) and was not "
                               f"made by moe-upcycle demo; the demo only writes into a new or empty folder, e.g. "
                               f"moe-upcycle demo demo_out")
+        kept = _demo_part_problems(folder)
+        if kept:
+            raise OutputError(f"demo folder {folder} is a previous demo's, but {'; '.join(kept)}; the demo rewrites "
+                              f"its {' and '.join(p + '/' for p in DEMO_PARTS)} — move these away first")
         for part in DEMO_PARTS:
             path = folder / part
             if path.is_symlink() or path.is_file():
@@ -211,6 +219,21 @@ def prepare_demo_folder(folder: Path) -> Path:
     (folder / MANIFEST).write_text(json.dumps({"tool": "moe-upcycle", "kind": "demo",
                                                "parts": list(DEMO_PARTS)}, indent=2) + "\n", encoding="utf-8")
     return folder
+
+
+def _demo_part_problems(folder: Path) -> list[str]:
+    """What inside a previous demo's ``dense/`` and ``moe/`` the demo did not write."""
+    out = []
+    dense, moe = folder / "dense", folder / "moe"
+    if dense.is_dir() and not dense.is_symlink():
+        extra = sorted(p.name + ("/" if p.is_dir() else "") for p in dense.iterdir() if p.name not in DEMO_DENSE_FILES)
+        if extra:
+            out.append(f"dense/ also holds {', '.join(extra[:_SHOWN])}")
+    if moe.is_dir() and not moe.is_symlink() and any(moe.iterdir()):
+        extra = foreign_entries(moe) if is_ours(moe) else [describe_contents(moe)]
+        if extra:
+            out.append(f"moe/ also holds {', '.join(extra[:_SHOWN])}")
+    return out
 
 
 def input_paths(config_source: object, config: object, sources: Sequence[Path]) -> list[Path]:
