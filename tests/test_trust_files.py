@@ -749,3 +749,21 @@ def test_demo_rerun_keeps_user_files_in_its_parts(where, demo_folder, tmp_path):
     assert code == 1 and "Traceback" not in output, output
     assert f"demo folder {folder} is a previous demo's, but {part}/ also holds {name}" in _flat(output), output
     assert _snapshot(folder) == before
+
+
+def test_model_folder_of_symlinks_builds_from_the_linked_files(tiny_mistral, tmp_path):
+    """A Hugging Face cache snapshot is a folder of links into blobs/: every file is read through its link."""
+    from conftest import model_logits
+    from tolerances import assert_close_rel
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(tiny_mistral.iterdir())):
+        shutil.copyfile(f, blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
+    out = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, snapshot), out)
+    assert code == 0, output
+    assert_close_rel(model_logits(out), model_logits(tiny_mistral))
+    assert all(p.is_file() and not p.is_symlink() for p in out.iterdir())  # the output holds files, not links
