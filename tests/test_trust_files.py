@@ -767,3 +767,35 @@ def test_model_folder_of_symlinks_builds_from_the_linked_files(tiny_mistral, tmp
     assert code == 0, output
     assert_close_rel(model_logits(out), model_logits(tiny_mistral))
     assert all(p.is_file() and not p.is_symlink() for p in out.iterdir())  # the output holds files, not links
+
+
+def test_quantized_checkpoint_says_to_use_the_unquantized_release(tiny_llama, tmp_path):
+    """bitsandbytes/GPTQ-style checkpoints pack weights into integer tensors and say so in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    from failure_checks import assert_clean_failure
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    state = load_file(str(model / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(64, 64, dtype=torch.uint8)  # packed 4-bit pairs
+    save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    code, output = cli("build", _recipe(tmp_path, model), tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", [
+        f"{model}/config.json: quantization_config says the weights are quantized (bitsandbytes)",
+        "upcycle the model's unquantized (bf16, fp16 or fp32) release"])
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "F4"])
+def test_low_precision_dtype_names_the_unquantized_release(dtype, tmp_path):
+    from moe_upcycle.checkpoint.source import read_safetensors_header
+    from moe_upcycle.errors import SourceError
+
+    raw = json.dumps({"w": {"dtype": dtype, "shape": [8], "data_offsets": [0, 8]}}).encode()
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(SourceError, match=f"tensor 'w' has dtype '{dtype}', which moe-upcycle does not read .* a "
+                                          f"quantized checkpoint: upcycle the model's unquantized"):
+        read_safetensors_header(file)

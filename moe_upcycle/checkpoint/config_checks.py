@@ -55,6 +55,11 @@ def is_number(value: Any) -> bool:
 def value_problems(config: dict) -> list[str]:
     """Types and bounds of the fields moe-upcycle reads (required int fields are checked by `source`)."""
     out = []
+    quant = config.get("quantization_config")
+    if quant is not None:  # packed integer or fp8 weights, plus scales: not a dense model's tensors
+        method = quant.get("quant_method", "a quantization") if isinstance(quant, dict) else "a quantization"
+        out.append(f"quantization_config says the weights are quantized ({method}); moe-upcycle reads unquantized "
+                   f"weights: upcycle the model's unquantized (bf16, fp16 or fp32) release")
     if config.get("num_attention_heads") is None:  # every supported family needs it (head_dim, attention shapes)
         out.append("num_attention_heads is missing; the attention layout cannot be known without it")
     for key, limit in SIZE_LIMITS.items():
