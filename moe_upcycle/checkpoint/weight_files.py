@@ -45,8 +45,8 @@ def choose_weights(path: Path, config: Optional[dict] = None, field_name: str = 
     if dcp:
         raise SourceError(f"{field_name}: {path} holds distributed-checkpoint shards ({dcp[0]}"
                           + (f" and {len(dcp) - 1} more" if len(dcp) > 1 else "") + "), which transformers 5 loads "
-                          f"instead of the usual weight files; moe-upcycle does not read them. Save the model with "
-                          f"save_pretrained into a new folder and use that")
+                          "instead of the usual weight files; moe-upcycle does not read them. Save the model with "
+                          "save_pretrained into a new folder and use that")
     explicit = (config or {}).get("transformers_weights")
     if explicit is not None:
         return _explicit_weights(path, explicit, field_name)
