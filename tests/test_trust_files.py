@@ -799,3 +799,34 @@ def test_low_precision_dtype_names_the_unquantized_release(dtype, tmp_path):
     with pytest.raises(SourceError, match=f"tensor 'w' has dtype '{dtype}', which moe-upcycle does not read .* a "
                                           f"quantized checkpoint: upcycle the model's unquantized"):
         read_safetensors_header(file)
+
+
+@pytest.mark.parametrize("err", ["EACCES", "EROFS"])
+def test_unwritable_output_parent_refused_before_work(err, tiny_llama, tmp_path, monkeypatch):
+    """A read-only parent folder (permissions, or a read-only filesystem) stops the build at its first
+    write, the lock file beside the target, before the gates or any tensor work."""
+    import errno
+    import os
+
+    import moe_upcycle.build
+    import moe_upcycle.checkpoint.output_dir as output_dir
+    from failure_checks import assert_clean_failure
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    real_open = os.open
+    code_no = getattr(errno, err)
+
+    def refusing(path, flags, *args, **kwargs):
+        if Path(path).parent == parent and flags & os.O_CREAT:
+            raise OSError(code_no, os.strerror(code_no), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def no_gates(*args, **kwargs):
+        raise AssertionError("the gates were computed before the output was found unwritable")
+
+    monkeypatch.setattr(output_dir.os, "open", refusing)
+    monkeypatch.setattr(moe_upcycle.build, "compute_gates", no_gates)
+    code, output = cli("build", _recipe(tmp_path, tiny_llama), parent / "moe")
+    assert_clean_failure(code, output, parent / "moe", [
+        f"cannot create the lock file {parent}/.moe.lock: {os.strerror(code_no)}; is {parent} writable?"])
