@@ -830,3 +830,30 @@ def test_unwritable_output_parent_refused_before_work(err, tiny_llama, tmp_path,
     code, output = cli("build", _recipe(tmp_path, tiny_llama), parent / "moe")
     assert_clean_failure(code, output, parent / "moe", [
         f"cannot create the lock file {parent}/.moe.lock: {os.strerror(code_no)}; is {parent} writable?"])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_qwen3"])
+def test_window_on_some_layers_only(fixture, request, tmp_path):
+    """use_sliding_window with max_window_layers 1 of 2 (no layer_types): layer 0 full, layer 1 sliding.
+    Qwen2-MoE writes that per layer and reproduces the dense logits; Qwen3-MoE (one window for every
+    layer, and the only output with q/k norms) is refused, saying why."""
+    from conftest import model_logits
+    from failure_checks import assert_clean_failure
+    from tolerances import assert_close_rel
+
+    model = tmp_path / "model"
+    shutil.copytree(request.getfixturevalue(fixture), model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("layer_types", None)
+    config.update(sliding_window=4, use_sliding_window=True, max_window_layers=1)
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "moe"
+    code, output = cli("build", _recipe(tmp_path, model), out)
+    if fixture == "tiny_qwen3":
+        assert_clean_failure(code, output, out, [
+            "qwen3_moe: the base slides its attention window on 1 of its 2 layers only (from layer 1), but "
+            "Qwen3-MoE applies one window to every layer"])
+        return
+    assert code == 0, output
+    assert json.loads((out / "config.json").read_text())["layer_types"] == ["full_attention", "sliding_attention"]
+    assert_close_rel(model_logits(out), model_logits(model))

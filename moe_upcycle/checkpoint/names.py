@@ -69,6 +69,7 @@ class OutputLayout:
     experts_key: str = "num_experts"  # config.json field for the number of routed experts
     expert_size_key: str = "moe_intermediate_size"  # config.json field for one expert's intermediate size
     inherit: tuple[str, ...] = ()  # base config.json fields copied beyond model_files.INHERITED
+    per_layer_windows: bool = False  # layer_types says which layers slide (else one window for every layer)
     config: dict = field(default_factory=dict)  # fixed config.json fields
 
     def holds(self, suffix: str) -> bool:
@@ -131,6 +132,7 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         shared_expert={p: "model.layers.{layer}.mlp.shared_expert." + p + ".weight" for p in PROJS},
         shared_expert_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
         inherit=WINDOW_FIELDS,
+        per_layer_windows=True,  # transformers 5's Qwen2-MoE reads layer_types (Qwen3-MoE does not)
         # norm_topk_prob: top-k weights sum to 1, so identical experts reproduce the dense FFN
         config={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
     ),

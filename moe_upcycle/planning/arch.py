@@ -61,6 +61,12 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
     if missing:
         what = f"{names.TENSOR_GROUPS[missing[0]]} ({missing[0]})" if missing[0] in names.TENSOR_GROUPS else missing[0]
         out.append((f"the base has no {what}, which {layout.label} needs", "missing:" + missing[0]))
+    per_layer = windows.dense_windows(base.config) if "num_hidden_layers" in base.config else []
+    if len(set(per_layer)) > 1 and not layout.per_layer_windows:
+        sliding = [i for i, w in enumerate(per_layer) if w]
+        out.append((f"the base slides its attention window on {len(sliding)} of its {len(per_layer)} layers "
+                    f"only (from layer {sliding[0]}), but {layout.label} applies one window to every layer",
+                    "mixed-windows"))
     if config.shared_experts and not layout.shared_expert:
         out.append((f"{layout.label} has no shared expert, but shared_experts lists {len(config.shared_experts)}",
                     "shared_experts"))
@@ -158,10 +164,11 @@ def config_fields(plan: "Plan") -> dict:
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})
-    if not any(windows.dense_windows(base)):  # a sliding_window the dense model does not apply is not copied
+    per_layer = windows.dense_windows(base)
+    if not any(per_layer):  # a sliding_window the dense model does not apply is not copied
         fields.update(windows.no_window_fields(layout, base["num_hidden_layers"]))
-    elif "layer_types" in layout.inherit and "layer_types" not in base and base.get("sliding_window"):
-        # Mistral slides every layer; Qwen MoE configs say so per layer
-        fields.update(use_sliding_window=True, max_window_layers=base["num_hidden_layers"],
-                      layer_types=["sliding_attention"] * base["num_hidden_layers"])
+    elif "layer_types" in layout.inherit and "layer_types" not in base:
+        # Mistral slides every layer, a Qwen base the layers from max_window_layers on: Qwen MoE configs say which
+        fields.update(use_sliding_window=True, max_window_layers=base.get("max_window_layers", len(per_layer)),
+                      layer_types=["sliding_attention" if w else "full_attention" for w in per_layer])
     return fields

@@ -7,7 +7,9 @@ Llama ignores it; Mistral applies it to every layer; Qwen2/Qwen3 apply it only w
 ``sliding_window`` to every layer (Qwen-MoE: when ``use_sliding_window``), so copying the field
 unchanged gives a Llama base, or a published Qwen2.5 config (``sliding_window: 131072,
 use_sliding_window: false``), a window its dense model never had. `dense_windows` says what the
-base really does; `arch.config_fields` writes "no window" when it is none anywhere.
+base really does; `arch.config_fields` writes "no window" when it is none anywhere and, for the
+Qwen MoE outputs, which layers slide; `arch.misfits` refuses an output with one window for every
+layer (Mixtral, Qwen3-MoE) when the base slides only some.
 
 It reads config.json values only.
 """
