@@ -4,15 +4,26 @@ file or entry, and that every file a user owns survives byte for byte."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from failure_checks import cli, leftovers
+from conftest import model_logits
+from failure_checks import assert_clean_failure, cli, leftovers, previous_build
+from moe_upcycle.checkpoint.source import Checkpoint, read_safetensors_header
+from moe_upcycle.errors import OutputError, SourceError
+from moe_upcycle.planning.windows import dense_windows
+from moe_upcycle.recipe.rewrite import write_grown_config
+from tolerances import assert_close_rel
 
 GOOD = "base_model: {base}\nnum_experts: 2\ngate_mode: random\n"
 
@@ -144,11 +155,6 @@ HEADERS = [
 
 @pytest.mark.parametrize("case_id,raw,words", HEADERS, ids=[c[0] for c in HEADERS])
 def test_header_read_as_strictly_as_safetensors(case_id, raw, words, tmp_path):
-    from safetensors import safe_open
-
-    from moe_upcycle.checkpoint.source import read_safetensors_header
-    from moe_upcycle.errors import SourceError
-
     file = tmp_path / "model.safetensors"
     file.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(12))
     try:
@@ -167,8 +173,6 @@ def test_header_read_as_strictly_as_safetensors(case_id, raw, words, tmp_path):
 
 def test_duplicate_tensor_name_refused_through_cli(tiny_llama, tmp_path):
     """Two entries for one tensor: the build stops naming the file and the tensor, and writes nothing."""
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     file = model / "model.safetensors"
@@ -189,11 +193,6 @@ def test_duplicate_tensor_name_refused_through_cli(tiny_llama, tmp_path):
 @pytest.mark.parametrize("change", ["truncated", "garbage", "removed"])
 def test_source_changed_after_its_header_was_read(aligned, change, tmp_path):
     """A shard rewritten between the header check and the read (a re-download) is a SourceError naming it."""
-    from safetensors.torch import save_file
-
-    from moe_upcycle.checkpoint.source import Checkpoint, read_safetensors_header
-    from moe_upcycle.errors import SourceError
-
     file = tmp_path / "model.safetensors"
     if aligned:
         save_file({"w": torch.ones(64, 64)}, str(file))
@@ -220,10 +219,6 @@ def test_bin_with_wrapped_weights_refused(wrapper, tiny_llama, tmp_path):
     """{"state_dict": {...}} (a training checkpoint): transformers loads only top-level tensors, so
     from_pretrained would initialise every weight at random. Building from the nested tensors would
     make an MoE of a model no loader sees; it is refused, with the command that unwraps it."""
-    from safetensors.torch import load_file
-
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     state = load_file(str(model / "model.safetensors"))
@@ -248,9 +243,6 @@ def test_bin_with_wrapped_weights_refused(wrapper, tiny_llama, tmp_path):
 ], ids=["llama", "qwen2-published-shape", "qwen3-no-switch"])
 def test_window_the_dense_model_ignores_is_not_added(fixture, changes, request, tmp_path):
     """The MoE of identical experts must give the dense logits on a text longer than the window."""
-    from conftest import model_logits
-    from tolerances import assert_close_rel
-
     model = tmp_path / "model"
     shutil.copytree(request.getfixturevalue(fixture), model)
     config = json.loads((model / "config.json").read_text())
@@ -267,8 +259,6 @@ def test_window_the_dense_model_ignores_is_not_added(fixture, changes, request, 
 
 
 def test_dense_windows_follow_each_family():
-    from moe_upcycle.planning.windows import dense_windows
-
     qwen = {"model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 8}
     assert dense_windows({**qwen, "model_type": "llama"}) == [None] * 3
     assert dense_windows({**qwen, "model_type": "mistral"}) == [8] * 3
@@ -287,10 +277,6 @@ def test_dense_windows_follow_each_family():
 
 def test_untied_config_without_head_says_which_flag(tiny_llama, tmp_path):
     """No lm_head.weight and tie_word_embeddings false: transformers would draw a random head."""
-    from safetensors.torch import load_file, save_file
-
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     state = load_file(str(model / "model.safetensors"))
@@ -306,10 +292,6 @@ def test_untied_config_without_head_says_which_flag(tiny_llama, tmp_path):
 def test_tied_config_with_stored_head(head, tiny_llama, tmp_path):
     """tie_word_embeddings: true beside a stored lm_head.weight: transformers 5 runs the stored head,
     4.x the embedding. A head equal to the embedding is unambiguous and builds; a different one is refused."""
-    from safetensors.torch import load_file, save_file
-
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     config = json.loads((model / "config.json").read_text())
@@ -339,8 +321,6 @@ def test_previous_output_left_mid_swap_is_put_back_before_the_checks(force, tiny
     """The previous output, left as .moe.old-<pid> with no target, is moved back before the target is
     checked: without --force the build stops at once saying so (it used to do all the work and then
     fail at the final rename with "appeared during the build"); with --force it is replaced."""
-    from failure_checks import previous_build
-
     target = tmp_path / "moe"
     previous_build(tmp_path / ".moe.old-99999", {"config.json": '{"previous": true}'})
     before = _snapshot(tmp_path / ".moe.old-99999")
@@ -393,12 +373,6 @@ def test_base_without_tokenizer_warns_and_verify_names_the_tokenizer(tiny_llama,
     ("tiny_llama", "chat_template.jinja", ["{m}/chat_template.jinja: cannot read it (Permission denied)"]),
 ], ids=lambda v: v if isinstance(v, str) and "." in v else None)
 def test_unreadable_source_file_named(fixture, name, words, request, tmp_path, monkeypatch):
-    import errno
-    import io
-    import os
-
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(request.getfixturevalue(fixture), model)
     if name == "chat_template.jinja":
@@ -428,8 +402,6 @@ def test_unreadable_source_file_named(fixture, name, words, request, tmp_path, m
 
 @pytest.mark.parametrize("case", ["weights-file", "config-file", "relative-file", "broken-weights-link"])
 def test_model_reference_of_the_wrong_kind(case, tiny_llama, tmp_path, monkeypatch):
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "my model é"  # spaces and non-ASCII in the path
     shutil.copytree(tiny_llama, model)
     ref = {"weights-file": model / "model.safetensors", "config-file": model / "config.json",
@@ -455,8 +427,6 @@ def test_model_reference_of_the_wrong_kind(case, tiny_llama, tmp_path, monkeypat
 
 
 def _rename_all(model: Path, rename) -> None:
-    from safetensors.torch import load_file, save_file
-
     state = load_file(str(model / "model.safetensors"))
     save_file({rename(k): v for k, v in state.items()}, str(model / "model.safetensors"), metadata={"format": "pt"})
 
@@ -473,8 +443,6 @@ def _rename_all(model: Path, rename) -> None:
                                      "'model-00001-of-00001.safetensors', but a pytorch_model.bin index names only PyTorch files"]),
 ])
 def test_weights_without_family_layer_names(case, words, tiny_llama, tmp_path):
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     if case == "wrapped":  # a multimodal checkpoint's language model under a prefix
@@ -521,13 +489,9 @@ def test_output_name_near_the_length_limit(name, tiny_llama, tmp_path):
 def test_transformers_weights_file_is_the_one_read(tiny_llama, tiny_mistral, tmp_path):
     """model.safetensors holds one model, the file config.json names holds another: the MoE is built
     from the named one, as transformers loads it (before: from model.safetensors)."""
-    from conftest import model_logits
-    from tolerances import assert_close_rel
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     shutil.copyfile(model / "model.safetensors", model / "consolidated.safetensors")
-    from safetensors.torch import load_file, save_file
     state = load_file(str(model / "model.safetensors"))
     save_file({k: v * 0.5 for k, v in state.items()}, str(model / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((model / "config.json").read_text())
@@ -549,8 +513,6 @@ def test_transformers_weights_file_is_the_one_read(tiny_llama, tiny_mistral, tmp
              "transformers 5 loads instead of the usual weight files"]),
 ])
 def test_weight_file_named_elsewhere_refused(value, words, tiny_llama, tmp_path):
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     if value == "dcp":
@@ -570,7 +532,6 @@ def test_hub_id_with_partial_cache_says_what_to_download(tiny_llama, tmp_path, m
     """`hf download org/tiny config.json` (what `plan --from-config` needs) caches no weights."""
     import huggingface_hub.constants
 
-    from failure_checks import assert_clean_failure
 
     repo = tmp_path / "hub" / "models--org--tiny"
     snapshot = repo / "snapshots" / "abc123"
@@ -609,8 +570,6 @@ def routed_moe(tiny_llama, tmp_path_factory) -> Path:
     ("missing-parent", ["--plot {p}: folder {parent} does not exist"]),
 ])
 def test_route_plot_path_refused_before_work(where, words, routed_moe, tmp_path):
-    from failure_checks import assert_clean_failure
-
     prompts = tmp_path / ("prompts.png" if where == "same-prompts-png" else "prompts.txt")
     prompts.write_text("Once upon a time\nThe cat sat on the mat\n")
     plot = {"prompts": prompts, "same-prompts-png": prompts, "model-config": routed_moe / "config.json",
@@ -640,12 +599,6 @@ GROW_CONFIG = ("base_model: x\ngate_mode: random\nexperts:\n  - source_model: x\
     ("unwritable.yaml", ["cannot write it (No space left on device); nothing was changed"]),
 ])
 def test_grown_config_output_refused(target, words, tmp_path, monkeypatch):
-    import errno
-    import os
-
-    from moe_upcycle.errors import OutputError
-    from moe_upcycle.recipe.rewrite import write_grown_config
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.yaml").write_text(GROW_CONFIG)
     (tmp_path / "a_prompts.txt").write_text("hello there\n")
@@ -666,8 +619,6 @@ def test_grown_config_output_refused(target, words, tmp_path, monkeypatch):
 
 def test_multimodal_config_named(tiny_llama, tmp_path):
     """A multimodal config.json (the language model under text_config) is named as such, not as missing fields."""
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     text = json.loads((model / "config.json").read_text())
@@ -681,8 +632,6 @@ def test_multimodal_config_named(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_output_path_through_a_file(depth, tiny_llama, tmp_path):
-    from failure_checks import assert_clean_failure
-
     (tmp_path / "notes.txt").write_text("mine")
     target = tmp_path.joinpath("notes.txt", *["sub"] * (depth - 1), "moe")
     code, output = cli("build", _recipe(tmp_path, tiny_llama), target)
@@ -698,10 +647,6 @@ def test_output_path_through_a_file(depth, tiny_llama, tmp_path):
     ("model-00001-of-00001.safetensors", ["model-00001-of-00001.safetensors: cannot read it (Permission denied)"]),
 ])
 def test_verify_names_an_unreadable_file(name, words, routed_moe, tmp_path, monkeypatch):
-    import errno
-    import io
-    import os
-
     folder = tmp_path / "moe"
     shutil.copytree(routed_moe, folder)
     locked = str(folder / name)
@@ -753,9 +698,6 @@ def test_demo_rerun_keeps_user_files_in_its_parts(where, demo_folder, tmp_path):
 
 def test_model_folder_of_symlinks_builds_from_the_linked_files(tiny_mistral, tmp_path):
     """A Hugging Face cache snapshot is a folder of links into blobs/: every file is read through its link."""
-    from conftest import model_logits
-    from tolerances import assert_close_rel
-
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
     blobs.mkdir()
     snapshot.mkdir(parents=True)
@@ -771,10 +713,6 @@ def test_model_folder_of_symlinks_builds_from_the_linked_files(tiny_mistral, tmp
 
 def test_quantized_checkpoint_says_to_use_the_unquantized_release(tiny_llama, tmp_path):
     """bitsandbytes/GPTQ-style checkpoints pack weights into integer tensors and say so in config.json."""
-    from safetensors.torch import load_file, save_file
-
-    from failure_checks import assert_clean_failure
-
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     state = load_file(str(model / "model.safetensors"))
@@ -790,9 +728,6 @@ def test_quantized_checkpoint_says_to_use_the_unquantized_release(tiny_llama, tm
 
 @pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "F4"])
 def test_low_precision_dtype_names_the_unquantized_release(dtype, tmp_path):
-    from moe_upcycle.checkpoint.source import read_safetensors_header
-    from moe_upcycle.errors import SourceError
-
     raw = json.dumps({"w": {"dtype": dtype, "shape": [8], "data_offsets": [0, 8]}}).encode()
     file = tmp_path / "model.safetensors"
     file.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
@@ -805,12 +740,8 @@ def test_low_precision_dtype_names_the_unquantized_release(dtype, tmp_path):
 def test_unwritable_output_parent_refused_before_work(err, tiny_llama, tmp_path, monkeypatch):
     """A read-only parent folder (permissions, or a read-only filesystem) stops the build at its first
     write, the lock file beside the target, before the gates or any tensor work."""
-    import errno
-    import os
-
     import moe_upcycle.build
     import moe_upcycle.checkpoint.output_dir as output_dir
-    from failure_checks import assert_clean_failure
 
     parent = tmp_path / "ro"
     parent.mkdir()
@@ -837,10 +768,6 @@ def test_window_on_some_layers_only(fixture, request, tmp_path):
     """use_sliding_window with max_window_layers 1 of 2 (no layer_types): layer 0 full, layer 1 sliding.
     Qwen2-MoE writes that per layer and reproduces the dense logits; Qwen3-MoE (one window for every
     layer, and the only output with q/k norms) is refused, saying why."""
-    from conftest import model_logits
-    from failure_checks import assert_clean_failure
-    from tolerances import assert_close_rel
-
     model = tmp_path / "model"
     shutil.copytree(request.getfixturevalue(fixture), model)
     config = json.loads((model / "config.json").read_text())
