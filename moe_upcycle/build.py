@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -18,20 +19,20 @@ from moe_upcycle.check.drift import InitDrift, build_drift
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME, check_target, make_parent, staged_output  # noqa: F401 (RECIPE_NAME: public)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
-from moe_upcycle.errors import ConfigError, OutputError
+from moe_upcycle.errors import ConfigError, OutputError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
 from moe_upcycle.planning.fused import SAFETENSORS_METADATA
 from moe_upcycle.checkpoint.disk_space import check_free_space
-from moe_upcycle.planning.guards import check_source_dtypes
+from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
 from moe_upcycle.planning.report import sharing_report
 from moe_upcycle.publish.card import write_model_card
 from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
-from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
+from moe_upcycle.publish.model_files import copy_tokenizer_files, missing_tokenizer_warning, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.calibration import read_documents
 from moe_upcycle.recipe.params import HIDDEN_MODES
@@ -132,6 +133,7 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
     with progress_stage("plan", total=1) as st:
         plan = make_plan(config, sources)
         check_source_dtypes(plan, sources)
+        check_tied_head(plan, sources[config.base_model], config.base_model)
         st.advance(note=f"{len(plan.steps)} tensors")
     return config, sources, plan
 
@@ -207,6 +209,9 @@ def upcycle(
                  input_paths(recipe_source, config, ()))
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
+    no_tokenizer = missing_tokenizer_warning(base.path)
+    if no_tokenizer:
+        warnings.warn(no_tokenizer, UpcycleWarning, stacklevel=2)
     gating, writing, checking = gate_params(config), write_params(config), check_params(config)
     with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
         gates = compute_gates(gating, plan, base)

@@ -3,6 +3,8 @@ that a failed build left nothing behind."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +58,14 @@ def assert_clean_failure(code: int, output: str, target: Path, words: list[str],
         assert word in flat, f"{word!r} not in:\n{output}"
     assert "Traceback" not in output, output
     assert leftovers(target) == [], f"left behind: {leftovers(target)}"
+
+
+def previous_build(folder: Path, files: dict[str, str]) -> Path:
+    """A stand-in for an earlier build's output: `files` plus a manifest recording their sha256."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in files.items()}
+    (folder / "moe_upcycle.json").write_text(json.dumps({"tool": "moe-upcycle", "sha256": digests}))
+    return folder

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import model_logits
+from failure_checks import previous_build
 from moe_upcycle.cli import app
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from tolerances import assert_close_rel
@@ -174,10 +175,11 @@ def test_existing_output_refused_then_force_replaces(tiny_llama, write_yaml, tmp
     code, output = run("build", cfg, "-o", out, "--force")  # not ours (no moe_upcycle.json): still refused
     assert code == 1 and "was not written by moe-upcycle" in " ".join(output.split()), output
     assert (out / "keep.txt").read_text() == "precious"
-    (out / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')  # a previous build: replaced
+    (out / "keep.txt").unlink()
+    previous_build(out, {"config.json": "{}"})  # a previous build, holding only its own files: replaced
     code, output = run("build", cfg, "-o", out, "--force")
     assert code == 0, output
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert (out / "config.json").is_file() and json.loads((out / "config.json").read_text())["num_local_experts"] == 2
     assert leftovers(tmp_path, "out") == ["out"]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from failure_checks import REPO, cli, leftovers, module_cmd, module_env
+from failure_checks import REPO, cli, leftovers, module_cmd, module_env, previous_build
 
 HIDDEN, INTER, LAYERS, VOCAB, KV = 256, 1024, 4, 512, 128
 SHARD = "4MB"  # 104 MB of output in 33 shards
@@ -96,10 +96,7 @@ def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_confi
     target = tmp_path / "moe"
     previous = None
     if force:  # a previous build's folder: --force must keep it intact until the new one is complete
-        target.mkdir()
-        (target / "config.json").write_text('{"previous": true}')
-        (target / "model.safetensors").write_bytes(b"old weights")
-        (target / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')
+        previous_build(target, {"config.json": '{"previous": true}', "model.safetensors": "old weights"})
         previous = _snapshot(target)
     proc = _start_build(big_config, target, *(["--force"] if force else []))
     shards = _wait_for_shards(proc, target)

@@ -182,6 +182,6 @@ def test_build_makes_missing_parent_folders(stories, write_yaml, tmp_path):
 def test_build_parent_blocked_by_a_file_is_a_clear_error(stories, write_yaml, tmp_path):
     config = write_yaml({"base_model": str(stories), "num_experts": 2, "experts_per_token": 1, "gate_mode": "uniform"})
     (tmp_path / "out").write_text("not a folder")
-    with pytest.raises(OutputError, match=r"cannot create the parent folder of the output, .*out/runs"):
+    with pytest.raises(OutputError, match=r"my-moe: .*/out is a file, not a folder, so the output cannot go under it"):
         upcycle(config, tmp_path / "out" / "runs" / "my-moe")
     assert (tmp_path / "out").read_text() == "not a folder"

@@ -141,6 +141,8 @@ def test_known_activations_are_transformers_own():
 
 
 @pytest.mark.parametrize("name,content", [("tokenizer.json", b'{"version": "1.0", "trunc'),
+                                          ("tokenizer.json", b'{"version": "1.0"}'),  # JSON, but no tokenizer
+                                          ("tokenizer.json", b'{"version": "1.0", "model": {"type": "BPE"}}'),
                                           ("tokenizer_config.json", b"\xff\xfe"),
                                           ("generation_config.json", b"[1, 2]")])
 def test_damaged_tokenizer_or_generation_file_refused(name, content, tiny_llama, tmp_path):

@@ -79,12 +79,12 @@ def test_demo_reruns_in_its_own_folder_and_keeps_other_files(tmp_path):
     assert code == 0, output
     assert json.loads((folder / "moe_upcycle.json").read_text())["kind"] == "demo"
     (folder / "my_notes.txt").write_text("added by the user")
-    stale = folder / "moe" / "stale.bin"
-    stale.write_bytes(b"x")
+    first = (folder / "moe" / "moe_upcycle.json").stat().st_mtime_ns
     code, output = cli("demo", folder)
     assert code == 0, output
     assert (folder / "my_notes.txt").read_text() == "added by the user"  # not the demo's: kept
-    assert not stale.exists()  # the demo's own moe/ was rewritten
+    assert (folder / "moe" / "moe_upcycle.json").stat().st_mtime_ns > first  # the demo's own moe/ was rewritten
+    # (a file the user put inside moe/ or dense/ is kept too: tests/test_trust_files.py)
     assert sorted(p.name for p in folder.iterdir()) == ["dense", "moe", "moe_upcycle.json", "my_notes.txt"]
 
 
@@ -179,10 +179,10 @@ def test_build_force_replaces_previous_build(tiny_llama, tmp_path):
     cfg = _recipe(tmp_path, tiny_llama)
     out = tmp_path / "out"
     assert cli("build", cfg, out)[0] == 0
-    (out / "extra.txt").write_text("stale")
+    (out / "README.md").unlink()  # removing one of the build's own files does not make the folder a user's
     code, output = cli("build", cfg, out, "--force")
     assert code == 0, output
-    assert not (out / "extra.txt").exists() and json.loads((out / "moe_upcycle.json").read_text())["tool"] == "moe-upcycle"
+    assert (out / "README.md").is_file() and json.loads((out / "moe_upcycle.json").read_text())["tool"] == "moe-upcycle"
     assert leftovers(out) == ["out"]
 
 

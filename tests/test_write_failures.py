@@ -17,7 +17,7 @@ import pytest
 import moe_upcycle.build
 import moe_upcycle.checkpoint.disk_space
 import moe_upcycle.checkpoint.shard_file
-from failure_checks import REPO, assert_clean_failure, cli, leftovers, module_cmd, module_env
+from failure_checks import REPO, assert_clean_failure, cli, leftovers, module_cmd, module_env, previous_build
 from moe_upcycle import upcycle
 
 GOOD = "base_model: {base}\nnum_experts: 2\ngate_mode: random\n"
@@ -54,9 +54,7 @@ def _disk_fills_after(monkeypatch, room: int) -> None:
 def test_disk_full_mid_write(force, config, output_bytes, tmp_path, monkeypatch):
     target = tmp_path / "moe"
     if force:
-        target.mkdir()
-        (target / "keep.txt").write_text("previous build")
-        (target / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')
+        previous_build(target, {"keep.txt": "previous build"})
     _disk_fills_after(monkeypatch, room=output_bytes // 2)
     code, output = cli("build", config, target, "--max-shard-size", "60KB", *(["--force"] if force else []))
     flat = " ".join(output.split())
@@ -202,9 +200,7 @@ def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch)
     import moe_upcycle.checkpoint.output_dir as output_dir
 
     target = tmp_path / "moe"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
-    (target / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')
+    previous_build(target, {"old.txt": "old"})
     real_rename = os.rename
 
     def rename_with_interrupt(src, dst):

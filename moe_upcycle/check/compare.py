@@ -110,11 +110,24 @@ def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises; say it is the tokenizer
+        raise TokenizerLoadError(f"its tokenizer does not load with transformers AutoTokenizer "
+                                 f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+                                 + ("; the folder holds no tokenizer.json, tokenizer.model or vocab.json — copy the "
+                                    "base model's tokenizer files into it"
+                                    if not any((Path(folder) / n).is_file()
+                                               for n in ("tokenizer.json", "tokenizer.model", "vocab.json")) else "")
+                                 ) from exc
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
     mismatched = [k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", [])]
     return Loaded(model.to(device).eval(), tokenizer, sorted(info.get("missing_keys", [])),
                   sorted(info.get("unexpected_keys", [])), sorted(mismatched))
+
+
+class TokenizerLoadError(Exception):
+    """`load_causal_lm` could not load the folder's tokenizer (the weights were not tried)."""
 
 
 def upcast_to_fp32(model) -> None:

@@ -194,16 +194,21 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k)
 
 
-def check_plot_path(path: Union[str, Path]) -> Path:
+def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] = ()) -> Path:
     """The heatmap's file, checked before any routing: matplotlib present, a known image suffix,
-    a folder that exists, not a folder itself.
+    a folder that exists, not a folder itself, not one of the command's inputs.
+
+    Args:
+        path: where the heatmap goes; its suffix picks the format.
+        inputs: files and folders the command reads (the prompts file, the model folder): never written.
 
     Raises:
         DependencyError: matplotlib (the ``plot`` extra) is not installed.
         ConfigError: the path cannot hold the image.
+        OutputError: the path is one of `inputs`.
     """
     _pyplot()
-    out = Path(path)
+    out = Path(path).expanduser()
     if out.is_dir():
         raise ConfigError(f"--plot {out}: is a folder; give an image file name such as {out / 'routing.png'}")
     if out.suffix.lower() not in PLOT_SUFFIXES:
@@ -211,6 +216,11 @@ def check_plot_path(path: Union[str, Path]) -> Path:
                           f"{', '.join(PLOT_SUFFIXES)}")
     if not out.parent.is_dir():
         raise ConfigError(f"--plot {out}: folder {out.parent} does not exist; create it or choose another path")
+    resolved = out.resolve()
+    for item in inputs:
+        if resolved == Path(item).expanduser().resolve():
+            raise OutputError(f"--plot {out}: that is an input of this command; it is never overwritten — "
+                              f"choose another path")
     return out
 
 

@@ -42,7 +42,8 @@ from typing import Optional, Union
 
 import torch
 
-from moe_upcycle.check.compare import compare_logits, encode_inputs, load_causal_lm, run_model, upcast_to_fp32
+from moe_upcycle.check.compare import (TokenizerLoadError, compare_logits, encode_inputs, load_causal_lm, run_model,
+                                        upcast_to_fp32)
 from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
@@ -107,6 +108,8 @@ def read_recipe(folder: Path) -> Optional[dict]:
         return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read it ({exc.strerror or exc}); check that it is readable by you") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SourceError(f"{path}: not valid JSON ({exc}); rebuild the model or delete the file") from None
 
@@ -156,10 +159,14 @@ def _check_hashes(folder: Path, recipe: dict, result: VerifyResult, st) -> None:
             result.problems.append(f"{name}: recorded in {RECIPE_NAME} but missing from the folder")
             continue
         h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(2**24), b""):
-                h.update(chunk)
-                st.advance(len(chunk), note=name)
+        try:
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(2**24), b""):
+                    h.update(chunk)
+                    st.advance(len(chunk), note=name)
+        except OSError as exc:
+            result.problems.append(f"{name}: cannot read it ({exc.strerror or exc}); its sha256 was not checked")
+            continue
         if h.hexdigest() != digest:
             if name in EDITABLE_FILES:
                 result.notes.append(f"{name} was edited after the build (its sha256 differs from {RECIPE_NAME})")
@@ -269,6 +276,9 @@ def verify(
     advance("verify", note="loading the MoE with transformers")
     try:
         moe = load_causal_lm(folder, dtype="auto", device=device)  # as a user would: the folder's own dtype
+    except TokenizerLoadError as exc:
+        result.problems.append(str(exc))
+        return result
     except Exception as exc:  # any loading failure is the finding, whatever transformers raises
         result.problems.append(f"does not load with transformers AutoModelForCausalLM: {_first_line(exc)}")
         return result

@@ -5,8 +5,8 @@ A config.json edited by hand or half-downloaded must not build a broken model wi
 - `value_problems`: types and bounds (``tie_word_embeddings: "no"`` is not a boolean; sizes are
   positive integers of sane size, so ``num_hidden_layers: 1000000000`` is refused before anything
   loops over it; eps and rope theta are positive finite numbers; heads divide evenly).
-- `side_file_problems`: tokenizer and generation JSON files that do not parse (they are copied
-  into the output unchanged).
+- `side_file_problems`: tokenizer and generation files that cannot be read, JSON ones that do not
+  parse, a tokenizer.json the tokenizers library cannot load (they are copied into the output unchanged).
 
 Checks of config.json against the tensors and of experts against the base are plan-time checks:
 see `planning.source_checks`.
@@ -21,6 +21,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from moe_upcycle.checkpoint.names import TOKENIZER_FILES
 
 # largest sane values: far above any released model, far below what makes the planner hang
 SIZE_LIMITS = {
@@ -53,6 +55,11 @@ def is_number(value: Any) -> bool:
 def value_problems(config: dict) -> list[str]:
     """Types and bounds of the fields moe-upcycle reads (required int fields are checked by `source`)."""
     out = []
+    quant = config.get("quantization_config")
+    if quant is not None:  # packed integer or fp8 weights, plus scales: not a dense model's tensors
+        method = quant.get("quant_method", "a quantization") if isinstance(quant, dict) else "a quantization"
+        out.append(f"quantization_config says the weights are quantized ({method}); moe-upcycle reads unquantized "
+                   f"weights: upcycle the model's unquantized (bf16, fp16 or fp32) release")
     if config.get("num_attention_heads") is None:  # every supported family needs it (head_dim, attention shapes)
         out.append("num_attention_heads is missing; the attention layout cannot be known without it")
     for key, limit in SIZE_LIMITS.items():
@@ -104,21 +111,46 @@ SIDE_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def side_file_problems(folder: Path) -> list[str]:
-    """Tokenizer and generation JSON files that are truncated or not JSON objects.
+    """Tokenizer and generation files that cannot be read, or JSON ones truncated or not JSON objects.
 
     They are copied unchanged into the output, so a half-downloaded one would ship a model that
     loads its weights but not its tokenizer; better to say so before building.
     """
     out = []
-    for name in SIDE_JSON_FILES:
+    for name in TOKENIZER_FILES:
         file = folder / name
         if not file.is_file():
             continue
         try:
-            data = json.loads(file.read_bytes().decode("utf-8"))
-        except (OSError, ValueError, RecursionError) as exc:
+            raw = file.read_bytes() if name in SIDE_JSON_FILES else None
+            if raw is None:
+                open(file, "rb").close()  # copied at the very end: find out now that it cannot be read
+                continue
+        except OSError as exc:
+            out.append(f"{file}: cannot read it ({exc.strerror or exc}); it is copied into the MoE, so make it "
+                       f"readable by you")
+            continue
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:
             out.append(f"{file}: not valid JSON ({str(exc)[:120]}); the file is damaged or truncated — re-download it")
             continue
         if not isinstance(data, dict):
             out.append(f"{file}: expected a JSON object, got {type(data).__name__}; re-download it")
+        elif name == "tokenizer.json":
+            out += _tokenizer_problems(file, raw)
     return out
+
+
+def _tokenizer_problems(file: Path, raw: bytes) -> list[str]:
+    """tokenizer.json that the tokenizers library (behind AutoTokenizer) cannot build a tokenizer from."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # transformers brings it; without it nothing here could load the output anyway
+        return []
+    try:
+        Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - the Rust library's error types
+        return [f"{file}: not a tokenizer the tokenizers library can read ({str(exc)[:160]}); it is copied into the "
+                f"MoE, whose tokenizer would not load — re-download it"]
+    return []

@@ -39,6 +39,9 @@ class InputFamily:
     model_type: str
     class_name: str
     default_output: str  # the output tried first when `architecture:` is not given
+    # which layers its attention window applies to, as transformers runs it (`planning.windows`):
+    # "none" (Llama ignores sliding_window), "all" (Mistral), "qwen" (use_sliding_window, layer_types)
+    window_rule: str = "none"
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class OutputLayout:
     experts_key: str = "num_experts"  # config.json field for the number of routed experts
     expert_size_key: str = "moe_intermediate_size"  # config.json field for one expert's intermediate size
     inherit: tuple[str, ...] = ()  # base config.json fields copied beyond model_files.INHERITED
+    per_layer_windows: bool = False  # layer_types says which layers slide (else one window for every layer)
     config: dict = field(default_factory=dict)  # fixed config.json fields
 
     def holds(self, suffix: str) -> bool:
@@ -93,10 +97,10 @@ TENSOR_GROUPS = {
 WINDOW_FIELDS = ("use_sliding_window", "max_window_layers", "layer_types")
 
 INPUT_FAMILIES: dict[str, InputFamily] = {
-    "llama": InputFamily("llama", "LlamaForCausalLM", "mixtral"),
-    "mistral": InputFamily("mistral", "MistralForCausalLM", "mixtral"),
-    "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe"),
-    "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe"),
+    "llama": InputFamily("llama", "LlamaForCausalLM", "mixtral", window_rule="none"),
+    "mistral": InputFamily("mistral", "MistralForCausalLM", "mixtral", window_rule="all"),
+    "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe", window_rule="qwen"),
+    "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe", window_rule="qwen"),
 }
 
 OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
@@ -128,6 +132,7 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         shared_expert={p: "model.layers.{layer}.mlp.shared_expert." + p + ".weight" for p in PROJS},
         shared_expert_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
         inherit=WINDOW_FIELDS,
+        per_layer_windows=True,  # transformers 5's Qwen2-MoE reads layer_types (Qwen3-MoE does not)
         # norm_topk_prob: top-k weights sum to 1, so identical experts reproduce the dense FFN
         config={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
     ),

@@ -6,7 +6,7 @@ and removed only after the new one is in place). On any error, Ctrl-C, SIGTERM o
 folder is deleted, so nothing half-written ever carries the target's name. A lock file
 ``.<name>.lock`` (an flock, released by the kernel if the process dies) refuses a second
 concurrent build to the same target; leftovers of a killed build are cleared by the next one.
-POSIX only (fcntl).
+A name near the 255-byte limit is shortened in these helper names (`_stem`). POSIX only (fcntl).
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ import contextlib
 import errno
 import fcntl
 import glob
+import hashlib
 import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from moe_upcycle.errors import OutputError
 
 # our manifest: the tool version, recipe, seed and sha256 of every file of a folder the tool wrote
 RECIPE_NAME = "moe_upcycle.json"
+MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
 from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 
@@ -35,10 +37,13 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
     Args:
         inputs: other files the build reads (recipe, prompt files): no folder holding one is replaced.
 
+    A killed build's leftovers beside the target are cleared first (`_recover`), under the lock.
+
     Raises:
-        OutputError: the target exists and is not empty (without `force`), is a file, or is
-            inside / equal to / a parent of a source model folder; or, with `force`, is not a
-            previous moe-upcycle output, or is the current folder or holds an input (`ownership`).
+        OutputError: another build is writing the target; the target exists and is not empty
+            (without `force`), is a file, or is inside / equal to / a parent of a source model
+            folder; or, with `force`, is not a previous moe-upcycle output holding only its own
+            files, or is the current folder or holds an input (`ownership`).
     """
     target = target.resolve()
     for src in sources:
@@ -46,6 +51,16 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
         if target == src or src in target.parents or target in src.parents:
             raise OutputError(f"output {target} overlaps the source model folder {src}; "
                               f"choose an output folder outside every source")
+    if target.parent.is_dir():
+        # a killed build's leftovers first: a previous output it was swapping out is put back now, so
+        # the checks below see it (not the final rename, after all the work); refused while another build runs
+        lock, fd = _take_lock(target)
+        try:
+            restored = _recover(target)
+        finally:
+            _release_lock(lock, fd)
+    else:
+        restored = None
     if target.exists() and not target.is_dir():
         raise OutputError(f"output {target} exists and is a file; choose another output path")
     reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
@@ -53,7 +68,9 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
         raise OutputError(f"output: {reason}; it is never replaced, with or without --force. Write the model to "
                           f"a new folder, e.g. {target / 'moe-model'}")
     if target.is_dir() and any(target.iterdir()) and not force:
-        raise OutputError(f"output folder {target} already exists and is not empty; "
+        put_back = (f" (it is the previous output, put back from {restored.name}, where a build killed while "
+                    f"replacing it had left it)" if restored else "")
+        raise OutputError(f"output folder {target} already exists and is not empty{put_back}; "
                           f"choose another folder or pass --force to replace it")
     if target.is_dir() and any(target.iterdir()):
         problem = replace_problem(target, [*sources, *inputs])
@@ -70,6 +87,10 @@ def make_parent(target: Path) -> None:
         OutputError: a parent cannot be created (a file is in the way, no permission).
     """
     parent = Path(target).expanduser().resolve().parent
+    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # mkdir would only say "File exists" or "Not a directory"
+        raise OutputError(f"output {target}: {blocking} is a file, not a folder, so the output cannot go under it; "
+                          f"choose another output path")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -96,7 +117,7 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
     """
     target = Path(target).resolve()
     lock, fd = _take_lock(target)
-    stage = target.parent / f".{target.name}.partial-{os.getpid()}"
+    stage = target.parent / f".{_stem(target)}.partial-{os.getpid()}"
     try:
         _recover(target)
         stage.mkdir()
@@ -111,6 +132,19 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
         _release_lock(lock, fd)
 
 
+def _stem(target: Path) -> str:
+    """The target's name as used in the names of its lock, staging and swap folders beside it.
+
+    Those add up to 20 bytes to the name (``.<name>.partial-<pid>``), so a name near the
+    filesystem's 255-byte limit is shortened: its start and a digest of the whole, still unique.
+    """
+    name = target.name
+    if len(name.encode("utf-8", "surrogateescape")) <= MAX_STEM_BYTES:
+        return name
+    head = name.encode("utf-8", "surrogateescape")[:MAX_STEM_BYTES - 17].decode("utf-8", "ignore")
+    return f"{head}~{hashlib.sha256(name.encode('utf-8', 'surrogateescape')).hexdigest()[:16]}"
+
+
 def _take_lock(target: Path) -> tuple[Path, int]:
     """Hold an exclusive ``flock`` on ``.<name>.lock`` (which records our pid).
 
@@ -120,7 +154,7 @@ def _take_lock(target: Path) -> tuple[Path, int]:
     Returns:
         The lock path and the open descriptor that holds the lock.
     """
-    lock = target.parent / f".{target.name}.lock"
+    lock = target.parent / f".{_stem(target)}.lock"
     while True:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
@@ -157,20 +191,26 @@ def _lock_owner(lock: Path) -> str:
         return ""
 
 
-def _recover(target: Path) -> None:
+def _recover(target: Path) -> Optional[Path]:
     """With the lock held, clear what a killed build left beside the target.
 
     Partial folders are deleted. A build killed in the middle of a --force swap (SIGKILL; other
     signals are held off during it) leaves the previous target as ``.<name>.old-<pid>``: it is
     moved back if the target is missing, else deleted.
+
+    Returns:
+        The swap folder that was moved back to the target, if one was.
     """
-    for leftover in sorted(target.parent.glob(f".{glob.escape(target.name)}.partial-*")):
+    restored = None
+    for leftover in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.partial-*")):
         shutil.rmtree(leftover, ignore_errors=True)
-    for old in sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*")):
+    for old in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.old-*")):
         if not target.exists():
             os.rename(old, target)
+            restored = old
         else:
             shutil.rmtree(old, ignore_errors=True)
+    return restored
 
 
 def _space_hint(exc: OSError, folder: Path) -> str:
@@ -215,7 +255,7 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
         problem = replace_problem(target) if any(target.iterdir()) else None
         if problem:  # checked again here: the folder may have changed since the build started
             raise OutputError(problem + "; nothing was replaced")
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        old = target.parent / f".{_stem(target)}.old-{os.getpid()}"
         os.rename(target, old)
         try:
             os.rename(stage, target)

@@ -2,18 +2,23 @@
 
 Like git and rsync, moe-upcycle never deletes a user's folder, whatever the flags. A folder is
 *ours* when it carries our manifest, ``moe_upcycle.json`` with ``"tool": "moe-upcycle"`` (every
-build writes one; the demo writes one at the top of its scratch folder). On top of that, a few
-folders are never replaced even when they are ours: the current folder and its ancestors, and
-any folder holding an input of the build (the recipe, a source model, a prompt or calibration
-file).
+build writes one; the demo writes one at the top of its scratch folder). ``--force`` replaces such
+a folder only while it holds nothing but what that build wrote: a file the manifest does not list
+(``notes.txt``, a ``checkpoint-500/`` folder, a ``.git``) or a listed file changed since the build
+(a fine-tuned model saved over it) is the user's, so the folder is refused (`foreign_entries`).
+On top of that, a few folders are never replaced even when they are ours: the current folder and
+its ancestors, and any folder holding an input of the build (the recipe, a source model, a prompt
+or calibration file).
 
 `replace_problem` says why a folder may not be replaced (None when it may); `check_replaceable`
-raises it. `prepare_demo_folder` empties only what a previous demo wrote. This module reads
+raises it. `prepare_demo_folder` empties only what a previous demo wrote (and refuses when its
+``dense/`` or ``moe/`` also holds something else). This module reads
 folders; it deletes nothing except the demo's own sub-folders.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,7 +28,11 @@ from typing import Optional, Sequence
 from moe_upcycle.errors import OutputError
 
 MANIFEST = "moe_upcycle.json"
+INDEX = "model.safetensors.index.json"  # names the shards, which `--no-checksums` leaves out of the manifest
 DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides the manifest
+# what `tiny.make_dense_model` writes into the demo's dense/
+DEMO_DENSE_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                              "tokenizer_config.json"})
 _SHOWN = 5  # names listed when a folder is refused
 
 
@@ -98,7 +107,68 @@ def replace_problem(target: Path, inputs: Sequence[Path] = ()) -> Optional[str]:
         return (f"output folder {target} was not written by moe-upcycle (it has no {MANIFEST}) and holds "
                 f"{describe_contents(target)}; --force only replaces a previous moe-upcycle output. Choose "
                 f"another folder, or move these files away yourself")
+    foreign = foreign_entries(target)
+    if foreign:
+        more = len(foreign) - _SHOWN
+        shown = ", ".join(foreign[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
+        return (f"output folder {target} is a previous moe-upcycle output, but it also holds what that build did not "
+                f"write: {shown}; --force replaces only a folder holding nothing but the build's own files. Move "
+                f"these away, or choose another output folder")
     return None
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """What in our `folder` the build that wrote it did not write, or changed since (empty: all ours).
+
+    An entry is foreign when its name is not in the manifest (the shards of a ``--no-checksums``
+    build are known from the index), when it is a folder or a link (a build writes plain files
+    only), or when it is newer than the manifest and its sha256 differs from the recorded one
+    (only newer files are hashed: a build writes the manifest last). Names are given as
+    ``name/`` for folders and ``name (changed since the build)`` for edited files.
+    """
+    folder = Path(folder)
+    manifest = _manifest(folder) or {}
+    digests = manifest.get("sha256") if isinstance(manifest.get("sha256"), dict) else {}
+    written = set(digests) | _index_shards(folder, digests)
+    try:
+        since = (folder / MANIFEST).stat().st_mtime_ns
+        entries = sorted(folder.iterdir(), key=lambda p: p.name)
+    except OSError as exc:
+        return [f"(unreadable: {exc.strerror or exc})"]
+    out = []
+    for path in entries:
+        if path.name == MANIFEST:
+            continue
+        if path.is_symlink() or not path.is_file():
+            out.append(path.name + ("/" if path.is_dir() and not path.is_symlink() else ""))
+        elif path.name not in written:
+            out.append(path.name)
+        elif path.name in digests and path.stat().st_mtime_ns > since and _sha256(path) != digests[path.name]:
+            out.append(f"{path.name} (changed since the build)")
+    return out
+
+
+def _index_shards(folder: Path, digests: dict) -> set[str]:
+    """The shard names of our index, when the index itself is as the build wrote it."""
+    index = folder / INDEX
+    if INDEX not in digests or not index.is_file() or index.is_symlink() or _sha256(index) != digests[INDEX]:
+        return set()
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return set()
+    return {f for f in weight_map.values() if isinstance(f, str)} if isinstance(weight_map, dict) else set()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(2**24), b""):
+                h.update(chunk)
+    except OSError:
+        return ""
+    return h.hexdigest()
 
 
 def check_replaceable(target: Path, inputs: Sequence[Path] = ()) -> None:
@@ -135,6 +205,10 @@ def prepare_demo_folder(folder: Path) -> Path:
             raise OutputError(f"demo folder {folder} is not empty (it holds {describe_contents(folder)}) and was not "
                               f"made by moe-upcycle demo; the demo only writes into a new or empty folder, e.g. "
                               f"moe-upcycle demo demo_out")
+        kept = _demo_part_problems(folder)
+        if kept:
+            raise OutputError(f"demo folder {folder} is a previous demo's, but {'; '.join(kept)}; the demo rewrites "
+                              f"its {' and '.join(p + '/' for p in DEMO_PARTS)} — move these away first")
         for part in DEMO_PARTS:
             path = folder / part
             if path.is_symlink() or path.is_file():
@@ -145,6 +219,21 @@ def prepare_demo_folder(folder: Path) -> Path:
     (folder / MANIFEST).write_text(json.dumps({"tool": "moe-upcycle", "kind": "demo",
                                                "parts": list(DEMO_PARTS)}, indent=2) + "\n", encoding="utf-8")
     return folder
+
+
+def _demo_part_problems(folder: Path) -> list[str]:
+    """What inside a previous demo's ``dense/`` and ``moe/`` the demo did not write."""
+    out = []
+    dense, moe = folder / "dense", folder / "moe"
+    if dense.is_dir() and not dense.is_symlink():
+        extra = sorted(p.name + ("/" if p.is_dir() else "") for p in dense.iterdir() if p.name not in DEMO_DENSE_FILES)
+        if extra:
+            out.append(f"dense/ also holds {', '.join(extra[:_SHOWN])}")
+    if moe.is_dir() and not moe.is_symlink() and any(moe.iterdir()):
+        extra = foreign_entries(moe) if is_ours(moe) else [describe_contents(moe)]
+        if extra:
+            out.append(f"moe/ also holds {', '.join(extra[:_SHOWN])}")
+    return out
 
 
 def input_paths(config_source: object, config: object, sources: Sequence[Path]) -> list[Path]:

@@ -29,7 +29,7 @@ from moe_upcycle.errors import SourceError
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.inputs.paths import resolve_or_raise
-from moe_upcycle.checkpoint.weight_files import choose_weights, duplicate_problems
+from moe_upcycle.checkpoint.weight_files import WEIGHT_FILES, choose_weights, duplicate_problems
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -104,17 +104,19 @@ class Checkpoint:
             return torch.empty(info.shape, dtype=info.dtype, device="meta")
         if info.file.endswith(".safetensors") and info.offset >= 0 and info.offset % info.dtype.itemsize == 0:
             return self._mapped(info)
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._open(info.file)
-            if info.file.endswith(".safetensors"):
-                # keep one shard open at a time: reads are ordered by shard
-                for name in [n for n in self._handles if isinstance(n, str) and n.endswith(".safetensors")]:
-                    del self._handles[name]
-            self._handles[info.file] = handle
         try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._open(info.file)
+                if info.file.endswith(".safetensors"):
+                    # keep one shard open at a time: reads are ordered by shard
+                    for name in [n for n in self._handles if isinstance(n, str) and n.endswith(".safetensors")]:
+                        del self._handles[name]
+                self._handles[info.file] = handle
             return handle.get_tensor(key) if info.file.endswith(".safetensors") else handle[key]
-        except Exception as exc:  # a damaged file: name it
+        except SourceError:
+            raise
+        except Exception as exc:  # a damaged file (or one changed since its header was read): name it
             raise SourceError(f"{self.path / info.file}: cannot read tensor {key!r} ({exc}); "
                               f"the file is damaged or truncated — re-download it") from None
 
@@ -124,11 +126,19 @@ class Checkpoint:
             # keep one shard mapped at a time: reads are ordered by shard (views keep theirs alive)
             for name in [n for n in self._handles if isinstance(n, tuple)]:
                 del self._handles[name]
-            with open(self.path / info.file, "rb") as fh:
-                mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            try:
+                with open(self.path / info.file, "rb") as fh:
+                    mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as exc:  # removed, unreadable or emptied since its header was read
+                raise SourceError(f"{self.path / info.file}: cannot read tensor {info.key!r} "
+                                  f"({getattr(exc, 'strerror', None) or exc}); was the file changed during "
+                                  f"the build?") from None
             self._handles[("mmap", info.file)] = mapping
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
+        if info.offset + info.nbytes > len(mapping):
+            raise SourceError(f"{self.path / info.file}: cannot read tensor {info.key!r}: the file is shorter than "
+                              f"its header said when the build started; was it changed during the build?")
         raw = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
         return raw.view(info.dtype).view(info.shape)
 
@@ -156,6 +166,9 @@ def resolve_model(ref: str, field_name: str) -> Path:
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         return path.resolve()
+    if path.is_file():  # e.g. the model.safetensors itself: not a hub id either
+        raise SourceError(f"{field_name}: model {ref!r} is a file, not a model folder; give the folder that holds "
+                          f"its config.json and weights ({resolve_or_raise(path, SourceError, field_name).parent})")
     looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
     # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
@@ -184,6 +197,12 @@ def _cached_spellings(cache: Path, repo: str) -> list[str]:
                 if d.name.lower() == want and d.name != f"models--{repo.replace('/', '--')}"]
     except OSError:
         return []
+
+
+def _repo_and_revision(ref: str) -> tuple[str, ...]:
+    """``org/name@rev`` as the arguments of a download command: ("org/name", "--revision", "rev")."""
+    repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    return (repo, "--revision", revision) if revision else (repo,)
 
 
 def open_sources(refs: dict[str, str],
@@ -218,6 +237,15 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     Raises:
         SourceError: missing config/weights, unreadable or inconsistent files.
     """
+    try:
+        return _open_checkpoint(ref, field_name)
+    except OSError as exc:  # a file or folder we may not read (permissions), an I/O error
+        where = exc.filename or ref
+        raise SourceError(f"{field_name}: cannot read {where} ({exc.strerror or exc}); check that the model folder "
+                          f"and its files are readable by you") from None
+
+
+def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     path = resolve_model(ref, field_name)
     config = read_config(path, field_name)
     damaged = side_file_problems(path)
@@ -225,31 +253,33 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
         raise SourceError(*damaged)
     tensors: dict[str, TensorInfo] = {}
     shared: list[list[str]] = []
-    st_index = path / "model.safetensors.index.json"
-    bin_index = path / "pytorch_model.bin.index.json"
-    chosen = choose_weights(path)  # the file transformers would load, nothing else
+    chosen = choose_weights(path, config, field_name)  # the file transformers would load, nothing else
+    if chosen is None:
+        broken = [f"{name} is a link to {os.readlink(path / name)}, which does not exist" for name in WEIGHT_FILES
+                  if (path / name).is_symlink() and not (path / name).exists()]
+        from moe_upcycle.terminal.hints import download_command
+
+        cached = not Path(os.path.expanduser(ref)).is_dir()  # resolved from the Hugging Face cache
+        raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
+                          f"pytorch_model.bin or pytorch_model.bin.index.json"
+                          + (f" ({'; '.join(broken)}: an incomplete download? download it again)" if broken else "")
+                          + (f"; the Hugging Face cache holds only part of {ref} (e.g. config.json alone, enough for "
+                             f"`plan --from-config`): download the weights with "
+                             f"{download_command(*_repo_and_revision(ref))}" if cached else ""))
+    index = path / chosen
+    files = _index_files(index) if chosen.endswith(".index.json") else {chosen: None}
     found_in: dict[str, list[str]] = {}  # key -> shards holding it (more than one is refused)
-    if chosen in ("model.safetensors", st_index.name):
-        files = _index_files(st_index) if chosen == st_index.name else {"model.safetensors": None}
-        for file, expected in files.items():
+    for file, expected in files.items():
+        if file.endswith(".safetensors"):
             found = read_safetensors_header(path / file)
-            _check_index(path, file, expected, found, st_index)
-            tensors.update(found)
-            for key in found:
-                found_in.setdefault(key, []).append(file)
-    elif chosen in ("pytorch_model.bin", bin_index.name):
-        files = _index_files(bin_index) if chosen == bin_index.name else {"pytorch_model.bin": None}
-        for file, expected in files.items():
+        else:
             state = _load_bin(path / file)
             found = {k: TensorInfo(k, tuple(t.shape), t.dtype, file) for k, t in state.items()}
-            _check_index(path, file, expected, found, bin_index)
-            tensors.update(found)
-            for key in found:
-                found_in.setdefault(key, []).append(file)
             shared += _shared_storage(state)
-    else:
-        raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
-                          f"pytorch_model.bin or pytorch_model.bin.index.json")
+        _check_index(path, file, expected, found, index)
+        tensors.update(found)
+        for key in found:
+            found_in.setdefault(key, []).append(file)
     duplicates = duplicate_problems(path, found_in, files, f"{chosen}")
     if duplicates:
         raise SourceError(*duplicates)
@@ -268,6 +298,11 @@ def read_config(path: Path, field_name: str) -> dict:
     if not isinstance(config, dict):
         raise SourceError(f"{cfg}: expected a JSON object")
     missing = [k for k in ("model_type", *REQUIRED_INT_FIELDS) if k not in config]
+    nested = [k for k in ("text_config", "language_config", "llm_config") if isinstance(config.get(k), dict)]
+    if missing and nested:  # a multimodal model: its language model is described under a sub-config
+        raise SourceError(f"{cfg}: describes a {config.get('model_type', 'multimodal')!r} model whose language model "
+                          f"is under {nested[0]}; moe-upcycle upcycles a dense language model (Llama, Mistral, Qwen2, "
+                          f"Qwen3) saved on its own — give that checkpoint")
     if missing:
         raise SourceError(f"{cfg}: missing required field(s) {', '.join(missing)}")
     wrong = [f"{k} must be a positive integer, got {config[k]!r}" for k in REQUIRED_INT_FIELDS
@@ -291,22 +326,24 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     """
     if not file.is_file():
         raise SourceError(f"{file}: shard file is missing")
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise SourceError(f"{file}: empty or truncated safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise SourceError(f"{file}: safetensors header claims {n} bytes but the file has {size}; "
-                              f"the file is truncated or not safetensors")
-        try:
-            header = json.loads(fh.read(n))
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise SourceError(f"{file}: safetensors header is not valid JSON ({exc})") from None
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise SourceError(f"{file}: empty or truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise SourceError(f"{file}: safetensors header claims {n} bytes but the file has {size}; "
+                                  f"the file is truncated or not safetensors")
+            raw = fh.read(n)
+    except OSError as exc:  # permissions, I/O error
+        raise SourceError(f"{file}: cannot read it ({exc.strerror or exc}); check that it is readable by you") from None
+    header = _parse_header(file, raw)
     if not isinstance(header, dict):
         raise SourceError(f"{file}: safetensors header is not a JSON object")
-    meta = header.get("__metadata__", {})
+    meta = header.get("__metadata__")
+    meta = {} if meta is None else meta  # safetensors reads a null __metadata__ as none
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SourceError(f"{file}: safetensors __metadata__ must map names to strings; the file is corrupt")
     data_size = size - 8 - n
@@ -341,6 +378,34 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     return {key: out[key] for _, _, key in spans}
 
 
+def _parse_header(file: Path, raw: bytes) -> Any:
+    """The header's JSON, parsed as strictly as the safetensors library parses it.
+
+    Python's `json` is laxer: it guesses UTF-16/32 and skips a byte-order mark when given bytes,
+    takes ``NaN``, keeps the last of duplicate names and lets ``"\\ud800"`` through. safetensors
+    (and so transformers) refuses such a header; a file it cannot load must not build a model.
+    """
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        names = [k for k, _ in items]
+        for k in names:
+            if names.count(k) > 1:
+                raise ValueError(f"the name {k!r} appears {names.count(k)} times in one object")
+            k.encode("utf-8")  # a lone surrogate escape cannot be UTF-8
+        for _, v in items:
+            if isinstance(v, str):
+                v.encode("utf-8")
+        return dict(items)
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and Unicode errors are ValueErrors
+        raise SourceError(f"{file}: safetensors header is not valid JSON ({exc}); the file is damaged or not "
+                          f"safetensors — re-download it") from None
+
+
 def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, int]:
     """One tensor's header entry as (info, start, end); strict about types (no floats, no bools)."""
     def ints(values: Any, length: Optional[int] = None) -> Optional[list[int]]:
@@ -354,8 +419,10 @@ def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, in
         raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r}")
     dtype_name = entry.get("dtype")
     if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
+        quantized = (" — a quantized checkpoint: upcycle the model's unquantized (bf16, fp16 or fp32) release"
+                     if isinstance(dtype_name, str) and dtype_name.startswith(("F8", "F6", "F4", "I4", "U4")) else "")
         raise SourceError(f"{file}: tensor {key!r} has dtype {dtype_name!r}, which moe-upcycle does not read "
-                          f"(supported: {', '.join(SAFETENSORS_DTYPES)})")
+                          f"(supported: {', '.join(SAFETENSORS_DTYPES)}){quantized}")
     shape, offsets = ints(entry.get("shape")), ints(entry.get("data_offsets"), 2)
     if shape is None or offsets is None:
         raise SourceError(f"{file}: tensor {key!r} has a malformed header entry {entry!r} "
@@ -366,15 +433,26 @@ def _header_entry(file: Path, key: str, entry: Any) -> tuple[TensorInfo, int, in
 def _index_files(index: Path) -> dict[str, Optional[set[str]]]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        assert isinstance(weight_map, dict)
+        if not isinstance(weight_map, dict):  # not an assert: `python -O` would skip it
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+    except OSError:
+        raise  # unreadable: `open_checkpoint` says so
     except Exception as exc:
         raise SourceError(f"{index}: not a valid index (needs a weight_map object): {exc}") from None
+    if not weight_map:
+        raise SourceError(f"{index}: its weight_map lists no tensors; the index is damaged — re-download it")
     files: dict[str, Optional[set[str]]] = {}
+    safetensors = index.name.endswith(".safetensors.index.json")
     for key, file in weight_map.items():
         # a hostile index must not make us read files outside the model folder
         if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
             raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, which is not a file name in the "
                               f"model folder; fix or re-download the index")
+        if file.endswith(".safetensors") != safetensors:  # each index is read by one loader only
+            raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, but a "
+                              f"{'safetensors' if safetensors else 'pytorch_model.bin'} index names only "
+                              f"{'*.safetensors files' if safetensors else 'PyTorch files (not *.safetensors)'}; "
+                              f"fix or re-download the index")
         files.setdefault(file, set()).add(key)
     for file in files:
         if not (index.parent / file).is_file():
@@ -407,12 +485,23 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
                           f"tensors and plain containers, and a pickle that asks for anything else could run "
                           f"code. Convert the checkpoint to safetensors in a trusted environment, or re-download "
                           f"it if it is damaged") from None
+    except OSError:
+        raise  # cannot read the file at all: `open_checkpoint` says so
     except Exception as exc:
         raise SourceError(f"{file}: not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise SourceError(f"{file}: expected a dict of tensors")
+    if not isinstance(state, dict):
+        raise SourceError(f"{file}: expected a dict of tensors, got {type(state).__name__}")
+    nested = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if nested:
+        # transformers loads only top-level tensors: a wrapper such as {"state_dict": {...}} gives it none of
+        # the weights (every one would be initialised at random), so the nested ones are not the model either
+        k = nested[0]
+        raise SourceError(f"{file}: expected a dict of tensors, but {k!r} holds a {type(state[k]).__name__}"
+                          + (f" (and {len(nested) - 1} more entries are not tensors)" if len(nested) > 1 else "")
+                          + ("; transformers loads only top-level tensors, so it would read none of the weights "
+                             f"under {k!r} (they are not the model it loads). If they are the model, save them "
+                             f"unwrapped: torch.save(checkpoint[{k!r}], 'pytorch_model.bin')"
+                             if isinstance(state[k], dict) else "; re-download or re-save the model"))
     return state
 
 

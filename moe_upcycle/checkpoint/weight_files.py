@@ -1,8 +1,10 @@
 """Which weight files of a model folder are read: exactly those transformers would load.
 
 transformers' ``from_pretrained`` on a local folder (``modeling_utils._get_resolved_checkpoint_files``)
-takes the first of these that is a file: ``model.safetensors``, ``model.safetensors.index.json``,
-``pytorch_model.bin``, ``pytorch_model.bin.index.json``. So a single ``model.safetensors`` wins
+takes the file config.json's ``transformers_weights`` names if it has one, else the first of these
+that is a file: ``model.safetensors``, ``model.safetensors.index.json``, ``pytorch_model.bin``,
+``pytorch_model.bin.index.json`` (transformers 5 first loads distributed-checkpoint shards,
+``shard-00000-model-00001-of-00002.safetensors``, which are refused). So a single ``model.safetensors`` wins
 over an index beside it — even a stale index that names other shards. We read the same bytes
 (and say which file was ignored), so the MoE is built from the model that `verify` and every
 user of the base compare it with.
@@ -14,23 +16,40 @@ the tensor and both files. It reads file names only; headers are read by `source
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Optional
 
-from moe_upcycle.errors import UpcycleWarning
+from moe_upcycle.errors import SourceError, UpcycleWarning
 
 # transformers' order of preference for a local folder (use_safetensors left at its default)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# transformers 5 loads a folder holding any such file as a distributed (DCP) checkpoint, before the above
+DCP_SHARD = re.compile(r"^shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors$")
 
 
-def choose_weights(path: Path) -> Optional[str]:
+def choose_weights(path: Path, config: Optional[dict] = None, field_name: str = "model") -> Optional[str]:
     """The weight file transformers would load from `path` (None when there is none).
 
-    Warns (`UpcycleWarning`) when a single-file checkpoint shadows an index of the same format,
-    since the index and its shards are then ignored.
+    ``transformers_weights`` in config.json names the file outright (transformers 4.57 and 5 both
+    obey it). Warns (`UpcycleWarning`) when a single-file checkpoint shadows an index of the same
+    format, since the index and its shards are then ignored.
+
+    Raises:
+        SourceError: ``transformers_weights`` is not a safetensors file or index in the folder, or the
+            folder holds distributed-checkpoint shards (transformers 5 loads those instead).
     """
+    dcp = sorted(p.name for p in path.iterdir() if DCP_SHARD.match(p.name))
+    if dcp:
+        raise SourceError(f"{field_name}: {path} holds distributed-checkpoint shards ({dcp[0]}"
+                          + (f" and {len(dcp) - 1} more" if len(dcp) > 1 else "") + "), which transformers 5 loads "
+                          "instead of the usual weight files; moe-upcycle does not read them. Save the model with "
+                          "save_pretrained into a new folder and use that")
+    explicit = (config or {}).get("transformers_weights")
+    if explicit is not None:
+        return _explicit_weights(path, explicit, field_name)
     present = [name for name in WEIGHT_FILES if (path / name).is_file()]
     if not present:
         return None
@@ -41,6 +60,21 @@ def choose_weights(path: Path) -> Optional[str]:
             f"{path}: both {chosen} and {shadowed} are present; reading {chosen} and ignoring the index and its "
             f"shards, as transformers does. If the shards are the model you mean, remove {chosen}"), stacklevel=2)
     return chosen
+
+
+def _explicit_weights(path: Path, name: object, field_name: str) -> str:
+    """The file config.json's ``transformers_weights`` names, checked as transformers checks it."""
+    where = f"{path / 'config.json'}: transformers_weights"
+    if not isinstance(name, str) or not name.endswith((".safetensors", ".safetensors.index.json")):
+        raise SourceError(f"{where} is {name!r}; transformers loads only a *.safetensors file or a "
+                          f"*.safetensors.index.json named there — fix or remove the field")
+    if Path(name).name != name or name in (".", ".."):
+        raise SourceError(f"{where} is {name!r}, which is not a file name in {path}; moe-upcycle reads only "
+                          f"weights in the model folder itself — fix the field")
+    if not (path / name).is_file():
+        raise SourceError(f"{where} names {name}, which is missing from {path} (transformers loads that file and "
+                          f"nothing else); re-download the model or fix the field")
+    return name
 
 
 def duplicate_problems(folder: Path, found_in: dict[str, list[str]],

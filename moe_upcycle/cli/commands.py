@@ -220,11 +220,11 @@ def route(
 
     if (prompts is None) == (labeled is None):
         raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
+    if plot is not None:  # before the routing work, not after it
+        check_plot_path(plot, [p for p in (prompts, labeled) if p is not None])
     if label_by not in (None, "embedding"):
         raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
     resolve_device(device)  # a wrong or missing device, before any file is read
-    if plot is not None:
-        check_plot_path(plot)  # before the model runs, not after
     if labeled is not None:
         from moe_upcycle.check.route_eval import read_labeled
 

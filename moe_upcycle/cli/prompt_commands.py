@@ -119,7 +119,7 @@ def grow(
     cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     check_limits(per_expert, MIN_SIMILARITY if min_similarity is None else min_similarity,
                  MARGIN if margin is None else margin)
-    grown_target(config, output, in_place, force)  # a wrong -o fails before the embedder loads
+    grown_target(config, output, in_place, force, inputs=[pool])  # a wrong -o fails before the embedder loads
     read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
     candidates = read.prompts
     out.print(f"Pool: {escape(read.describe(pool))}.", highlight=False)
@@ -130,7 +130,8 @@ def grow(
                              margin=MARGIN if margin is None else margin,
                              min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
-                                 output=output, in_place=in_place, force=force, allow_unknown_keys=allow_unknown_keys)
+                                 output=output, in_place=in_place, force=force, allow_unknown_keys=allow_unknown_keys,
+                                 inputs=[pool])
     table = Table(title=f"prompts added from {escape(pool.name)} ({len(candidates)} candidates)")
     for col in ("expert", "prompt", "similarity", "margin"):
         table.add_column(col)

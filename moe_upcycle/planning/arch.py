@@ -17,6 +17,7 @@ from __future__ import annotations
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
+from moe_upcycle.planning import windows
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.schema import UpcycleConfig
 
@@ -58,8 +59,14 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
                 out.append((f"the base has {group} ({suffix}), which {layout.label} cannot hold", suffix))
     missing = [s for s in layout.layer_tensors if s not in suffixes]
     if missing:
-        group = names.TENSOR_GROUPS.get(missing[0], "the tensor")
-        out.append((f"the base has no {group} ({missing[0]}), which {layout.label} needs", "missing:" + missing[0]))
+        what = f"{names.TENSOR_GROUPS[missing[0]]} ({missing[0]})" if missing[0] in names.TENSOR_GROUPS else missing[0]
+        out.append((f"the base has no {what}, which {layout.label} needs", "missing:" + missing[0]))
+    per_layer = windows.dense_windows(base.config) if "num_hidden_layers" in base.config else []
+    if len(set(per_layer)) > 1 and not layout.per_layer_windows:
+        sliding = [i for i, w in enumerate(per_layer) if w]
+        out.append((f"the base slides its attention window on {len(sliding)} of its {len(per_layer)} layers "
+                    f"only (from layer {sliding[0]}), but {layout.label} applies one window to every layer",
+                    "mixed-windows"))
     if config.shared_experts and not layout.shared_expert:
         out.append((f"{layout.label} has no shared expert, but shared_experts lists {len(config.shared_experts)}",
                     "shared_experts"))
@@ -75,6 +82,8 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
     """
     where = f"base_model ({config.base_model})"
     family = names.input_family(base.model_type, where)
+    if base.path is not None and not layer_suffixes(base):
+        raise PlanError(_no_layers(where, base, family))
     if config.architecture == "deepseek":
         raise PlanError(deepseek_refusal(config, family.default_output))
     if config.architecture:
@@ -114,6 +123,17 @@ def mergekit_choice_notes(config: UpcycleConfig, base: Checkpoint, layout: names
     return [f"mergekit-moe 0.1.5 writes DeepSeek MoE for {base.model_type} experts with an unprompted shared expert "
             f"(loadable only with trust_remote_code); this build writes {layout.model_type}, which transformers "
             f"loads natively — add architecture: {layout.model_type} to the YAML to make the choice explicit"]
+
+
+def _no_layers(where: str, base: Checkpoint, family: names.InputFamily) -> str:
+    """The message for weights without a single ``model.layers.N.`` tensor (a wrapped or foreign checkpoint)."""
+    if not base.tensors:
+        return f"{where}: its weight files hold no tensors at all; re-download the model"
+    sample = next((k for k in base.tensors if f".{k}".find(".layers.0.") >= 0), next(iter(base.tensors)))
+    return (f"{where}: none of its {len(base.tensors)} tensors is named like a {family.class_name} layer "
+            f"(model.layers.0.self_attn.q_proj.weight ...); it holds e.g. {sample!r}. The weights are not "
+            f"{family.class_name}'s (a multimodal model, or one saved inside a wrapper?): give the checkpoint of "
+            f"the language model itself")
 
 
 def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
@@ -160,8 +180,11 @@ def config_fields(plan: "Plan") -> dict:
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})
-    if "layer_types" in layout.inherit and "layer_types" not in base and base.get("sliding_window"):
-        # Mistral slides every layer; Qwen MoE configs say so per layer
-        fields.update(use_sliding_window=True, max_window_layers=base["num_hidden_layers"],
-                      layer_types=["sliding_attention"] * base["num_hidden_layers"])
+    per_layer = windows.dense_windows(base)
+    if not any(per_layer):  # a sliding_window the dense model does not apply is not copied
+        fields.update(windows.no_window_fields(layout, base["num_hidden_layers"]))
+    elif "layer_types" in layout.inherit and "layer_types" not in base:
+        # Mistral slides every layer, a Qwen base the layers from max_window_layers on: Qwen MoE configs say which
+        fields.update(use_sliding_window=True, max_window_layers=base.get("max_window_layers", len(per_layer)),
+                      layer_types=["sliding_attention" if w else "full_attention" for w in per_layer])
     return fields

@@ -3,6 +3,9 @@
 - `check_source_dtypes`: weights must be floating point (an integer tensor in a weight slot is
   refused); sources that store different float dtypes are allowed, with a warning that every
   tensor is cast to the output dtype (the documented behaviour, see docs/guarantees.md).
+- `check_tied_head`: ``tie_word_embeddings: true`` beside a stored ``lm_head.weight`` that differs
+  from the embedding is refused: transformers 5 keeps the stored head, 4.x ties it to the
+  embedding, so the base's output head depends on the loader (reads the two tensors, once).
 - `NonfiniteWatch`: NaN/Inf in a tensor as it streams through the executor — the tensor is
   already in memory (or mapped), so this costs one min/max pass over it (about 2 GB/s per CPU
   core) and no extra read, on a background thread while the writer writes the same tensor (the
@@ -25,6 +28,7 @@ import torch
 
 from moe_upcycle.errors import PlanError, UpcycleWarning
 from moe_upcycle.planning.steps import Plan
+from moe_upcycle.checkpoint.names import EMBED, LM_HEAD
 from moe_upcycle.checkpoint.source import Checkpoint
 
 # counting NaN/Inf (only once a tensor is known to hold some) needs a bool temporary: cap it
@@ -67,6 +71,31 @@ def check_source_dtypes(plan: Plan, sources: dict[str, Checkpoint]) -> list[str]
     for line in lines:
         warnings.warn(line, UpcycleWarning, stacklevel=2)
     return lines
+
+
+def check_tied_head(plan: Plan, base: Checkpoint, ref: str) -> None:
+    """Refuse a base whose config ties the embeddings while its weights hold a different head.
+
+    The MoE keeps the tie (its head is the embedding), which is what transformers 4.x runs for
+    the base; transformers 5 runs the stored ``lm_head.weight`` instead. When the two differ, the
+    dense model the MoE should reproduce is not one model, so nothing is built. Identical copies
+    (a ``.bin`` saving both names, or the same bytes twice) are fine.
+
+    Raises:
+        PlanError: the stored head differs from the embedding (names the file and the fix).
+    """
+    head, embed = base.tensors.get(LM_HEAD), base.tensors.get(EMBED)
+    if not plan.tied_embeddings or base.path is None or head is None or embed is None:
+        return
+    if any(LM_HEAD in group and EMBED in group for group in base.shared_groups):
+        return  # one storage in the .bin: the same tensor
+    if head.shape == embed.shape and torch.equal(base.read(LM_HEAD), base.read(EMBED)):
+        return
+    raise PlanError(f"base_model ({ref}): config.json says tie_word_embeddings: true, but "
+                    f"{_where(base, head.file)} stores an {LM_HEAD} that differs from {EMBED}. transformers 5 "
+                    f"runs the stored head and transformers 4 replaces it with the embedding, so the base's output "
+                    f"head depends on the loader. If the stored head is the model's, set tie_word_embeddings: "
+                    f"false in config.json; if the embedding is, remove {LM_HEAD} from the weights")
 
 
 def nonfinite_line(tensor: torch.Tensor, raw: torch.Tensor, key: str, source: Checkpoint) -> Optional[str]:

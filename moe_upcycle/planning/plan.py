@@ -71,7 +71,10 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     def need(model: Checkpoint, key: str, label: str) -> Optional[TensorInfo]:
         info = model.tensors.get(key)
         if info is None:
-            problems.append(f"{label}: tensor {key!r} is missing from {model.path or model.ref}")
+            # transformers would initialise a missing lm_head at random unless the config ties it
+            tie = (f" (config.json has tie_word_embeddings: {str(bool(model.config.get('tie_word_embeddings'))).lower()}"
+                   f"; if the model's output head is its embedding, set it to true)" if key == names.LM_HEAD else "")
+            problems.append(f"{label}: tensor {key!r} is missing from {model.path or model.ref}{tie}")
         return info
 
     def copy(key: str) -> None:

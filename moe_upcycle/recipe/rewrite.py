@@ -20,12 +20,12 @@ from moe_upcycle.recipe.yaml_write import add_prompts
 
 
 def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] = None, in_place: bool = False,
-                 force: bool = False) -> Path:
+                 force: bool = False, inputs: Sequence[Union[str, Path]] = ()) -> Path:
     """The file `write_grown_config` writes, checked before any work is done.
 
     Raises:
-        OutputError: the output is the input without `in_place`, a folder, in a missing folder, or
-            exists without `force`.
+        OutputError: the output is the input without `in_place`, a folder, in a missing folder,
+            exists without `force`, or is one of `inputs`.
     """
     src = Path(config_path)
     if in_place:
@@ -42,12 +42,17 @@ def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] =
         raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
     if target.exists() and not force:
         raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
+    for item in inputs:  # the pool: read, never written (the config's own prompt files: `write_grown_config`)
+        if target.resolve() == Path(item).expanduser().resolve():
+            raise OutputError(f"-o {target}: that is an input of this command ({item}); it is never overwritten, "
+                              f"even with --force — choose another -o")
     return target
 
 
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
                        output: Union[str, Path, None] = None, in_place: bool = False,
-                       force: bool = False, allow_unknown_keys: bool = False) -> Path:
+                       force: bool = False, allow_unknown_keys: bool = False,
+                       inputs: Sequence[Union[str, Path]] = ()) -> Path:
     """Write the config with the picks appended to each expert's `positive_prompts`.
 
     Args:
@@ -57,20 +62,29 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         in_place: replace the input file (atomically). Without it the input is never written.
         force: replace an existing output file other than the input.
         allow_unknown_keys: accept keys moe-upcycle does not know (kept in the output as written).
+        inputs: other files the command reads (the pool); like the config's own prompt files
+            (``*_prompts_from``), they are never written, even with `force`.
 
     Returns:
         The path written.
 
     Raises:
-        OutputError: see `grown_target`.
+        OutputError: see `grown_target`; or the output is one of the config's prompt files, or cannot be written.
     """
     src = Path(config_path)
-    target = grown_target(src, output, in_place, force)
+    target = grown_target(src, output, in_place, force, inputs)
     original = src.read_text(encoding="utf-8")
     data = yaml.safe_load(original)
     with warnings.catch_warnings():  # the command already warned about unknown keys, once
         warnings.simplefilter("ignore", UpcycleWarning)
         config = load_config(dict(data), allow_unknown_keys=allow_unknown_keys)
+    if not in_place:
+        prompt_files = [getattr(e, f"{kind}_prompts_from", None) for e in config.expert_list() + list(config.shared_experts)
+                        for kind in ("positive", "negative")]
+        for item in [f for f in prompt_files if isinstance(f, str)]:  # a relative one: from here or the config's folder
+            if target.resolve() in (Path(item).expanduser().resolve(), (src.parent / item).expanduser().resolve()):
+                raise OutputError(f"-o {target}: that is an input of this command ({item}); it is never overwritten, "
+                                  f"even with --force — choose another -o")
     added = {i: list(picks.get(expert.name, []))
              for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
     text = add_prompts(original, added)  # comments and layout kept
@@ -78,6 +92,11 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         warnings.simplefilter("ignore", UpcycleWarning)
         load_config(dict(yaml.safe_load(text)), allow_unknown_keys=allow_unknown_keys)  # still a valid config
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
+    except OSError as exc:
+        raise OutputError(f"-o {target}: cannot write it ({exc.strerror or exc}); nothing was changed") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the replace; a leftover only after a failure
     return target
