@@ -161,7 +161,7 @@ VERIFY_CASES = [
     ("prompts-dir", ["--prompts", "{tmp}/a_dir"], ["--prompts: cannot read", "a_dir"]),
     ("prompts-binary", ["--prompts", "{tmp}/binary.txt"], ["--prompts: cannot read", "binary.txt"]),
     ("base-empty-dir", ["--base", "{tmp}/a_dir"], ["--base:", "a_dir is not a model folder (no config.json)"]),
-    ("base-a-file", ["--base", "{tmp}/prompts.txt"], ["--base: model", "prompts.txt", "not found"]),
+    ("base-a-file", ["--base", "{tmp}/prompts.txt"], ["--base: model", "prompts.txt", "is a file, not a model folder"]),
     ("base-missing", ["--base", "{tmp}/nowhere"], ["--base: model", "nowhere", "not found"]),
 ]
 

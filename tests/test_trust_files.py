@@ -562,11 +562,11 @@ def routed_moe(tiny_llama, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("where,words", [
-    ("prompts", ["--plot {p}: the suffix picks the image format, and '.txt' is not one"]),
+    ("prompts", ["--plot {p}: .txt is not an image format"]),
     ("same-prompts-png", ["--plot {p}: that is an input of this command; it is never overwritten"]),
-    ("model-config", ["--plot {p}: the suffix picks the image format, and '.json' is not one"]),
-    ("model-folder", ["--plot {p}: that is a folder; give an image file"]),
-    ("no-suffix", ["--plot {p}: the suffix picks the image format, and 'none' is not one", "routing.png"]),
+    ("model-config", ["--plot {p}: .json is not an image format"]),
+    ("model-folder", ["--plot {p}: is a folder; give an image file name"]),
+    ("no-suffix", ["--plot {p}: no suffix is not an image format", ".png"]),
     ("missing-parent", ["--plot {p}: folder {parent} does not exist"]),
 ])
 def test_route_plot_path_refused_before_work(where, words, routed_moe, tmp_path):
@@ -595,7 +595,7 @@ GROW_CONFIG = ("base_model: x\ngate_mode: random\nexperts:\n  - source_model: x\
 @pytest.mark.parametrize("target,words", [
     ("pool.txt", ["that is an input of this command", "never overwritten, even with --force"]),
     ("a_prompts.txt", ["that is an input of this command (a_prompts.txt)"]),
-    ("folder", ["that is a folder; give a file name"]),
+    ("folder", ["is a folder; give the path of the YAML file to write"]),
     ("unwritable.yaml", ["cannot write it (No space left on device); nothing was changed"]),
 ])
 def test_grown_config_output_refused(target, words, tmp_path, monkeypatch):
