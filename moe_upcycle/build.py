@@ -16,7 +16,8 @@ from typing import Callable, Optional, Union
 
 
 from moe_upcycle.check.drift import InitDrift, build_drift
-from moe_upcycle.checkpoint.output_dir import RECIPE_NAME, check_target, make_parent, staged_output  # noqa: F401 (RECIPE_NAME: public)
+from moe_upcycle.checkpoint.output_dir import (  # noqa: F401 (RECIPE_NAME: public)
+    RECIPE_NAME, check_target, make_parent, staged_output, target_problem)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleWarning
@@ -203,6 +204,10 @@ def upcycle(
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)
     if dry_run:
+        problem = target and target_problem(target, force, [s.path for s in sources.values() if s.path],
+                                            input_paths(recipe_source, config, ()), full=False)
+        if problem:  # what the build would refuse, whatever its --force
+            raise OutputError(problem)
         return BuildResult(config, plan, None, sharing, summary=summary)
     make_parent(target)
     check_target(target, force, [s.path for s in sources.values() if s.path],

@@ -200,3 +200,36 @@ def test_folder_swapped_for_user_files_during_build_is_kept(tmp_path):
             os.remove(out / "moe_upcycle.json")
             (out / "thesis.tex").write_text("user's")
     assert (out / "thesis.tex").read_text() == "user's" and leftovers(out) == ["out"]
+
+
+@pytest.mark.parametrize("where,words", [
+    ("a-file", ["exists and is a file; choose another output path"]),
+    ("under-a-file", ["is a file, not a folder, so the output cannot go under it"]),
+    ("in-the-source", ["overlaps the source model folder"]),
+    ("the-project", ["it is never replaced, with or without --force"]),
+])
+def test_plan_refuses_an_output_the_build_would_refuse(where, words, tiny_llama, tmp_path, monkeypatch):
+    """`plan -o X` says what `build` would say of X, whatever its --force; it writes and creates nothing."""
+    project = _project(tmp_path / "project")
+    monkeypatch.chdir(project)
+    cfg = _recipe(tmp_path, tiny_llama)
+    target = {"a-file": project / "notes.txt", "under-a-file": project / "notes.txt" / "moe",
+              "in-the-source": tiny_llama / "moe", "the-project": project}[where]
+    before, source_before = _snapshot(tmp_path), _snapshot(tiny_llama)
+    code, output = cli("plan", cfg, "-o", target)
+    assert code == 1 and "Traceback" not in output, output
+    assert all(w in _flat(output) for w in words), output
+    build_code, build_output = cli("build", cfg, target, "--force")  # the build refuses it the same way
+    assert build_code == 1 and all(w in _flat(build_output) for w in words), build_output
+    assert _snapshot(tmp_path) == before and _snapshot(tiny_llama) == source_before
+
+
+def test_plan_accepts_a_new_output_under_missing_folders_and_an_existing_one(tiny_llama, tmp_path):
+    """The build makes missing parents, and an existing folder is for build's --force to judge: plan passes both."""
+    cfg = _recipe(tmp_path, tiny_llama)
+    code, output = cli("plan", cfg, "-o", tmp_path / "new" / "deeper" / "moe")
+    assert code == 0, output
+    assert not (tmp_path / "new").exists()  # plan creates nothing
+    previous = _project(tmp_path / "previous")
+    code, output = cli("plan", cfg, "-o", previous)
+    assert code == 0, output

@@ -40,17 +40,12 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
     A killed build's leftovers beside the target are cleared first (`_recover`), under the lock.
 
     Raises:
-        OutputError: another build is writing the target; the target exists and is not empty
-            (without `force`), is a file, or is inside / equal to / a parent of a source model
-            folder; or, with `force`, is not a previous moe-upcycle output holding only its own
-            files, or is the current folder or holds an input (`ownership`).
+        OutputError: another build is writing the target, or `target_problem` names a problem.
     """
     target = target.resolve()
-    for src in sources:
-        src = src.resolve()
-        if target == src or src in target.parents or target in src.parents:
-            raise OutputError(f"output {target} overlaps the source model folder {src}; "
-                              f"choose an output folder outside every source")
+    overlap = _source_overlap(target, sources)
+    if overlap:  # before the lock: nothing is created inside or beside a source folder
+        raise OutputError(overlap)
     if target.parent.is_dir():
         # a killed build's leftovers first: a previous output it was swapping out is put back now, so
         # the checks below see it (not the final rename, after all the work); refused while another build runs
@@ -61,23 +56,67 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
             _release_lock(lock, fd)
     else:
         restored = None
+    problem = target_problem(target, force, sources, inputs, restored=restored)
+    if problem:
+        raise OutputError(problem)
+
+
+def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inputs: Sequence[Path] = (),
+                   restored: Optional[Path] = None, full: bool = True) -> Optional[str]:
+    """Why a build would refuse `target`, or ``None``; it only reads, so ``plan`` asks it too.
+
+    Problems: the target is inside / equal to / a parent of a source model folder, is a file, or is
+    protected (the current folder, a folder holding an input: `ownership`); with `full`, it is a
+    non-empty folder (without `force`), or one that is not a previous moe-upcycle output holding
+    only its own, unchanged files (with `force`; this hashes them), or its parent is missing.
+
+    Args:
+        restored: a previous output `_recover` put back, named in the message.
+        full: ``plan`` asks without it: it has no ``--force`` to judge an existing folder by, and
+            the build makes missing parent folders.
+    """
+    target = target.resolve()
+    overlap = _source_overlap(target, sources)
+    if overlap:
+        return overlap
     if target.exists() and not target.is_dir():
-        raise OutputError(f"output {target} exists and is a file; choose another output path")
+        return f"output {target} exists and is a file; choose another output path"
     reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
     if reason:
-        raise OutputError(f"output: {reason}; it is never replaced, with or without --force. Write the model to "
-                          f"a new folder, e.g. {target / 'moe-model'}")
-    if target.is_dir() and any(target.iterdir()) and not force:
-        put_back = (f" (it is the previous output, put back from {restored.name}, where a build killed while "
-                    f"replacing it had left it)" if restored else "")
-        raise OutputError(f"output folder {target} already exists and is not empty{put_back}; "
-                          f"choose another folder or pass --force to replace it")
+        return (f"output: {reason}; it is never replaced, with or without --force. Write the model to "
+                f"a new folder, e.g. {target / 'moe-model'}")
+    if not full:
+        return _file_in_the_way(target)
     if target.is_dir() and any(target.iterdir()):
+        if not force:
+            put_back = (f" (it is the previous output, put back from {restored.name}, where a build killed while "
+                        f"replacing it had left it)" if restored else "")
+            return (f"output folder {target} already exists and is not empty{put_back}; "
+                    f"choose another folder or pass --force to replace it")
         problem = replace_problem(target, [*sources, *inputs])
         if problem:
-            raise OutputError(problem)
+            return problem
     if not target.parent.is_dir():
-        raise OutputError(f"the parent folder of the output, {target.parent}, does not exist; create it first")
+        return f"the parent folder of the output, {target.parent}, does not exist; create it first"
+    return None
+
+
+def _file_in_the_way(target: Path) -> Optional[str]:
+    parent = Path(target).expanduser().resolve().parent
+    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is None:
+        return None
+    return (f"output {target}: {blocking} is a file, not a folder, so the output cannot go under it; "
+            f"choose another output path")
+
+
+def _source_overlap(target: Path, sources: Sequence[Path]) -> Optional[str]:
+    for src in sources:
+        src = src.resolve()
+        if target == src or src in target.parents or target in src.parents:
+            return (f"output {target} overlaps the source model folder {src}; "
+                    f"choose an output folder outside every source")
+    return None
 
 
 def make_parent(target: Path) -> None:
@@ -87,10 +126,9 @@ def make_parent(target: Path) -> None:
         OutputError: a parent cannot be created (a file is in the way, no permission).
     """
     parent = Path(target).expanduser().resolve().parent
-    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:  # mkdir would only say "File exists" or "Not a directory"
-        raise OutputError(f"output {target}: {blocking} is a file, not a folder, so the output cannot go under it; "
-                          f"choose another output path")
+    blocking = _file_in_the_way(target)
+    if blocking:  # mkdir would only say "File exists" or "Not a directory"
+        raise OutputError(blocking)
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
