@@ -37,7 +37,8 @@ from moe_upcycle.planning.execute import iter_tensors
 from moe_upcycle.gates.router import compute_gates
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.plan import Plan, make_plan
-from moe_upcycle.checkpoint.source import Checkpoint, TensorInfo
+from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from moe_upcycle.planning.model_config import experts_implementation_for
 

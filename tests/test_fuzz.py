@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_upcycle import UpcycleConfig, UpcycleError, load_config, upcycle
-from moe_upcycle.checkpoint.source import SAFETENSORS_DTYPES, read_safetensors_header
+from moe_upcycle.checkpoint.headers import SAFETENSORS_DTYPES, read_safetensors_header
 
 # derandomize: the same examples on every run (reproducible CI); database=None: no .hypothesis folder
 FUZZ = settings(max_examples=80, deadline=None, derandomize=True, database=None,

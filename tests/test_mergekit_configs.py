@@ -118,7 +118,7 @@ def test_wrong_published_config_is_refused_with_the_key_and_fix(name, cache, tmp
 
 
 def test_revision_refs_resolve_to_that_snapshot(cache):
-    from moe_upcycle.checkpoint.source import resolve_model
+    from moe_upcycle.checkpoint.model_refs import resolve_model
 
     commit = "3bac358730f8806e5c3dc7c7e19eb36e045bf720"
     path = resolve_model(f"HuggingFaceH4/zephyr-7b-beta@{commit}", "experts[1].source_model")

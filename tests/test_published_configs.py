@@ -20,7 +20,7 @@ import yaml
 from conftest import model_logits
 from fake_hub import build_hub_cache, local_refs, model_refs
 from moe_upcycle.build import upcycle
-from moe_upcycle.checkpoint.source import resolve_model
+from moe_upcycle.checkpoint.model_refs import resolve_model
 from moe_upcycle.checkpoint.tiny import make_dense_model, make_finetune
 from moe_upcycle.errors import UpcycleError
 from moe_upcycle.recipe.schema import load_config

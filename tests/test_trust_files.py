@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import model_logits
 from failure_checks import assert_clean_failure, cli, leftovers, previous_build
-from moe_upcycle.checkpoint.source import Checkpoint, read_safetensors_header
+from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.checkpoint.headers import read_safetensors_header
 from moe_upcycle.errors import OutputError, SourceError
 from moe_upcycle.planning.windows import dense_windows
 from moe_upcycle.recipe.rewrite import write_grown_config

@@ -47,7 +47,8 @@ from moe_upcycle.check.compare import (TokenizerLoadError, compare_logits, encod
 from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
-from moe_upcycle.checkpoint.source import TensorInfo, read_safetensors_header, resolve_model
+from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
+from moe_upcycle.checkpoint.model_refs import resolve_model
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build

@@ -15,7 +15,8 @@ import torch
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.errors import SourceError
-from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, meta_checkpoint, open_sources, read_config, resolve_model
+from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, meta_checkpoint, open_sources, read_config
+from moe_upcycle.checkpoint.model_refs import resolve_model
 
 Dims = dict[str, int]
 # per-layer tensor suffix -> shape from the model's dimensions (H hidden, I intermediate,

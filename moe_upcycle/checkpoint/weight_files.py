@@ -11,11 +11,13 @@ user of the base compare it with.
 
 A tensor stored in two shards is ambiguous: the index names one, but transformers reads every
 shard in sorted order and keeps the last copy. Rather than guess, the folder is refused, naming
-the tensor and both files. It reads file names only; headers are read by `source`.
+the tensor and both files. It reads file names and the index's weight_map (`index_files`); headers
+are read by `headers`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from pathlib import Path
@@ -98,3 +100,43 @@ def duplicate_problems(folder: Path, found_in: dict[str, list[str]],
                         f"name, {sorted(files)[-1]}), so nothing is built; remove the stale copy or re-download "
                         f"the model")
     return problems
+
+
+def index_files(index: Path) -> dict[str, Optional[set[str]]]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):  # not an assert: `python -O` would skip it
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+    except OSError:
+        raise  # unreadable: `open_checkpoint` says so
+    except Exception as exc:
+        raise SourceError(f"{index}: not a valid index (needs a weight_map object): {exc}") from None
+    if not weight_map:
+        raise SourceError(f"{index}: its weight_map lists no tensors; the index is damaged — re-download it")
+    files: dict[str, Optional[set[str]]] = {}
+    safetensors = index.name.endswith(".safetensors.index.json")
+    for key, file in weight_map.items():
+        # a hostile index must not make us read files outside the model folder
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, which is not a file name in the "
+                              f"model folder; fix or re-download the index")
+        if file.endswith(".safetensors") != safetensors:  # each index is read by one loader only
+            raise SourceError(f"{index}: tensor {key!r} is mapped to {file!r}, but a "
+                              f"{'safetensors' if safetensors else 'pytorch_model.bin'} index names only "
+                              f"{'*.safetensors files' if safetensors else 'PyTorch files (not *.safetensors)'}; "
+                              f"fix or re-download the index")
+        files.setdefault(file, set()).add(key)
+    for file in files:
+        if not (index.parent / file).is_file():
+            raise SourceError(f"{index.parent / file}: shard file is missing (the index {index.name} lists "
+                              f"{len(files[file])} tensor(s) in it); re-download the model")
+    return files
+
+
+def check_index(path: Path, file: str, expected: Optional[set[str]], found: dict, index: Path) -> None:
+    if expected is None:
+        return
+    missing = sorted(expected - set(found))
+    if missing:
+        raise SourceError(f"{index}: lists {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                          + f" in {file}, but {path / file} does not contain it")

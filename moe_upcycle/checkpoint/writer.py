@@ -27,7 +27,7 @@ import torch
 from moe_upcycle.errors import OutputError
 from moe_upcycle.checkpoint.disk_space import disk_hint
 from moe_upcycle.checkpoint.shard_file import ShardFile
-from moe_upcycle.checkpoint.source import DTYPE_NAMES, tensor_nbytes
+from moe_upcycle.checkpoint.headers import DTYPE_NAMES, tensor_nbytes
 
 INDEX_NAME = "model.safetensors.index.json"
 

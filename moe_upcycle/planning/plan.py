@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from moe_upcycle.checkpoint import names
-from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, TensorInfo
+from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint
+from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.errors import PlanError
 from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks
 from moe_upcycle.planning.steps import Plan, Step, source_layer

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from moe_upcycle.checkpoint.source import tensor_nbytes
+from moe_upcycle.checkpoint.headers import tensor_nbytes
 from moe_upcycle.recipe.schema import ExpertConfig
 
 

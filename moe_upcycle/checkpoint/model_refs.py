@@ -1,0 +1,65 @@
+"""Model references: a folder, or a hub id in the local Hugging Face cache (nothing is downloaded).
+
+A hub id is ``org/name`` in any case (as on the hub) or mergekit's ``org/name@revision``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from moe_upcycle.errors import SourceError
+from moe_upcycle.inputs.paths import resolve_or_raise
+
+
+def resolve_model(ref: str, field_name: str) -> Path:
+    """Resolve a model reference to a local folder.
+
+    Args:
+        ref: a folder path, or a hub id (``org/name``, or mergekit's ``org/name@revision``) present
+            in the local Hugging Face cache.
+        field_name: the YAML field that named it, for messages.
+
+    Raises:
+        SourceError: neither a folder nor a cached hub id; says where it looked.
+    """
+    path = Path(os.path.expanduser(ref))
+    if path.is_dir():
+        return path.resolve()
+    if path.is_file():  # e.g. the model.safetensors itself: not a hub id either
+        raise SourceError(f"{field_name}: model {ref!r} is a file, not a model folder; give the folder that holds "
+                          f"its config.json and weights ({resolve_or_raise(path, SourceError, field_name).parent})")
+    looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
+    # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
+    repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    if "/" in repo and not repo.startswith((".", "/", "~")) and repo.count("/") == 1:
+        from huggingface_hub import constants, snapshot_download
+
+        # hub ids are case-insensitive (`Mistralai/...` is mistralai's repo), cache folders are not
+        for name in [repo] + _cached_spellings(Path(constants.HF_HUB_CACHE), repo):
+            try:
+                return Path(snapshot_download(name, revision=revision or None, local_files_only=True))
+            except Exception:
+                pass
+        at = f" at revision {revision!r}" if revision else ""
+        looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
+    from moe_upcycle.terminal.hints import missing_model_hint
+
+    raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
+                      f"{missing_model_hint(ref)}")
+
+
+def _cached_spellings(cache: Path, repo: str) -> list[str]:
+    """Hub ids in the cache that differ from `repo` only in case (the hub treats them as one repo)."""
+    want = f"models--{repo.replace('/', '--')}".lower()
+    try:
+        return [d.name[len("models--"):].replace("--", "/", 1) for d in cache.iterdir()
+                if d.name.lower() == want and d.name != f"models--{repo.replace('/', '--')}"]
+    except OSError:
+        return []
+
+
+def repo_and_revision(ref: str) -> tuple[str, ...]:
+    """``org/name@rev`` as the arguments of a download command: ("org/name", "--revision", "rev")."""
+    repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    return (repo, "--revision", revision) if revision else (repo,)
