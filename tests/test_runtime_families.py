@@ -176,3 +176,44 @@ def test_transformers4_does_what_the_verdict_says(built):
         if seen != verdict:
             wrong.append(f"{case}: verdict {verdict}, 4.57 {seen}" + (f" ({have})" if seen == NO_LOAD else ""))
     assert not wrong, wrong
+
+
+# upcycle_model (in memory, transformers 5): logits equal the dense model's, and what save_pretrained writes reloads
+# in 4.57 as the plan's verdict says (transformers 5 writes rope_parameters only and Qwen3-MoE's num_local_experts;
+# 4.57 then ran Mixtral with rope_theta 1e6 and refused Qwen3-MoE's routers)
+IN_MEMORY = [("llama-3.2", "mixtral"), ("mistral-v0.1", "qwen2_moe"), ("qwen2.5-yarn", "qwen2_moe"),
+             ("qwen3", "qwen3_moe"), ("llama-fp16-dynamic", "mixtral")]
+
+
+@pytest.fixture(scope="module")
+def saved_in_memory(built, tmp_path_factory) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle import upcycle_model
+
+    root = tmp_path_factory.mktemp("in_memory")
+    dense = {name: d for (name, _, _), (d, _, _) in built.items()}
+    out = {}
+    for name, arch in IN_MEMORY:
+        model = AutoModelForCausalLM.from_pretrained(str(dense[name]), dtype=torch.float32).eval()
+        moe = upcycle_model(model, num_experts=4, experts_per_token=2, architecture=arch).eval()
+        with torch.inference_mode():
+            ids = torch.tensor([_ids()])
+            assert_close_rel(moe(ids).logits[0], model(ids).logits[0])
+        moe.save_pretrained(str(root / f"{name}-{arch}"))
+        out[(name, arch)] = (dense[name], root / f"{name}-{arch}")
+    return out
+
+
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
+def test_upcycle_model_save_pretrained_reloads_in_transformers4(saved_in_memory):
+    folders = sorted({str(p) for pair in saved_in_memory.values() for p in pair})
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_LOGITS, json.dumps(_ids()), *folders], capture_output=True,
+                         text=True, timeout=600, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for case, (dense, saved) in saved_in_memory.items():
+        assert not isinstance(got[str(saved)], str), f"{case}: {got[str(saved)]}"
+        assert_close_rel(torch.tensor(got[str(saved)]), torch.tensor(got[str(dense)]))
+    assert json.loads((saved_in_memory[("qwen3", "qwen3_moe")][1] / "config.json").read_text())["num_experts"] == 4
