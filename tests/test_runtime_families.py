@@ -4,7 +4,8 @@ Each case is a tiny random model whose config.json has the features of a real pu
 (written as the Hub has it: ``rope_theta`` / ``rope_scaling``, ``torch_dtype``): Llama-3.2 (llama3
 rope, tied), Mistral v0.1 (a sliding window shorter than the text), Mistral-Nemo (head_dim other
 than hidden / heads), Qwen2.5 (biases, tied, window switched off, yarn), a Qwen2 that slides only its
-upper layers, Qwen3 (q/k norms, head_dim 32 of hidden 64 / 4 heads). Each is upcycled by copy (or an
+upper layers, Qwen3 (q/k norms, head_dim 32 of hidden 64 / 4 heads), and configs that write the family
+default as null (``head_dim``, ``num_key_value_heads``). Each is upcycled by copy (or an
 exact split), and the MoE's logits on 40 tokens (past every window) are compared with the dense
 model's *in the same transformers version*. The plan's transformers 4.x verdict must say what 4.57
 does: exact (equal logits), runs, not exact (it loads and differs), or will not load.
@@ -53,6 +54,12 @@ CONFIGS = {
     "qwen3": dict(COMMON, model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, head_dim=32,
                   rope_theta=1e6, rope_scaling=None, sliding_window=None, use_sliding_window=False,
                   max_window_layers=2, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    # null is the family default (Mistral configs may say "head_dim": null; old Llama ones "num_key_value_heads": null)
+    "mistral-head-dim-null": dict(COMMON, model_type="mistral", architectures=["MistralForCausalLM"], head_dim=None,
+                                  rope_theta=1e6, sliding_window=WINDOW, tie_word_embeddings=False,
+                                  torch_dtype="float32"),
+    "llama-kv-null": dict(COMMON, model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=None,
+                          rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32"),
     "llama-fp16-dynamic": dict(COMMON, model_type="llama", architectures=["LlamaForCausalLM"], max_position_embeddings=32,
                                rope_scaling={"type": "dynamic", "factor": 2.0}, rope_theta=10000.0,
                                tie_word_embeddings=False, torch_dtype="float16"),
@@ -71,6 +78,8 @@ CASES = {
     ("qwen2-upper-layers-slide", "qwen2_moe", "copy"): RUNS,  # 4.57 slides every layer
     ("qwen3", "qwen3_moe", "copy"): EXACT,
     ("llama-fp16-dynamic", "mixtral", "split"): EXACT,
+    ("mistral-head-dim-null", "qwen2_moe", "copy"): EXACT,
+    ("llama-kv-null", "qwen2_moe", "copy"): EXACT,
 }
 
 TF4_LOGITS = """
@@ -95,10 +104,11 @@ def _ids() -> list[int]:
 
 def _dense(root: Path, name: str) -> Path:
     config = CONFIGS[name]
-    extra = {k: config[k] for k in ("head_dim", "attention_bias") if k in config}
+    extra = {k: config[k] for k in ("head_dim", "attention_bias") if config.get(k) is not None}
+    dims = {**DIMS, "num_key_value_heads": config["num_key_value_heads"] or config["num_attention_heads"]}
     folder = make_dense_model(root / name, family=config["model_type"], seed=7, random_norms_and_biases=True,
                               tie_word_embeddings=config["tie_word_embeddings"], tokenizer=False,
-                              dtype=getattr(torch, config["torch_dtype"]), **DIMS, **extra)
+                              dtype=getattr(torch, config["torch_dtype"]), **dims, **extra)
     (folder / "config.json").write_text(json.dumps(config, indent=2))  # as published, not as transformers 5 saves it
     return folder
 
