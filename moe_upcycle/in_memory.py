@@ -171,6 +171,10 @@ def check_dense_model(dense_model: Any) -> None:
                           f"AutoModelForCausalLM.from_pretrained(...)")
 
 
+# config.json fields transformers 4.x reads that transformers 5 does not write (see `keep_legacy_fields`)
+LEGACY_FIELDS = ("rope_theta", "rope_scaling", "num_experts")
+
+
 def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
     """A MoE model from its config.json dict, with parameters on the meta device (buffers real)."""
     from accelerate import init_empty_weights
@@ -189,7 +193,24 @@ def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
         # a plain config attribute is written by save_pretrained (the private one is not), and
         # from_pretrained reads it back: the reloaded model runs the kernel this one runs
         model.config.experts_implementation = impl
+    keep_legacy_fields(model.config, cfg)
     return model
+
+
+def keep_legacy_fields(hf_config: Any, cfg: dict) -> None:
+    """Make ``save_pretrained`` write the config.json fields a build writes for transformers 4.x.
+
+    transformers 5 saves only its own names: ``rope_parameters`` without ``rope_theta`` /
+    ``rope_scaling``, and Qwen3-MoE's expert count as ``num_local_experts``. 4.x reads neither, so a
+    folder saved from the MoE loaded there with its class defaults (Mixtral's rope_theta 1e6,
+    Qwen3-MoE's 128 experts): other logits, or a size mismatch. Fields of `cfg` that the config
+    would not write go into its ``__dict__``, which ``save_pretrained`` writes as they are (setting
+    them as attributes would go through transformers 5's aliases and rope setters instead).
+    """
+    written = hf_config.to_dict()
+    for key in LEGACY_FIELDS:
+        if key in cfg and key not in written:
+            hf_config.__dict__[key] = cfg[key]
 
 
 def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[DensePlacement] = None) -> None:

@@ -185,6 +185,8 @@ def config_fields(plan: "Plan") -> dict:
         fields.update(windows.no_window_fields(layout, base["num_hidden_layers"]))
     elif "layer_types" in layout.inherit and "layer_types" not in base:
         # Mistral slides every layer, a Qwen base the layers from max_window_layers on: Qwen MoE configs say which
-        fields.update(use_sliding_window=True, max_window_layers=base.get("max_window_layers", len(per_layer)),
+        # (transformers 5 reads layer_types; 4.x's flash-attention 2 path, max_window_layers: the first that slides)
+        first = next(i for i, w in enumerate(per_layer) if w)
+        fields.update(use_sliding_window=True, max_window_layers=first,
                       layer_types=["sliding_attention" if w else "full_attention" for w in per_layer])
     return fields

@@ -76,8 +76,11 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
     base = plan.base_config
     layout = output_layout(plan.architecture)
     cfg = {k: base[k] for k in INHERITED if k in base}
-    cfg.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
-    cfg.setdefault("num_key_value_heads", base["num_attention_heads"])
+    # null is "the family default" in the base (Mistral configs may say "head_dim": null; 4.x's MistralConfig
+    # holds None in memory), but Qwen-MoE classes multiply it: write the value the dense model uses
+    defaults = {"head_dim": base["hidden_size"] // base["num_attention_heads"],
+                "num_key_value_heads": base["num_attention_heads"]}
+    cfg.update({k: v for k, v in defaults.items() if cfg.get(k) is None})
     cfg["tie_word_embeddings"] = plan.tied_embeddings
     # transformers 5 keeps rope settings in rope_parameters; 4.x reads rope_theta / rope_scaling
     rope = base.get("rope_parameters")

@@ -15,7 +15,11 @@ rules per runtime are plain functions in `RULES`; what they encode:
 
 - transformers 5: reads every output (per-expert checkpoints are converted while loading).
 - transformers 4.x: per-expert only; fused shards carry a safetensors ``format`` that 4.x
-  refuses (see `fused`), instead of loading random experts.
+  refuses (see `fused`), instead of loading random experts. Its (4.57) Qwen2-MoE refuses a
+  head_dim other than hidden_size / num_attention_heads, and with eager or sdpa attention applies
+  ``sliding_window`` to every layer (one mask for the whole model; ``max_window_layers`` only
+  reaches flash-attention 2, ``layer_types`` not at all), so a base that slides some layers only
+  runs there, not exactly.
 - vLLM: per-expert only (its loaders map ``experts.{e}.{proj}``); honours ``norm_topk_prob``
   (``renormalize=config.norm_topk_prob``); its qwen2_moe builds no shared expert when
   ``shared_expert_intermediate_size`` is 0 and then has no parameter for zero-size
@@ -72,6 +76,19 @@ class OutputFacts:
         return self.config.get("num_experts_per_tok") == self.config.get(experts_key)
 
     @property
+    def some_layers_slide(self) -> bool:
+        """Qwen-MoE: a window on some layers only (``layer_types`` mixes sliding and full attention)."""
+        types = self.config.get("layer_types") or []
+        return (bool(self.config.get("use_sliding_window")) and bool(self.config.get("sliding_window"))
+                and "full_attention" in types and "sliding_attention" in types)
+
+    @property
+    def head_dim_differs(self) -> bool:
+        """head_dim is not hidden_size / num_attention_heads (Mistral-Nemo, Qwen3)."""
+        cfg = self.config
+        return bool(cfg.get("head_dim")) and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+
+    @property
     def shared_expert(self) -> bool:
         return bool(self.config.get("shared_expert_intermediate_size"))
 
@@ -109,6 +126,13 @@ def _transformers4(f: OutputFacts) -> Verdict:
     if f.layout == "fused":
         return Verdict("transformers 4.x", NO_LOAD, f"fused expert tensors are {FUSED_ONLY}; the shards' "
                        f"safetensors format makes 4.x refuse them instead of loading random experts", MEASURED)
+    if f.model_type == "qwen2_moe" and f.head_dim_differs:
+        cfg = f.config
+        return Verdict("transformers 4.x", NO_LOAD, f"its Qwen2-MoE needs head_dim = hidden_size / num_attention_heads "
+                       f"({cfg['hidden_size'] // cfg['num_attention_heads']}), not {cfg['head_dim']}", MEASURED)
+    if f.model_type == "qwen2_moe" and f.some_layers_slide:
+        return Verdict("transformers 4.x", RUNS, "its Qwen2-MoE applies sliding_window to every layer (eager/sdpa "
+                       "attention ignore layer_types and max_window_layers), the base only to some", MEASURED)
     return Verdict("transformers 4.x", EXACT, "4.57, per-expert tensors", MEASURED)
 
 
@@ -117,7 +141,7 @@ def _vllm(f: OutputFacts) -> Verdict:
         return Verdict("vLLM", NO_LOAD, f"its loaders read per-expert tensors; fused is {FUSED_ONLY}")
     if f.model_type == "qwen2_moe":
         cfg = f.config
-        if cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        if f.head_dim_differs:
             return Verdict("vLLM", NO_LOAD, f"its qwen2_moe takes head_dim = hidden_size / num_attention_heads, "
                            f"not head_dim {cfg['head_dim']}")
         if not f.shared_expert and any(".shared_expert." in n for n in f.zero_size):
