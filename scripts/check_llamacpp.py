@@ -2,13 +2,18 @@
 
 For each case: build a tiny dense model (random, seeded, hidden 64), upcycle it with
 ``python -m moe_upcycle build``, convert the output with llama.cpp's own ``convert_hf_to_gguf.py``
-(``--outtype f32``), evaluate the same token ids in transformers (fp32) and in llama.cpp (CPU, f32 KV
-cache) and print max |Δlogit| / max |logit| per case, or why llama.cpp refused the file. The dense
-models themselves are checked too: that row is the converter/runtime's own floor.
+(``--outtype f32``, or the case's f16 / bf16), evaluate the same token ids in transformers (fp32) and in
+llama.cpp (CPU, f32 KV cache) and print max |Δlogit| / max |logit| per case, or why llama.cpp refused the
+file. The dense models themselves are checked too: that row is the converter/runtime's own floor.
+
+Each case's expectation is the plan's own llama.cpp verdict (``runtimes.compatibility``: exact -> equal,
+runs, not exact -> differs, will not load -> fails; a window verdict expects equal when the text is
+shorter than the window) and must also be what the case is written to show: a row marked UNEXPECTED is
+a verdict that does not match llama.cpp.
 
 llama.cpp comes from ``scripts/build_llamacpp.sh`` (the pinned llama-cpp-python sdist, built outside
 the repo); this script imports its converter, gguf-py and ctypes bindings from there. Nothing from it
-is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); the 21 cases take 6 min::
+is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); the 59 cases take 7 min::
 
     scripts/build_llamacpp.sh /tmp/llamacpp
     python scripts/check_llamacpp.py --llamacpp /tmp/llamacpp [--only qwen2] [--json out.json]
@@ -153,6 +158,9 @@ def cases() -> list[Case]:
         Case("qwen2->qwen2_moe bf16 shared split k=4 of 4 (bf16 gguf)", "qwen2", {"architecture": "qwen2_moe",
              "shared_expert_gate": "constant", "experts_per_token": 4, "dtype": "bfloat16"}, routed_scale=0.5,
              shared=1, outtype="bf16"),
+        # the converter's default for an fp32 model is f16, but it keeps the shared gate (ffn_gate_inp_shexp) in f32
+        Case("qwen2->qwen2_moe README shared split, k=4 of 4 (f16 gguf)", "qwen2", {"architecture": "qwen2_moe",
+             "shared_expert_gate": "constant", "experts_per_token": 4}, routed_scale=0.5, shared=1, outtype="f16"),
         # expert_init: not the dense function, but llama.cpp must compute what transformers computes
         Case("llama->mixtral noise", "llama", {"architecture": "mixtral",
              "expert_init": {"method": "noise", "scale": 0.05}}),

@@ -19,6 +19,15 @@ measures them (convert with ``convert_hf_to_gguf.py``, compare logits with trans
   ``output.weight`` is required (no fallback to tied embeddings).
 - ``qwen3moe`` loads q/k/v biases but has no ``attn_output.bias``: a Qwen3 with ``attention_bias: true``
   (o_proj bias) does not load — the dense Qwen3 does not either.
+- None of the three has sliding-window attention (the converter writes no window for them): a base
+  that transformers runs through a window (Mistral v0.1's 4096, a Qwen with ``use_sliding_window:
+  true``) agrees up to that many tokens and differs beyond.
+- ``qwen2moe`` sizes q and o ``hidden x hidden``: a ``head_dim`` other than hidden / heads (Mistral-Nemo)
+  does not load. ``llama`` and ``qwen3moe`` read ``head_dim``.
+- ``rope_type: llama3`` becomes ``rope_freqs`` in the converter's llama only; ``qwen2moe`` / ``qwen3moe``
+  rotate with unscaled frequencies.
+- The converter's qwen2moe / qwen3moe split transformers-5 fused experts (``gate_up_proj``); its llama
+  (Mixtral) cannot map them.
 
 So we write (a) a shared expert at least 1 wide, zeros when there is none (adds exactly 0 in both
 runtimes), (b) the "constant" shared gate as tiny equal entries `half_gate_value` instead of zeros:
