@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,3 +258,30 @@ def test_fused_qwen_moe_card_says_llamacpp_reads_it(tiny_qwen2, tmp_path):
     assert "The fused expert layout is transformers >= 5 and llama.cpp only." in card
     row = next(line for line in card.splitlines() if line.startswith("| llama.cpp |"))
     assert row.startswith("| llama.cpp | exact |") and row.endswith("| measured |")
+
+
+HUB_CONFIGS = Path(__file__).resolve().parent / "data" / "hub_configs"
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("hub,mixtral,qwen2_moe", [
+    ("meta-llama--Llama-3.2-1B", (EXACT, "renormalised"), (RUNS, "rope_type llama3")),
+    ("mistralai--Mistral-7B-v0.1", (RUNS, "4096-token window"), (RUNS, "4096-token window")),
+    ("mistralai--Mistral-7B-Instruct-v0.1", (RUNS, "identical up to 4096 tokens"), (RUNS, "4096")),
+    ("mistralai--Mistral-7B-Instruct-v0.2", (EXACT, "renormalised"), (EXACT, "all experts active")),
+])
+def test_llamacpp_verdict_of_published_configs(hub, mixtral, qwen2_moe, tmp_path):
+    """A published config.json (its rope, window, family) on tiny tensors: the verdicts its users would read."""
+    published = json.loads((HUB_CONFIGS / hub / "config.json").read_text())
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    base = make_dense_model(tmp_path / "base", family=published["model_type"], tokenizer=False)
+    tiny = json.loads((base / "config.json").read_text())
+    cfg = {**{k: v for k, v in published.items() if k not in ("rope_parameters", "torch_dtype", "dtype")},
+           **{k: tiny[k] for k in SIZE_KEYS if k in tiny}}
+    (base / "config.json").write_text(json.dumps(cfg))
+    for arch, (status, fragment) in (("mixtral", mixtral), ("qwen2_moe", qwen2_moe)):
+        plan = upcycle(_cfg(base, arch, k=4), dry_run=True).plan
+        status_why = verdict(plan)
+        assert status_why[0] == status and fragment in status_why[1], (arch, status_why)
