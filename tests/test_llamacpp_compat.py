@@ -201,9 +201,10 @@ def verdict_bases(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("base,arch,extra,status,fragment", [
     # attention windows: llama.cpp's llama / qwen2moe / qwen3moe attend over the whole context
-    ("mistral_v01", "mixtral", {}, RUNS, "through a 4096-token window on 2 of 2 layers; identical up to 4096 tokens"),
+    ("mistral_v01", "mixtral", {}, RUNS,
+     "through a window of 4096 tokens on 2 of 2 layers; identical up to 4096 tokens"),
     ("mistral_v01", "qwen2_moe", {"experts_per_token": 4}, RUNS, WINDOW),
-    ("qwen2_swa", "qwen2_moe", {"experts_per_token": 4}, RUNS, "8-token window on 1 of 2 layers"),
+    ("qwen2_swa", "qwen2_moe", {"experts_per_token": 4}, RUNS, "window of 8 tokens on 1 of 2 layers"),
     ("mistral_nowin", "mixtral", {}, EXACT, "renormalised as in transformers"),
     ("qwen25", "qwen2_moe", {"experts_per_token": 4}, EXACT, "all experts active"),  # window off: nothing slides
     ("qwen25", "qwen2_moe", {}, RUNS, "never renormalises the top-2"),
@@ -252,7 +253,7 @@ def test_written_window_is_the_one_the_verdict_reads(verdict_bases, base, writte
 
 
 def test_fused_qwen_moe_card_says_llamacpp_reads_it(tiny_qwen2, tmp_path):
-    """convert_hf_to_gguf.py splits qwen2moe's fused gate_up_proj: measured exact, so the card must not say 'will not load'."""
+    """convert_hf_to_gguf.py splits qwen2moe's fused gate_up_proj: measured exact, not 'will not load'."""
     result = upcycle(_cfg(tiny_qwen2, "qwen2_moe", k=4, layout="fused"), tmp_path / "moe")
     card = (result.output / "README.md").read_text()
     assert "The fused expert layout is transformers >= 5 and llama.cpp only." in card
@@ -267,7 +268,7 @@ SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
 
 @pytest.mark.parametrize("hub,mixtral,qwen2_moe", [
     ("meta-llama--Llama-3.2-1B", (EXACT, "renormalised"), (RUNS, "rope_type llama3")),
-    ("mistralai--Mistral-7B-v0.1", (RUNS, "4096-token window"), (RUNS, "4096-token window")),
+    ("mistralai--Mistral-7B-v0.1", (RUNS, "window of 4096 tokens"), (RUNS, "window of 4096 tokens")),
     ("mistralai--Mistral-7B-Instruct-v0.1", (RUNS, "identical up to 4096 tokens"), (RUNS, "4096")),
     ("mistralai--Mistral-7B-Instruct-v0.2", (EXACT, "renormalised"), (EXACT, "all experts active")),
 ])

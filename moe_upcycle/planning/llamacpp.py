@@ -121,7 +121,7 @@ def verdict(plan: "Plan") -> tuple[str, str]:
     if sliding:
         return ("runs, not exact",
                 f"llama.cpp's {arch.name} has no sliding-window attention: it attends over the whole context, "
-                f"transformers through a {min(sliding)}-token window on {len(sliding)} of "
+                f"transformers through a window of {min(sliding)} tokens on {len(sliding)} of "
                 f"{cfg['num_hidden_layers']} layers; identical up to {min(sliding)} tokens, different beyond")
     rope = cfg.get("rope_scaling") or {}
     if not arch.llama3_rope and str(rope.get("rope_type", rope.get("type", ""))).lower() == "llama3":
