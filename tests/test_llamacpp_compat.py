@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +169,120 @@ def test_tied_qwen2moe_writes_lm_head_for_llamacpp_and_stays_tied(tiny_qwen2_tie
     assert total == sum(math.prod(s.shape) for s in result.plan.steps) - embed.numel()
     ref, emulated, _ = _logits_both_ways(result.output, k=4)
     assert (emulated - ref).abs().max() <= REL * ref.abs().max()
+
+
+# ---- the llama.cpp verdict for whole classes of bases and recipes (scripts/check_llamacpp.py measures each) ----
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+VERDICT_BASES = {  # name: make_dense_model arguments (published configs' shapes of the same kind)
+    "llama": dict(family="llama"),
+    "llama_tied": dict(family="llama", tie_word_embeddings=True),
+    "mistral_v01": dict(family="mistral", sliding_window=4096),  # Mistral-7B-v0.1
+    "mistral_nowin": dict(family="mistral", sliding_window=None),  # Mistral-7B-v0.2 and later
+    "qwen25": dict(family="qwen2", sliding_window=8, use_sliding_window=False, max_window_layers=1),  # Qwen2.5
+    "qwen2_swa": dict(family="qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1),
+    "llama3": dict(family="llama", rope_parameters=LLAMA3_ROPE),  # Llama-3.1 / 3.2
+    "nemo": dict(family="mistral", head_dim=32, sliding_window=None),  # Mistral-Nemo: head_dim != hidden / heads
+    "qwen3_hd32": dict(family="qwen3", head_dim=32),  # Qwen3: head_dim 128 != hidden / heads
+}
+EXACT, RUNS, NO_LOAD = "exact", "runs, not exact", "will not load"
+WINDOW = "no sliding-window attention"
+
+
+@pytest.fixture(scope="module")
+def verdict_bases(tmp_path_factory) -> dict:
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    root = tmp_path_factory.mktemp("verdict_bases")
+    return {name: make_dense_model(root / name, seed=i, tokenizer=False, **kw)
+            for i, (name, kw) in enumerate(VERDICT_BASES.items())}
+
+
+@pytest.mark.parametrize("base,arch,extra,status,fragment", [
+    # attention windows: llama.cpp's llama / qwen2moe / qwen3moe attend over the whole context
+    ("mistral_v01", "mixtral", {}, RUNS,
+     "through a window of 4096 tokens on 2 of 2 layers; identical up to 4096 tokens"),
+    ("mistral_v01", "qwen2_moe", {"experts_per_token": 4}, RUNS, WINDOW),
+    ("qwen2_swa", "qwen2_moe", {"experts_per_token": 4}, RUNS, "window of 8 tokens on 1 of 2 layers"),
+    ("mistral_nowin", "mixtral", {}, EXACT, "renormalised as in transformers"),
+    ("qwen25", "qwen2_moe", {"experts_per_token": 4}, EXACT, "all experts active"),  # window off: nothing slides
+    ("qwen25", "qwen2_moe", {}, RUNS, "never renormalises the top-2"),
+    # rope_type llama3: only the converter's llama writes rope_freqs
+    ("llama3", "mixtral", {}, EXACT, "renormalised"),
+    ("llama3", "qwen2_moe", {"experts_per_token": 4}, RUNS, "rope_type llama3"),
+    # head_dim != hidden / heads: llama.cpp's qwen2moe sizes q/o hidden x hidden
+    ("nemo", "mixtral", {}, EXACT, "renormalised"),
+    ("nemo", "qwen2_moe", {"experts_per_token": 4}, NO_LOAD, "head_dim 32 x 4 heads is 128"),
+    ("qwen3_hd32", "qwen3_moe", {}, EXACT, "renormalised"),
+    # tied embeddings, 16-bit outputs, expert inits: llama.cpp computes what transformers computes
+    ("llama_tied", "mixtral", {}, EXACT, "renormalised"),
+    ("llama", "mixtral", {"dtype": "bfloat16", "expert_init": {"method": "noise", "scale": 0.05}}, EXACT, ""),
+    ("llama", "mixtral", {"expert_init": {"method": "split", "granularity": 2}}, EXACT, ""),
+    ("llama", "qwen2_moe", {"experts_per_token": 4, "dtype": "float16",
+                            "expert_init": {"method": "drop", "ratio": 0.5}}, EXACT, ""),
+    # the fused (transformers-5) layout: the converter's qwen2moe / qwen3moe split gate_up_proj, its llama does not
+    ("llama", "mixtral", {"layout": "fused"}, NO_LOAD, "per-expert"),
+    ("llama", "qwen2_moe", {"layout": "fused", "experts_per_token": 4}, EXACT, ""),
+    ("qwen3_hd32", "qwen3_moe", {"layout": "fused"}, EXACT, ""),
+])
+def test_llamacpp_verdict_per_class_of_base(verdict_bases, base, arch, extra, status, fragment):
+    from moe_upcycle.planning.runtimes import compatibility
+
+    plan = upcycle(_cfg(verdict_bases[base], arch, **extra), dry_run=True).plan
+    found = next(v for v in compatibility(plan) if v.runtime == "llama.cpp")
+    assert (found.status, found.basis) == (status, "measured"), found.line()
+    assert fragment in found.why
+    if status != EXACT:  # the plan says it where the user reads it
+        assert any(n.startswith(f"llama.cpp: {status}") for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("base,written", [
+    ("mistral_v01", {"sliding_window": 4096}),
+    ("qwen25", {"sliding_window": None, "use_sliding_window": False, "layer_types": ["full_attention"] * 2}),
+    ("qwen2_swa", {"sliding_window": 8, "use_sliding_window": True,
+                   "layer_types": ["full_attention", "sliding_attention"]}),
+])
+def test_written_window_is_the_one_the_verdict_reads(verdict_bases, base, written, tmp_path):
+    """The window fields the converter and transformers read are those the verdict was made from."""
+    from moe_upcycle.planning.model_config import moe_config
+
+    plan = upcycle(_cfg(verdict_bases[base], "qwen2_moe", k=4), dry_run=True).plan
+    cfg = moe_config(plan)
+    assert {k: cfg.get(k) for k in written} == written
+
+
+def test_fused_qwen_moe_card_says_llamacpp_reads_it(tiny_qwen2, tmp_path):
+    """convert_hf_to_gguf.py splits qwen2moe's fused gate_up_proj: measured exact, not 'will not load'."""
+    result = upcycle(_cfg(tiny_qwen2, "qwen2_moe", k=4, layout="fused"), tmp_path / "moe")
+    card = (result.output / "README.md").read_text()
+    assert "The fused expert layout is transformers >= 5 and llama.cpp only." in card
+    row = next(line for line in card.splitlines() if line.startswith("| llama.cpp |"))
+    assert row.startswith("| llama.cpp | exact |") and row.endswith("| measured |")
+
+
+HUB_CONFIGS = Path(__file__).resolve().parent / "data" / "hub_configs"
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("hub,mixtral,qwen2_moe", [
+    ("meta-llama--Llama-3.2-1B", (EXACT, "renormalised"), (RUNS, "rope_type llama3")),
+    ("mistralai--Mistral-7B-v0.1", (RUNS, "window of 4096 tokens"), (RUNS, "window of 4096 tokens")),
+    ("mistralai--Mistral-7B-Instruct-v0.1", (RUNS, "identical up to 4096 tokens"), (RUNS, "4096")),
+    ("mistralai--Mistral-7B-Instruct-v0.2", (EXACT, "renormalised"), (EXACT, "all experts active")),
+])
+def test_llamacpp_verdict_of_published_configs(hub, mixtral, qwen2_moe, tmp_path):
+    """A published config.json (its rope, window, family) on tiny tensors: the verdicts its users would read."""
+    published = json.loads((HUB_CONFIGS / hub / "config.json").read_text())
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    base = make_dense_model(tmp_path / "base", family=published["model_type"], tokenizer=False)
+    tiny = json.loads((base / "config.json").read_text())
+    cfg = {**{k: v for k, v in published.items() if k not in ("rope_parameters", "torch_dtype", "dtype")},
+           **{k: tiny[k] for k in SIZE_KEYS if k in tiny}}
+    (base / "config.json").write_text(json.dumps(cfg))
+    for arch, (status, fragment) in (("mixtral", mixtral), ("qwen2_moe", qwen2_moe)):
+        plan = upcycle(_cfg(base, arch, k=4), dry_run=True).plan
+        status_why = verdict(plan)
+        assert status_why[0] == status and fragment in status_why[1], (arch, status_why)

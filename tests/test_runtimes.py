@@ -178,10 +178,13 @@ def test_compatibility_of_each_architecture(tiny_llama, tiny_qwen2, tiny_qwen3_t
     # qwen3 with an attention-output bias
     v = {v.runtime: v for v in compatibility(plan(tiny_qwen3_tied_bias, "qwen3_moe"))}
     assert (v["vLLM"].status, v["llama.cpp"].status, v["ExLlamaV2"].status) == (RUNS, NO_LOAD, EXACT)
-    # fused: transformers >= 5 only
+    # fused: transformers >= 5 only for Mixtral; llama.cpp's converter splits Qwen-MoE's fused experts
     fused = compatibility(plan(tiny_llama, "mixtral", layout="fused"))
     assert [v.status for v in fused] == [EXACT] + [NO_LOAD] * 4
-    assert all("transformers >= 5 only" in v.why for v in fused[1:])
+    assert all("transformers >= 5 only" in v.why for v in fused[1:3] + fused[4:])
+    assert "per-expert tensors only" in fused[3].why and "layout: per_expert" in fused[3].why
+    fused = compatibility(plan(tiny_qwen3_tied_bias, "qwen3_moe", layout="fused"))  # o_proj bias: llama.cpp refuses
+    assert "self_attn.o_proj.bias" in fused[3].why and "transformers >= 5 and llama.cpp only" in fused[1].why
 
 
 def test_plan_cli_and_card_list_the_runtimes(tiny_llama, write_yaml, tmp_path):

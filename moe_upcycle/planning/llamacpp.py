@@ -19,6 +19,15 @@ measures them (convert with ``convert_hf_to_gguf.py``, compare logits with trans
   ``output.weight`` is required (no fallback to tied embeddings).
 - ``qwen3moe`` loads q/k/v biases but has no ``attn_output.bias``: a Qwen3 with ``attention_bias: true``
   (o_proj bias) does not load — the dense Qwen3 does not either.
+- None of the three has sliding-window attention (the converter writes no window for them): a base
+  that transformers runs through a window (Mistral v0.1's 4096, a Qwen with ``use_sliding_window:
+  true``) agrees up to that many tokens and differs beyond.
+- ``qwen2moe`` sizes q and o ``hidden x hidden``: a ``head_dim`` other than hidden / heads (Mistral-Nemo)
+  does not load. ``llama`` and ``qwen3moe`` read ``head_dim``.
+- ``rope_type: llama3`` becomes ``rope_freqs`` in the converter's llama only; ``qwen2moe`` / ``qwen3moe``
+  rotate with unscaled frequencies.
+- The converter's qwen2moe / qwen3moe split transformers-5 fused experts (``gate_up_proj``); its llama
+  (Mixtral) cannot map them.
 
 So we write (a) a shared expert at least 1 wide, zeros when there is none (adds exactly 0 in both
 runtimes), (b) the "constant" shared gate as tiny equal entries `half_gate_value` instead of zeros:
@@ -33,6 +42,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from moe_upcycle.planning import windows
+from moe_upcycle.planning.model_config import moe_config
 
 if TYPE_CHECKING:
     from moe_upcycle.planning.steps import Plan
@@ -50,12 +62,15 @@ class LlamaCppArch:
     shared_gate: Optional[str] = None  # how the shared expert's sigmoid gate is computed
     needs_lm_head: bool = False  # output.weight required even with tied embeddings
     loads_o_proj_bias: bool = True
+    free_head_dim: bool = True  # q/o sized heads x head_dim (False: hidden x hidden, so head_dim must be hidden/heads)
+    llama3_rope: bool = False  # the converter writes rope_freqs for rope_type llama3 (only its llama does)
+    converts_fused: bool = True  # the converter splits transformers-5 fused experts (gate_up_proj, down_proj)
 
 
 LLAMACPP: dict[str, LlamaCppArch] = {
-    "mixtral": LlamaCppArch("llama", renormalises_top_k=True),
+    "mixtral": LlamaCppArch("llama", renormalises_top_k=True, llama3_rope=True, converts_fused=False),
     "qwen2_moe": LlamaCppArch("qwen2moe", renormalises_top_k=False, shared_gate="silu(z) / z (NaN at z = 0)",
-                              needs_lm_head=True),
+                              needs_lm_head=True, free_head_dim=False),
     "qwen3_moe": LlamaCppArch("qwen3moe", renormalises_top_k=True, loads_o_proj_bias=False),
 }
 GATING = "softmax over all experts, then top-k"
@@ -89,10 +104,30 @@ def verdict(plan: "Plan") -> tuple[str, str]:
     whether that is the dense model's function is the plan's other notes' business.
     """
     arch = LLAMACPP[plan.architecture]
+    if plan.layout == "fused" and not arch.converts_fused:
+        return ("will not load", f"convert_hf_to_gguf.py's {arch.name} maps per-expert tensors only (\"Can not map "
+                                 f"tensor ...mlp.experts.gate_up_proj\"); write layout: per_expert")
     names = {s.name for s in plan.steps}
     if not arch.loads_o_proj_bias and any(n.endswith("self_attn.o_proj.bias") for n in names):
         return ("will not load", f"llama.cpp's {arch.name} has no attention output bias (self_attn.o_proj.bias) "
                                  f"and refuses a GGUF with extra tensors; the dense base does not load either")
+    cfg = moe_config(plan)  # what the build writes: what the converter reads
+    heads, head_dim = cfg["num_attention_heads"], cfg["head_dim"]
+    if not arch.free_head_dim and heads * head_dim != cfg["hidden_size"]:
+        return ("will not load", f"llama.cpp's {arch.name} sizes the attention q/o projections hidden x hidden "
+                                 f"({cfg['hidden_size']}), but head_dim {head_dim} x {heads} heads is "
+                                 f"{heads * head_dim}; use architecture: mixtral (or qwen3_moe)")
+    sliding = [w for w in windows.dense_windows(plan.base_config) if w]
+    if sliding:
+        return ("runs, not exact",
+                f"llama.cpp's {arch.name} has no sliding-window attention: it attends over the whole context, "
+                f"transformers through a window of {min(sliding)} tokens on {len(sliding)} of "
+                f"{cfg['num_hidden_layers']} layers; identical up to {min(sliding)} tokens, different beyond")
+    rope = cfg.get("rope_scaling") or {}
+    if not arch.llama3_rope and str(rope.get("rope_type", rope.get("type", ""))).lower() == "llama3":
+        return ("runs, not exact", f"rope_type llama3: convert_hf_to_gguf.py writes the llama3 rope frequencies "
+                                   f"(rope_freqs) for llama only, so llama.cpp's {arch.name} rotates with unscaled "
+                                   f"frequencies; use architecture: mixtral")
     experts = len(plan.expert_names)
     if not arch.renormalises_top_k and plan.experts_per_token < experts:
         return ("runs, not exact",

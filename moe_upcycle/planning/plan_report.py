@@ -26,7 +26,7 @@ from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.planning.memory import MemoryEstimate, estimate_memory
-from moe_upcycle.planning.runtimes import Verdict, compatibility
+from moe_upcycle.planning.runtimes import Verdict, compatibility, fused_scope
 from moe_upcycle.recipe.resolve import check_params, gate_params, write_params
 from moe_upcycle.terminal.tables import fit
 
@@ -225,8 +225,8 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     for line in s.sharing + s.notes:
         console.print(escape(line), highlight=False)
     if s.runtimes:
-        rt = Table(title="runtimes" + (" (fused layout: transformers >= 5 only)" if any(
-            "transformers >= 5 only" in v.why for v in s.runtimes) else ""))
+        rt = Table(title="runtimes" + (f" (fused layout: {fused_scope(s.architecture)})" if any(
+            fused_scope(s.architecture) in v.why for v in s.runtimes) else ""))
         for col in ("runtime", "verdict", "why", "basis"):
             rt.add_column(col, overflow="fold")
         for v in s.runtimes:

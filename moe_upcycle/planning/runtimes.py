@@ -27,7 +27,8 @@ rules per runtime are plain functions in `RULES`; what they encode:
   its qwen2_moe takes head_dim as hidden_size / num_attention_heads.
 - llama.cpp: the rules of `llamacpp` (its qwen2moe never renormalises the top-k weights, so
   qwen2_moe with experts_per_token < num_experts runs but is not exact; its qwen3moe refuses an
-  o_proj bias), each case measured by ``scripts/check_llamacpp.py``; fused is refused by its converter.
+  o_proj bias; it has no sliding window; head_dim, llama3 rope and the fused layout per architecture), each
+  case measured by ``scripts/check_llamacpp.py``.
 - ExLlamaV2: MixtralForCausalLM and Qwen3MoeForCausalLM (always renormalises top-k); no
   Qwen2MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only.
 
@@ -63,6 +64,7 @@ class OutputFacts:
     zero_size: tuple[str, ...]  # tensors with a 0 in their shape
     o_proj_bias: bool  # attention output biases (self_attn.o_proj.bias)
     llamacpp: tuple[str, str] = ("exact", "")  # `llamacpp.verdict`: (status, why)
+    fused_scope: str = FUSED_ONLY  # the runtimes that read the fused layout: "transformers >= 5 ... only"
 
     @property
     def renormalises(self) -> bool:
@@ -114,8 +116,18 @@ def output_facts(plan: Plan) -> OutputFacts:
     return OutputFacts(
         model_type=layout.model_type, layout=plan.layout, config=cfg, zero_size=zero,
         o_proj_bias=any(s.name.endswith("self_attn.o_proj.bias") for s in plan.steps),
-        llamacpp=llamacpp.verdict(plan),
+        llamacpp=llamacpp.verdict(plan), fused_scope=fused_scope(plan.architecture),
     )
+
+
+def fused_scope(architecture: str) -> str:
+    """Where the fused expert layout of `architecture` loads, e.g. "transformers >= 5 only".
+
+    Example:
+        >>> fused_scope("mixtral"), fused_scope("qwen3_moe")
+        ('transformers >= 5 only', 'transformers >= 5 and llama.cpp only')
+    """
+    return "transformers >= 5 and llama.cpp only" if llamacpp.LLAMACPP[architecture].converts_fused else FUSED_ONLY
 
 
 def _transformers5(f: OutputFacts) -> Verdict:
@@ -124,7 +136,7 @@ def _transformers5(f: OutputFacts) -> Verdict:
 
 def _transformers4(f: OutputFacts) -> Verdict:
     if f.layout == "fused":
-        return Verdict("transformers 4.x", NO_LOAD, f"fused expert tensors are {FUSED_ONLY}; the shards' "
+        return Verdict("transformers 4.x", NO_LOAD, f"fused expert tensors are {f.fused_scope}; the shards' "
                        f"safetensors format makes 4.x refuse them instead of loading random experts", MEASURED)
     if f.model_type == "qwen2_moe" and f.head_dim_differs:
         cfg = f.config
@@ -138,7 +150,7 @@ def _transformers4(f: OutputFacts) -> Verdict:
 
 def _vllm(f: OutputFacts) -> Verdict:
     if f.layout == "fused":
-        return Verdict("vLLM", NO_LOAD, f"its loaders read per-expert tensors; fused is {FUSED_ONLY}")
+        return Verdict("vLLM", NO_LOAD, f"its loaders read per-expert tensors; fused is {f.fused_scope}")
     if f.model_type == "qwen2_moe":
         cfg = f.config
         if f.head_dim_differs:
@@ -154,8 +166,6 @@ def _vllm(f: OutputFacts) -> Verdict:
 
 
 def _llama_cpp(f: OutputFacts) -> Verdict:
-    if f.layout == "fused":
-        return Verdict("llama.cpp", NO_LOAD, f"convert_hf_to_gguf.py maps per-expert tensors; fused is {FUSED_ONLY}")
     if f.zero_size:
         return Verdict("llama.cpp", NO_LOAD, f"it refuses zero-size tensors ({f.zero_size[0]}: shape with a 0)",
                        MEASURED)
@@ -168,7 +178,7 @@ def _exllamav2(f: OutputFacts) -> Verdict:
         return Verdict("ExLlamaV2", NO_LOAD, "it has no Qwen2MoeForCausalLM: it falls back to Llama and finds no "
                        "dense mlp.gate_proj")
     if f.layout == "fused":
-        return Verdict("ExLlamaV2", NO_LOAD, f"it reads per-expert tensors; fused is {FUSED_ONLY}")
+        return Verdict("ExLlamaV2", NO_LOAD, f"it reads per-expert tensors; fused is {f.fused_scope}")
     if f.model_type == "qwen3_moe" and not f.renormalises and not f.all_experts_active:
         return Verdict("ExLlamaV2", RUNS, "it always renormalises the top-k weights, but norm_topk_prob is false")
     return Verdict("ExLlamaV2", EXACT, "CUDA, fp16 arithmetic; not run here")
@@ -203,7 +213,7 @@ def markdown(verdicts: list[Verdict]) -> list[str]:
 def runtime_section(plan: Plan) -> str:
     """The model card's "Runtimes" section: where this output runs, and how exactly."""
     verdicts = compatibility(plan)
-    only = f" The fused expert layout is {FUSED_ONLY}." if plan.layout == "fused" else ""
+    only = f" The fused expert layout is {fused_scope(plan.architecture)}." if plan.layout == "fused" else ""
     intro = (f"Where this {plan.architecture} checkpoint runs (moe-upcycle's compatibility report: *exact* = "
              f"the function transformers 5 computes, up to rounding).{only}")
     return "\n".join(["## Runtimes", "", intro, "", *markdown(verdicts)])
