@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from moe_upcycle.planning import windows
-from moe_upcycle.planning.model_config import moe_config
+from moe_upcycle.planning.model_config import head_dim_differs, moe_config
 
 if TYPE_CHECKING:
     from moe_upcycle.planning.steps import Plan
@@ -113,7 +113,7 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                                  f"and refuses a GGUF with extra tensors; the dense base does not load either")
     cfg = moe_config(plan)  # what the build writes: what the converter reads
     heads, head_dim = cfg["num_attention_heads"], cfg["head_dim"]
-    if not arch.free_head_dim and heads * head_dim != cfg["hidden_size"]:
+    if not arch.free_head_dim and head_dim_differs(cfg):
         return ("will not load", f"llama.cpp's {arch.name} sizes the attention q/o projections hidden x hidden "
                                  f"({cfg['hidden_size']}), but head_dim {head_dim} x {heads} heads is "
                                  f"{heads * head_dim}; use architecture: mixtral (or qwen3_moe)")

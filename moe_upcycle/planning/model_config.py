@@ -58,6 +58,13 @@ def experts_implementation_for(config: dict, dtype: Union[torch.dtype, str]) -> 
     return experts_implementation(int(config["hidden_size"]), int(expert_size), dtype)
 
 
+def head_dim_differs(config: dict) -> bool:
+    """The config's head_dim is not hidden_size / num_attention_heads (Mistral-Nemo, Qwen3): loaders that
+    derive head_dim from the hidden size (Qwen2-MoE in transformers 4.x, vLLM, llama.cpp) cannot hold it."""
+    head_dim = config.get("head_dim")
+    return bool(head_dim) and head_dim * config["num_attention_heads"] != config["hidden_size"]
+
+
 def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0,
                output_router_logits: bool = False) -> dict:
     """The output config.json as a dict.

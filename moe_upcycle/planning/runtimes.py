@@ -43,7 +43,7 @@ from typing import Callable
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.planning import llamacpp
-from moe_upcycle.planning.model_config import moe_config
+from moe_upcycle.planning.model_config import head_dim_differs, moe_config
 from moe_upcycle.planning.steps import Plan
 
 EXACT = "exact"
@@ -87,8 +87,7 @@ class OutputFacts:
     @property
     def head_dim_differs(self) -> bool:
         """head_dim is not hidden_size / num_attention_heads (Mistral-Nemo, Qwen3)."""
-        cfg = self.config
-        return bool(cfg.get("head_dim")) and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+        return head_dim_differs(self.config)
 
     @property
     def shared_expert(self) -> bool:

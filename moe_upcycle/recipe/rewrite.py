@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import yaml
 
@@ -42,11 +42,19 @@ def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] =
         raise OutputError(f"-o {target}: folder {target.parent} does not exist; create it or choose another -o")
     if target.exists() and not force:
         raise OutputError(f"-o {target}: file exists; pass --force to replace it or choose another -o")
-    for item in inputs:  # the pool: read, never written (the config's own prompt files: `write_grown_config`)
-        if target.resolve() == Path(item).expanduser().resolve():
+    _refuse_inputs(target, inputs)  # the pool: read, never written (the config's prompt files: `write_grown_config`)
+    return target
+
+
+def _refuse_inputs(target: Path, inputs: Sequence[Union[str, Path]], folder: Optional[Path] = None) -> None:
+    """Refuse writing over a file the command reads (a relative one: from here, or from `folder`)."""
+    for item in inputs:
+        places = {Path(item).expanduser().resolve()}
+        if folder is not None:
+            places.add((folder / item).expanduser().resolve())
+        if target.resolve() in places:
             raise OutputError(f"-o {target}: that is an input of this command ({item}); it is never overwritten, "
                               f"even with --force — choose another -o")
-    return target
 
 
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
@@ -81,10 +89,7 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     if not in_place:
         prompt_files = [getattr(e, f"{kind}_prompts_from", None) for e in config.expert_list() + list(config.shared_experts)
                         for kind in ("positive", "negative")]
-        for item in [f for f in prompt_files if isinstance(f, str)]:  # a relative one: from here or the config's folder
-            if target.resolve() in (Path(item).expanduser().resolve(), (src.parent / item).expanduser().resolve()):
-                raise OutputError(f"-o {target}: that is an input of this command ({item}); it is never overwritten, "
-                                  f"even with --force — choose another -o")
+        _refuse_inputs(target, [f for f in prompt_files if isinstance(f, str)], src.parent)
     added = {i: list(picks.get(expert.name, []))
              for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
     text = add_prompts(original, added)  # comments and layout kept
