@@ -10,10 +10,9 @@ On top of that, a few folders are never replaced even when they are ours: the cu
 its ancestors, and any folder holding an input of the build (the recipe, a source model, a prompt
 or calibration file).
 
-`replace_problem` says why a folder may not be replaced (None when it may); `check_replaceable`
-raises it. `prepare_demo_folder` empties only what a previous demo wrote (and refuses when its
-``dense/`` or ``moe/`` also holds something else). This module reads
-folders; it deletes nothing except the demo's own sub-folders.
+`replace_problem` says why a folder may not be replaced (None when it may; `output_dir` raises
+it). `prepare_demo_folder` empties only what a previous demo wrote (and refuses when its
+``dense/`` or ``moe/`` also holds something else). This module reads folders; it deletes nothing except the demo's own sub-folders.
 """
 
 from __future__ import annotations
@@ -169,20 +168,6 @@ def _sha256(path: Path) -> str:
     except OSError:
         return ""
     return h.hexdigest()
-
-
-def check_replaceable(target: Path, inputs: Sequence[Path] = ()) -> None:
-    """Raise `OutputError` unless `target` is missing, empty, or a folder we may replace.
-
-    Raises:
-        OutputError: see `replace_problem`.
-    """
-    target = Path(target)
-    if not target.is_dir() or not any(target.iterdir()):
-        return
-    problem = replace_problem(target, inputs)
-    if problem:
-        raise OutputError(problem)
 
 
 def prepare_demo_folder(folder: Path) -> Path:
