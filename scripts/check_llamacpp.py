@@ -123,6 +123,8 @@ def cases() -> list[Case]:
     swa = ("llama.cpp's llama / qwen2moe / qwen3moe have no sliding-window attention: they attend over the "
            "whole context, transformers through the window (sequence longer than the window here)")
     no_rope = "llama.cpp's qwen2moe / qwen3moe apply no llama3 rope scaling (rope_freqs is made for llama only)"
+    no_dynamic = ("convert_hf_to_gguf.py writes no dynamic NTK scaling: llama.cpp rotates unscaled, transformers "
+                  "rescales past max_position_embeddings")
     ft = tuple((f"llama_ft{i}", {}) for i in range(4))
     out += [
         # attention windows: Mistral v0.1 (4096, sequence shorter), a small window the sequence crosses,
@@ -148,6 +150,24 @@ def cases() -> list[Case]:
         Case("nemo head_dim 32->qwen2_moe k=4 of 4", "nemo", {"architecture": "qwen2_moe", "experts_per_token": 4},
              expect="fails", why="llama.cpp's qwen2moe sizes q/o as hidden x hidden"),
         Case("qwen3 head_dim 32->qwen3_moe", "qwen3_hd32", {"architecture": "qwen3_moe"}),
+        # rope scaling as published configs spell it (rope_scaling with type / rope_type, transformers 4.x keys),
+        # max_position_embeddings 16 so that the ~30-token text goes past it; the build respells it (`planning.rope`)
+        Case("dynamic rope x2 (16 positions)->mixtral", "llama_dynamic", {"architecture": "mixtral"},
+             expect="differs", why=no_dynamic),
+        Case("dynamic rope x2 (16 positions)->qwen2_moe k=4 of 4", "llama_dynamic",
+             {"architecture": "qwen2_moe", "experts_per_token": 4}, expect="differs", why=no_dynamic),
+        Case("qwen2.5 yarn x4 (type key)->qwen2_moe k=4 of 4", "qwen25_yarn", {"architecture": "qwen2_moe",
+             "experts_per_token": 4}),
+        Case("yarn x4 without original_max->mixtral", "llama_yarn_noorig", {"architecture": "mixtral"}),
+        Case("yarn x4 beta_fast 16, beta_slow 2->mixtral", "llama_yarn_betas", {"architecture": "mixtral"}),
+        Case("yarn x4 attention_factor 0.8->mixtral", "llama_yarn_attn", {"architecture": "mixtral"},
+             expect="differs", why="llama.cpp replaces yarn's attention_factor by its default 0.1 ln(factor) + 1"),
+        Case("longrope (16 of 64 positions)->mixtral", "llama_longrope", {"architecture": "mixtral"},
+             expect="differs", why="convert_hf_to_gguf.py's llama writes no longrope short/long factors"),
+        Case("qwen3 yarn x4->qwen3_moe", "qwen3_yarn", {"architecture": "qwen3_moe"}),
+        Case("linear rope x2 (type key)->qwen2_moe k=4 of 4", "llama_linear_type", {"architecture": "qwen2_moe",
+             "experts_per_token": 4}),
+        Case("llama without rope_theta->mixtral", "llama_no_theta", {"architecture": "mixtral"}),
         # tied embeddings for each output
         Case("llama tied->mixtral", "llama_tied", {"architecture": "mixtral"}),
         Case("qwen2 tied->qwen2_moe shared split k=4 of 4", "qwen2_tied", {"architecture": "qwen2_moe",
@@ -223,6 +243,32 @@ def dense_models(folder: Path) -> dict[str, Path]:
                                        random_norms_and_biases=True),
         "llama_tied": make_dense_model(folder / "llama_tied", family="llama", seed=15, tie_word_embeddings=True),
     }
+    # published (transformers 4.x) spellings of rope scaling, written over the saved config.json
+    short = dict(max_position_embeddings=16)
+    published = {
+        "llama_dynamic": ("llama", 18, short, {"rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+        "qwen25_yarn": ("qwen2", 19, short, {"rope_theta": 1e6, "use_sliding_window": False, "rope_scaling": {
+            "factor": 4.0, "original_max_position_embeddings": 16, "type": "yarn"}}),
+        "llama_yarn_noorig": ("llama", 21, short, {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn",
+                                                                                         "factor": 4.0}}),
+        "llama_yarn_betas": ("llama", 22, short, {"rope_theta": 10000.0, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
+            "beta_slow": 2.0}}),
+        "llama_yarn_attn": ("llama", 27, short, {"rope_theta": 10000.0, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 0.8}}),
+        "llama_longrope": ("llama", 23, dict(max_position_embeddings=64), {"rope_theta": 10000.0, "rope_scaling": {
+            "rope_type": "longrope", "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}}),
+        "qwen3_yarn": ("qwen3", 24, short, {"rope_theta": 1e6, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+        "llama_linear_type": ("llama", 25, {}, {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}),
+        "llama_no_theta": ("llama", 26, {}, {}),  # Llama-1 era: no rope_theta (transformers' default 10000)
+    }
+    for name, (family, seed, dims, fields) in published.items():
+        models[name] = make_dense_model(folder / name, family=family, seed=seed, random_norms_and_biases=True, **dims)
+        cfg = json.loads((models[name] / "config.json").read_text())
+        cfg.pop("rope_parameters", None)
+        (models[name] / "config.json").write_text(json.dumps({**cfg, **fields}, indent=2))
     models.update({f"llama_ft{i}": make_finetune(models["llama"], folder / f"llama_ft{i}", seed=20 + i, scale=0.2)
                    for i in range(4)})
     models["llama_deep"] = make_finetune(models["llama"], folder / "llama_deep", seed=30, scale=0.2, layers=4)
@@ -337,6 +383,8 @@ def smallest_window(folder: Path) -> int:
     return min((w for w in dense_windows(json.loads((folder / "config.json").read_text())) if w), default=0)
 
 
+# dense models whose rope llama.cpp's llama computes differently (`planning.rope.problem`)
+ROPE_DIFFERS = {"llama_dynamic", "llama_yarn_attn", "llama_longrope"}
 # the plan's llama.cpp verdict -> what the measurement must show
 MEASURED_AS = {"exact": "equal", "runs, not exact": "differs", "will not load": "fails"}
 
@@ -351,7 +399,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llamacpp", type=Path, default=Path(os.environ.get(
         "LLAMACPP_DIR", Path.home() / ".cache/moe-upcycle/llamacpp")), help="DEST of scripts/build_llamacpp.sh")
-    parser.add_argument("--only", default="", help="run the cases whose name contains this")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this (a|b: either)")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -364,7 +412,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(dense["llama"]))(TEXT)["input_ids"]  # all tiny models share it
-    selected = [c for c in cases() if args.only in c.name]
+    selected = [c for c in cases() if any(part in c.name for part in args.only.split("|"))]
     rows = []
     for fam in sorted({c.base for c in selected}):
         # llama.cpp's qwen3 has no o_proj bias either; transformers 5 loads our tiny Qwen2 tokenizer as a
@@ -372,6 +420,7 @@ def main() -> int:
         # (a tiny-fixture artifact: real Qwen2 vocabularies have room; the MoE outputs' tokenizers load as given)
         fails = fam == "qwen3_tied_bias" or fam.startswith("qwen2")
         slides = len(ids) > smallest_window(dense[fam]) > 0  # llama.cpp's dense llama has no window either
+        slides = slides or fam in ROPE_DIFFERS  # nor dynamic NTK, longrope factors, yarn's attention_factor
         rows.append(Case(f"{fam} (dense)", fam, {}, expect="fails" if fails else "differs" if slides else "equal"))
     rows += selected
     failed = 0

@@ -25,7 +25,9 @@ measures them (convert with ``convert_hf_to_gguf.py``, compare logits with trans
 - ``qwen2moe`` sizes q and o ``hidden x hidden``: a ``head_dim`` other than hidden / heads (Mistral-Nemo)
   does not load. ``llama`` and ``qwen3moe`` read ``head_dim``.
 - ``rope_type: llama3`` becomes ``rope_freqs`` in the converter's llama only; ``qwen2moe`` / ``qwen3moe``
-  rotate with unscaled frequencies.
+  rotate with unscaled frequencies. The converter writes nothing for ``dynamic`` (unscaled: identical up
+  to ``max_position_embeddings``); linear and yarn (with ``original_max_position_embeddings``, which
+  `rope.rope_fields` always writes) convert for all three (`rope.problem`).
 - The converter's qwen2moe / qwen3moe split transformers-5 fused experts (``gate_up_proj``); its llama
   (Mixtral) cannot map them.
 
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from moe_upcycle.planning import rope as rope_rules
 from moe_upcycle.planning import windows
 from moe_upcycle.planning.model_config import head_dim_differs, moe_config
 
@@ -123,6 +126,9 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                 f"llama.cpp's {arch.name} has no sliding-window attention: it attends over the whole context, "
                 f"transformers through a window of {min(sliding)} tokens on {len(sliding)} of "
                 f"{cfg['num_hidden_layers']} layers; identical up to {min(sliding)} tokens, different beyond")
+    rope_problem = rope_rules.problem("llama.cpp", cfg)
+    if rope_problem:
+        return ("runs, not exact", f"{rope_problem}")
     rope = cfg.get("rope_scaling") or {}
     if not arch.llama3_rope and str(rope.get("rope_type", rope.get("type", ""))).lower() == "llama3":
         return ("runs, not exact", f"rope_type llama3: convert_hf_to_gguf.py writes the llama3 rope frequencies "

@@ -1,7 +1,8 @@
 """The output's config.json, derived from the plan: what transformers (4.x and 5.x) will build.
 
 `moe_config` derives the MoE config from the base's config.json (written so that transformers
-4.x and 5.x both read it: legacy `rope_theta`/`torch_dtype` next to `rope_parameters`/`dtype`).
+4.x and 5.x both read it: legacy `rope_theta`/`torch_dtype` next to `rope_parameters`/`dtype`; rope scaling
+respelled by `rope.rope_fields` so that llama.cpp's converter, vLLM and ExLlamaV2 read it too).
 It is pure: `publish.model_files` writes it, `runtimes` judges it, `in_memory` builds a model from it.
 
 `experts_implementation` picks the config's ``experts_implementation`` so that transformers 5
@@ -20,6 +21,7 @@ import torch
 
 from moe_upcycle.checkpoint.names import output_layout
 from moe_upcycle.planning.arch import config_fields
+from moe_upcycle.planning.rope import rope_fields
 from moe_upcycle.planning.steps import Plan
 
 DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -28,8 +30,8 @@ INHERITED = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
     "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
-    "rope_theta", "rope_scaling", "rope_parameters", "sliding_window", "attention_dropout",
-)
+    "sliding_window", "attention_dropout",
+)  # rope fields: `rope.rope_fields`
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm: strides must be multiples of 16 bytes
 
 
@@ -89,12 +91,9 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
                 "num_key_value_heads": base["num_attention_heads"]}
     cfg.update({k: v for k, v in defaults.items() if cfg.get(k) is None})
     cfg["tie_word_embeddings"] = plan.tied_embeddings
-    # transformers 5 keeps rope settings in rope_parameters; 4.x reads rope_theta / rope_scaling
-    rope = base.get("rope_parameters")
-    if isinstance(rope, dict):
-        cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-        if rope.get("rope_type", "default") != "default":
-            cfg.setdefault("rope_scaling", rope)
+    # transformers 5 keeps rope settings in rope_parameters; 4.x reads rope_theta / rope_scaling; llama.cpp's
+    # converter, vLLM and ExLlamaV2 read fewer spellings: one that all of them read
+    cfg.update(rope_fields(base))
     cfg.setdefault("sliding_window", None)
     dtype = DTYPE_STR[plan.dtype]
     cfg.update(

@@ -31,6 +31,8 @@ rules per runtime are plain functions in `RULES`; what they encode:
   case measured by ``scripts/check_llamacpp.py``.
 - ExLlamaV2: MixtralForCausalLM and Qwen3MoeForCausalLM (always renormalises top-k); no
   Qwen2MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only.
+- rope scaling (every runtime but transformers 5): the rules of `rope` (dynamic NTK, yarn's
+  attention_factor, longrope's factor), read from the config.json as `rope.rope_fields` spells it.
 
 It reads no tensors and runs no runtime.
 """
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_upcycle.checkpoint import names
-from moe_upcycle.planning import llamacpp
+from moe_upcycle.planning import llamacpp, rope
 from moe_upcycle.planning.model_config import head_dim_differs, moe_config
 from moe_upcycle.planning.steps import Plan
 
@@ -144,6 +146,9 @@ def _transformers4(f: OutputFacts) -> Verdict:
     if f.model_type == "qwen2_moe" and f.some_layers_slide:
         return Verdict("transformers 4.x", RUNS, "its Qwen2-MoE applies sliding_window to every layer (eager/sdpa "
                        "attention ignore layer_types and max_window_layers), the base only to some", MEASURED)
+    problem = rope.problem("transformers 4.x", f.config)
+    if problem:
+        return Verdict("transformers 4.x", RUNS, problem, MEASURED)
     return Verdict("transformers 4.x", EXACT, "4.57, per-expert tensors", MEASURED)
 
 
@@ -158,6 +163,9 @@ def _vllm(f: OutputFacts) -> Verdict:
         if not f.shared_expert and any(".shared_expert." in n for n in f.zero_size):
             return Verdict("vLLM", NO_LOAD, "with shared_expert_intermediate_size 0 it builds no shared expert, "
                            "so it has no parameter for the zero-size shared_expert tensors")
+    problem = rope.problem("vLLM", f.config)
+    if problem:
+        return Verdict("vLLM", RUNS, problem)
     if f.o_proj_bias:
         return Verdict("vLLM", RUNS, f"its {f.model_type} has no attention-output bias and skips "
                        f"self_attn.o_proj.bias")
@@ -180,6 +188,9 @@ def _exllamav2(f: OutputFacts) -> Verdict:
         return Verdict("ExLlamaV2", NO_LOAD, f"it reads per-expert tensors; fused is {f.fused_scope}")
     if f.model_type == "qwen3_moe" and not f.renormalises and not f.all_experts_active:
         return Verdict("ExLlamaV2", RUNS, "it always renormalises the top-k weights, but norm_topk_prob is false")
+    problem = rope.problem("ExLlamaV2", f.config)
+    if problem:
+        return Verdict("ExLlamaV2", RUNS, problem)
     return Verdict("ExLlamaV2", EXACT, "CUDA, fp16 arithmetic; not run here")
 
 
