@@ -24,6 +24,7 @@ in memory (that is its purpose). Prompt-based gate modes need a tokenizer and fi
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -172,7 +173,7 @@ def check_dense_model(dense_model: Any) -> None:
 
 
 # config.json fields transformers 4.x reads that transformers 5 does not write (see `keep_legacy_fields`)
-LEGACY_FIELDS = ("rope_theta", "rope_scaling", "num_experts")
+LEGACY_FIELDS = ("rope_theta", "rope_scaling", "original_max_position_embeddings", "num_experts")
 
 
 def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
@@ -180,7 +181,10 @@ def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype")}
+    # a deep copy: transformers 5 standardises the rope dict it is given in place (adding rope_type and
+    # rope_theta next to our `type`), and `keep_legacy_fields` must save cfg's rope_scaling as written
+    kwargs = copy.deepcopy({k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype",
+                                                                       "dtype")})
     hf_config = AutoConfig.for_model(cfg["model_type"], **kwargs)
     # transformers' grouped_mm experts kernel needs 16-byte aligned rows; eager takes any size.
     # Checked for 2-byte dtypes too: fp32 master weights are often cast to bf16 before save_pretrained

@@ -22,7 +22,9 @@ longrope with it at the top level (Phi-3 style). The runtimes read fewer spellin
   factor`` at every position (transformers: only past ``max_position_embeddings``).
 - ExLlamaV2's ``config.py`` reads ``rope_scaling`` only: linear, yarn, su/longrope under ``type``,
   llama3 under ``rope_type``; it asserts when both keys are present; its yarn reads ``factor`` and
-  ``original_max_position_embeddings`` (KeyError without) and nothing else; its longrope needs the
+  ``original_max_position_embeddings`` (KeyError without) and nothing else (betas 32 / 1, attention
+  0.1 ln(factor) + 1), and applies only when ``max_seq_len`` (default: ``max_position_embeddings``) exceeds
+  ``original_max_position_embeddings`` (Qwen2.5's yarn recipe sets both to 32768); its longrope needs the
   top-level ``original_max_position_embeddings``; it has no dynamic NTK.
 
 So `rope_fields` writes one spelling every one of them reads: ``rope_scaling`` with ``type`` (``rope_type``
@@ -159,4 +161,9 @@ def problem(runtime: str, config: dict) -> Optional[str]:
             "reads attn_factor, not attention_factor (nor mscale)"
         if runtime == "ExLlamaV2" or any(k in ("attention_factor", "mscale", "mscale_all_dim") for k in tuned):
             return f"rope_type yarn with {', '.join(tuned)}: its yarn {reads}, so its rotation or scale differs"
+    original = rope.get("original_max_position_embeddings")
+    if kind == "yarn" and runtime == "ExLlamaV2" and limit and original and limit <= original:
+        return (f"rope_type yarn: it applies yarn only when max_seq_len (default max_position_embeddings, {limit}) "
+                f"exceeds original_max_position_embeddings ({original}), and rotates unscaled otherwise; load it "
+                f"with a longer max_seq_len")
     return None
