@@ -185,6 +185,18 @@ VERDICT_BASES = {  # name: make_dense_model arguments (published configs' shapes
     "llama3": dict(family="llama", rope_parameters=LLAMA3_ROPE),  # Llama-3.1 / 3.2
     "nemo": dict(family="mistral", head_dim=32, sliding_window=None),  # Mistral-Nemo: head_dim != hidden / heads
     "qwen3_hd32": dict(family="qwen3", head_dim=32),  # Qwen3: head_dim 128 != hidden / heads
+    # rope scaling that llama.cpp cannot follow, and yarn that it can (scripts/check_llamacpp.py measures each)
+    "llama_dynamic": dict(family="llama", max_position_embeddings=16,
+                          rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    "llama_yarn_attn": dict(family="llama", max_position_embeddings=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "attention_factor": 0.8}),
+    "llama_yarn_betas": dict(family="llama", max_position_embeddings=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 16.0, "beta_slow": 2.0}),
+    "llama_longrope": dict(family="llama", max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+        "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
 }
 EXACT, RUNS, NO_LOAD = "exact", "runs, not exact", "will not load"
 WINDOW = "no sliding-window attention"
@@ -211,6 +223,13 @@ def verdict_bases(tmp_path_factory) -> dict:
     # rope_type llama3: only the converter's llama writes rope_freqs
     ("llama3", "mixtral", {}, EXACT, "renormalised"),
     ("llama3", "qwen2_moe", {"experts_per_token": 4}, RUNS, "rope_type llama3"),
+    # dynamic NTK: no such scaling in llama.cpp (unscaled); yarn's attention_factor replaced; no longrope factors
+    ("llama_dynamic", "mixtral", {}, RUNS, "identical up to max_position_embeddings (16 tokens)"),
+    ("llama_dynamic", "qwen2_moe", {"experts_per_token": 4}, RUNS, "no dynamic NTK scaling"),
+    ("llama_yarn_attn", "mixtral", {}, RUNS, "attention_factor"),
+    ("llama_yarn_betas", "mixtral", {}, EXACT, "renormalised"),
+    ("llama_longrope", "mixtral", {}, RUNS, "no short/long rope factors"),
+    ("llama_longrope", "qwen2_moe", {"experts_per_token": 4}, RUNS, "longrope"),
     # head_dim != hidden / heads: llama.cpp's qwen2moe sizes q/o hidden x hidden
     ("nemo", "mixtral", {}, EXACT, "renormalised"),
     ("nemo", "qwen2_moe", {"experts_per_token": 4}, NO_LOAD, "head_dim 32 x 4 heads is 128"),

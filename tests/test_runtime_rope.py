@@ -4,7 +4,7 @@ Each case is a tiny random dense model whose config.json carries rope scaling th
 (transformers 4.x keys, as on the Hub): linear under ``type`` or ``rope_type``, dynamic NTK, Qwen2.5's
 yarn (``type``), yarn without ``original_max_position_embeddings``, yarn with both keys (what 4.x's
 ``save_pretrained`` writes), yarn with ``attention_factor`` or betas, Qwen3's yarn, a transformers-5
-``rope_parameters`` yarn, longrope with ``original_max_position_embeddings`` inside or at the top
+``rope_parameters`` yarn, Llama-3.1's llama3 (with its list of eos ids), longrope with ``original_max_position_embeddings`` inside or at the top
 level (Phi-3 style), with an explicit ``factor``. ``max_position_embeddings`` is 16 (64 for longrope)
 and the text 40 tokens, so every scaling is in play. Checked: transformers 5 logits equal the dense
 model's; the written config.json spells the scaling once, in the keys every runtime reads
@@ -58,6 +58,10 @@ CONFIGS = {  # name -> config.json as published
     "yarn-qwen3": dict(QWEN3, rope_scaling={**YARN, "rope_type": "yarn"}),
     "yarn-rope_parameters": dict({k: v for k, v in LLAMA.items() if k != "rope_theta"},
                                  rope_parameters={**YARN, "rope_type": "yarn", "rope_theta": 10000.0}),
+    # Llama-3.1 style: llama3 rope, a list of eos ids, a pad id, tied embeddings
+    "llama3.1": dict(LLAMA, eos_token_id=[2, 5, 7], pad_token_id=0, tie_word_embeddings=True, rope_theta=500000.0,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8}),
     "longrope": dict(LLAMA, max_position_embeddings=64,
                      rope_scaling={**LONG, "rope_type": "longrope", "original_max_position_embeddings": 16}),
     "longrope-top-level": dict(LLAMA, max_position_embeddings=64, original_max_position_embeddings=16,
@@ -83,6 +87,7 @@ CASES = {
     ("yarn-qwen3", "qwen3_moe"): YARN_EXACT,
     ("yarn-rope_parameters", "mixtral"): YARN_EXACT,
     ("yarn-long-context", "mixtral"): ALL_EXACT,  # max_position_embeddings 64 > original 16
+    ("llama3.1", "mixtral"): ALL_EXACT,
     ("longrope", "mixtral"): (EXACT, EXACT, RUNS, EXACT),
     ("longrope-top-level", "qwen2_moe"): (EXACT, EXACT, RUNS, NO_LOAD),
     ("longrope-factor", "mixtral"): (RUNS, EXACT, RUNS, EXACT),
@@ -158,6 +163,11 @@ def test_transformers5_exact_and_verdicts_per_runtime(case, built):
     # transformers 5's rope_parameters: rope_scaling and rope_theta written beside it, saying the same
     (("yarn-rope_parameters", "mixtral"), {**YARN, "type": "yarn"},
      {"rope_theta": 10000.0, "rope_parameters": {**YARN, "rope_type": "yarn", "rope_theta": 10000.0}}),
+    # llama3 keeps rope_type (the only key ExLlamaV2 reads for it); token ids as published
+    (("llama3.1", "mixtral"), {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8},
+     {"rope_theta": 500000.0, "eos_token_id": [2, 5, 7], "pad_token_id": 0, "bos_token_id": 1,
+      "tie_word_embeddings": True}),
     # longrope: original_max_position_embeddings at the top level too (4.57 and ExLlamaV2 read it only there)
     (("longrope", "mixtral"), {**LONG, "original_max_position_embeddings": 16, "type": "longrope"},
      {"original_max_position_embeddings": 16}),
