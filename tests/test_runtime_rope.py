@@ -246,3 +246,38 @@ def test_transformers4_does_what_the_verdict_says(built, saved_in_memory):
     for name, folder in saved_in_memory.items():
         assert not isinstance(got[str(folder)], str), f"{name}: {got[str(folder)]}"
         assert_close_rel(torch.tensor(got[str(folder)]), _logits(built[(name, "mixtral")][0]))
+
+
+# the same scaling as a base and its fine-tunes may spell it (the Hub's config, 4.57's re-save with both keys,
+# transformers 5's rope_parameters): one rope setting, so a frankenMoE of them builds
+SPELLINGS = {
+    "type": {"rope_theta": 1e6, "rope_scaling": {**YARN, "type": "yarn"}},
+    "both-keys": {"rope_theta": 1e6, "rope_scaling": {**YARN, "type": "yarn", "rope_type": "yarn"}},
+    "rope_parameters": {"rope_parameters": {**YARN, "rope_type": "yarn", "rope_theta": 1e6}},
+    "no-original": {"rope_theta": 1e6, "rope_scaling": {"factor": 4.0, "rope_type": "yarn"}},  # max_position 16
+}
+
+
+def _expert_recipe(built, fields: dict, folder: Path) -> dict:
+    base = built[("yarn-qwen2.5", "qwen2_moe")][0]
+    cfg = {k: v for k, v in json.loads((base / "config.json").read_text()).items()
+           if k not in ("rope_theta", "rope_scaling")}
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(base / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return {"base_model": str(base), "gate_mode": "random", "architecture": "qwen2_moe", "experts_per_token": 2,
+            "experts": [{"source_model": str(base)}, {"source_model": str(folder)}]}
+
+
+@pytest.mark.parametrize("spelling", [s for s in SPELLINGS if s != "type"])
+def test_experts_with_the_same_rope_spelled_otherwise_build(built, spelling, tmp_path):
+    plan = upcycle(_expert_recipe(built, SPELLINGS[spelling], tmp_path / "expert"), dry_run=True).plan
+    assert plan.experts_per_token == 2 and len(plan.expert_names) == 2
+
+
+def test_expert_with_another_yarn_factor_is_still_refused(built, tmp_path):
+    from moe_upcycle.errors import PlanError
+
+    fields = {"rope_theta": 1e6, "rope_scaling": {**YARN, "factor": 2.0, "rope_type": "yarn"}}
+    with pytest.raises(PlanError, match=r"experts\[1\] .*rope settings is .*factor=2\.0.*has .*factor=4\.0"):
+        upcycle(_expert_recipe(built, fields, tmp_path / "expert"), dry_run=True)

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.config_checks import is_number
 from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.planning import rope
 
 
 def _expected_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -69,12 +70,11 @@ def shape_problems(ckpt: Checkpoint, label: str) -> list[str]:
 
 def _rope(config: dict) -> tuple:
     """Rope settings as one comparable value: theta and the scaling (type and its parameters)."""
-    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
-    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
-    merged = {**params, **scaling}
-    merged.pop("rope_theta", None)
-    if merged.get("rope_type", merged.get("type", "default")) == "default":
+    # as transformers 5 reads it: `type` or `rope_type`, rope_scaling or rope_parameters, yarn's implied
+    # original_max_position_embeddings — one setting however a base and its fine-tunes spell it
+    theta = rope.rope_theta(config)
+    merged = rope.base_rope(config)
+    if merged["rope_type"] == "default":
         merged = {}
     return float(theta) if is_number(theta) else theta, tuple(sorted((k, repr(v)) for k, v in merged.items()))
 
