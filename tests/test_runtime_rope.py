@@ -88,9 +88,9 @@ CASES = {
     ("yarn-rope_parameters", "mixtral"): YARN_EXACT,
     ("yarn-long-context", "mixtral"): ALL_EXACT,  # max_position_embeddings 64 > original 16
     ("llama3.1", "mixtral"): ALL_EXACT,
-    ("longrope", "mixtral"): (EXACT, EXACT, RUNS, EXACT),
+    ("longrope", "mixtral"): (EXACT, EXACT, RUNS, RUNS),
     ("longrope-top-level", "qwen2_moe"): (EXACT, EXACT, RUNS, NO_LOAD),
-    ("longrope-factor", "mixtral"): (RUNS, EXACT, RUNS, EXACT),
+    ("longrope-factor", "mixtral"): (RUNS, EXACT, RUNS, RUNS),
 }
 RUNTIMES = ("transformers 4.x", "vLLM", "llama.cpp", "ExLlamaV2")
 # what the runtimes' reasons name (a fragment each)
@@ -99,7 +99,7 @@ WHY = {
                              "vLLM": "at every position", "ExLlamaV2": "no dynamic NTK"},
     ("yarn-attention-factor", "mixtral"): {"llama.cpp": "0.1 ln(factor) + 1", "vLLM": "attn_factor, not attention_factor",
                                            "ExLlamaV2": "factor and original_max_position_embeddings only"},
-    ("longrope", "mixtral"): {"llama.cpp": "no short/long rope factors"},
+    ("longrope", "mixtral"): {"llama.cpp": "no short/long rope factors", "ExLlamaV2": "short ones up to 16 tokens"},
     ("yarn-qwen3", "qwen3_moe"): {"ExLlamaV2": "exceeds original_max_position_embeddings (16)"},
     ("longrope-factor", "mixtral"): {"transformers 4.x": "(64 / 16), not factor 2.0"},
 }
@@ -281,3 +281,21 @@ def test_expert_with_another_yarn_factor_is_still_refused(built, tmp_path):
     fields = {"rope_theta": 1e6, "rope_scaling": {**YARN, "factor": 2.0, "rope_type": "yarn"}}
     with pytest.raises(PlanError, match=r"experts\[1\] .*rope settings is .*factor=2\.0.*has .*factor=4\.0"):
         upcycle(_expert_recipe(built, fields, tmp_path / "expert"), dry_run=True)
+
+
+@pytest.mark.parametrize("base,written", [
+    # "default" under both keys is no scaling: null, which ExLlamaV2 reads (it asserts on a dict with both keys)
+    ({"rope_theta": 1e6, "rope_scaling": {"type": "default", "rope_type": "default"}},
+     {"rope_theta": 1e6, "rope_scaling": None}),
+    ({"rope_scaling": None}, {"rope_theta": 10000.0, "rope_scaling": None}),  # Llama-1 era: transformers' default
+    # transformers 5: rope_theta from rope_parameters, written beside it for 4.x
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}),
+    # a scaling type we do not respell stays as the base has it
+    ({"rope_theta": 1e4, "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.5}},
+     {"rope_theta": 1e4, "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.5}}),
+])
+def test_rope_fields_of_unscaled_and_unknown_types(base, written):
+    from moe_upcycle.planning.rope import rope_fields
+
+    assert rope_fields({"max_position_embeddings": 16, **base}) == written

@@ -25,7 +25,8 @@ longrope with it at the top level (Phi-3 style). The runtimes read fewer spellin
   ``original_max_position_embeddings`` (KeyError without) and nothing else (betas 32 / 1, attention
   0.1 ln(factor) + 1), and applies only when ``max_seq_len`` (default: ``max_position_embeddings``) exceeds
   ``original_max_position_embeddings`` (Qwen2.5's yarn recipe sets both to 32768); its longrope needs the
-  top-level ``original_max_position_embeddings``; it has no dynamic NTK.
+  top-level ``original_max_position_embeddings`` and uses the long factors at every position when
+  ``max_seq_len`` exceeds it (transformers: the short ones for texts up to it); it has no dynamic NTK.
 
 So `rope_fields` writes one spelling every one of them reads: ``rope_scaling`` with ``type`` (``rope_type``
 for llama3, which is the only key ExLlamaV2 reads for it), yarn's ``original_max_position_embeddings``
@@ -91,8 +92,8 @@ def rope_fields(base: dict) -> dict:
     rope = base_rope(base)
     kind = rope.pop("rope_type")
     if kind == "default":
-        if "rope_scaling" in base:
-            fields["rope_scaling"] = base["rope_scaling"]
+        if "rope_scaling" in base:  # {"type": "default", "rope_type": "default"} means none; ExLlamaV2 asserts on it
+            fields["rope_scaling"] = None if isinstance(base["rope_scaling"], dict) else base["rope_scaling"]
         if isinstance(base.get("rope_parameters"), dict):
             fields["rope_parameters"] = {**base["rope_parameters"], "rope_theta": fields["rope_theta"]}
         return fields
@@ -148,6 +149,10 @@ def problem(runtime: str, config: dict) -> Optional[str]:
         if runtime == "vLLM":
             return ("rope_type dynamic: its dynamic NTK scales the base for max_position_embeddings x factor at every "
                     "position; transformers only past max_position_embeddings")
+    if kind == "longrope" and runtime == "ExLlamaV2":
+        return (f"rope_type longrope: its su rope picks the long factors for every position once max_seq_len (default "
+                f"max_position_embeddings, {limit}) exceeds original_max_position_embeddings; transformers uses the "
+                f"short ones up to {rope.get('original_max_position_embeddings')} tokens")
     if kind == "longrope" and runtime == "llama.cpp":
         return ("rope_type longrope: convert_hf_to_gguf.py writes no short/long rope factors for llama, qwen2moe or "
                 "qwen3moe, so llama.cpp rotates with other frequencies")
