@@ -58,6 +58,9 @@ CONFIGS = {  # name -> config.json as published
     "yarn-qwen3": dict(QWEN3, rope_scaling={**YARN, "rope_type": "yarn"}),
     "yarn-rope_parameters": dict({k: v for k, v in LLAMA.items() if k != "rope_theta"},
                                  rope_parameters={**YARN, "rope_type": "yarn", "rope_theta": 10000.0}),
+    # Llama-1 era: no rope_theta, rms_norm_eps, max_position_embeddings (Mixtral's defaults: 1e6, 1e-5, 131072)
+    "llama-1-defaults": {k: v for k, v in LLAMA.items()
+                         if k not in ("rope_theta", "rms_norm_eps", "max_position_embeddings")},
     # Llama-3.1 style: llama3 rope, a list of eos ids, a pad id, tied embeddings
     "llama3.1": dict(LLAMA, eos_token_id=[2, 5, 7], pad_token_id=0, tie_word_embeddings=True, rope_theta=500000.0,
                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -88,6 +91,7 @@ CASES = {
     ("yarn-rope_parameters", "mixtral"): YARN_EXACT,
     ("yarn-long-context", "mixtral"): ALL_EXACT,  # max_position_embeddings 64 > original 16
     ("llama3.1", "mixtral"): ALL_EXACT,
+    ("llama-1-defaults", "mixtral"): ALL_EXACT,
     ("longrope", "mixtral"): (EXACT, EXACT, RUNS, RUNS),
     ("longrope-top-level", "qwen2_moe"): (EXACT, EXACT, RUNS, NO_LOAD),
     ("longrope-factor", "mixtral"): (RUNS, EXACT, RUNS, RUNS),
@@ -168,6 +172,8 @@ def test_transformers5_exact_and_verdicts_per_runtime(case, built):
                                "original_max_position_embeddings": 8},
      {"rope_theta": 500000.0, "eos_token_id": [2, 5, 7], "pad_token_id": 0, "bos_token_id": 1,
       "tie_word_embeddings": True}),
+    # the Llama defaults written out, not left to Mixtral's
+    (("llama-1-defaults", "mixtral"), None, {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}),
     # longrope: original_max_position_embeddings at the top level too (4.57 and ExLlamaV2 read it only there)
     (("longrope", "mixtral"), {**LONG, "original_max_position_embeddings": 16, "type": "longrope"},
      {"original_max_position_embeddings": 16}),
@@ -176,7 +182,7 @@ def test_transformers5_exact_and_verdicts_per_runtime(case, built):
 ])
 def test_written_rope_fields(built, case, scaling, top_level):
     cfg = json.loads((built[case][1] / "config.json").read_text())
-    assert cfg["rope_scaling"] == scaling
+    assert cfg.get("rope_scaling") == scaling
     assert {k: cfg.get(k) for k in top_level} == top_level
 
 

@@ -32,6 +32,12 @@ INHERITED = (
     "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
     "sliding_window", "attention_dropout",
 )  # rope fields: `rope.rope_fields`
+# transformers' defaults (4.57 and 5.x alike) for the dense families' fields that change the computation;
+# rope_theta (10000 for all four) is `rope.rope_fields`' business
+FAMILY_DEFAULTS = {
+    family: {"rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": positions}
+    for family, positions in (("llama", 2048), ("mistral", 131072), ("qwen2", 32768), ("qwen3", 32768))
+}
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm: strides must be multiples of 16 bytes
 
 
@@ -82,7 +88,9 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
         >>> cfg["num_local_experts"], cfg["architectures"]
         (4, ['MixtralForCausalLM'])
     """
-    base = plan.base_config
+    # a field the base leaves out is its family's default, which the output class may not share (Mixtral:
+    # rms_norm_eps 1e-5, rope_theta 1e6, max_position_embeddings 131072): write the dense model's value
+    base = {**FAMILY_DEFAULTS.get(plan.base_config.get("model_type"), {}), **plan.base_config}
     layout = output_layout(plan.architecture)
     cfg = {k: base[k] for k in INHERITED if k in base}
     # null is "the family default" in the base (Mistral configs may say "head_dim": null; 4.x's MistralConfig
