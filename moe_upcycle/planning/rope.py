@@ -105,7 +105,7 @@ def rope_fields(base: dict) -> dict:
     fields["rope_scaling"] = {**rope, ("rope_type" if kind == "llama3" else "type"): kind}
     if isinstance(base.get("rope_parameters"), dict):
         fields["rope_parameters"] = {**rope, "rope_type": kind, "rope_theta": fields["rope_theta"]}
-    if kind == "longrope":
+    if kind == "longrope" and rope.get("original_max_position_embeddings") is not None:
         fields["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     elif isinstance(base.get("original_max_position_embeddings"), int):
         fields["original_max_position_embeddings"] = base["original_max_position_embeddings"]
@@ -132,12 +132,13 @@ def problem(runtime: str, config: dict) -> Optional[str]:
     kind = rope["rope_type"]
     if kind == "default":
         return None
-    limit = config.get("max_position_embeddings")
+    limit = _number(config.get("max_position_embeddings"))
+    original = _number(rope.get("original_max_position_embeddings"))
     if runtime == "transformers 4.x":
-        if kind == "longrope" and rope.get("factor") is not None and limit and \
-                rope["factor"] != limit / rope["original_max_position_embeddings"]:
+        if kind == "longrope" and _number(rope.get("factor")) is not None and limit and original and \
+                rope["factor"] != limit / original:
             return (f"rope_type longrope: 4.57 takes factor = max_position_embeddings / original_max_position_embeddings "
-                    f"({limit} / {rope['original_max_position_embeddings']}), not factor {rope['factor']}")
+                    f"({limit} / {original}), not factor {rope['factor']}")
         return None
     if kind == "dynamic":
         beyond = f"identical up to max_position_embeddings ({limit} tokens), different beyond"
@@ -166,9 +167,13 @@ def problem(runtime: str, config: dict) -> Optional[str]:
             "reads attn_factor, not attention_factor (nor mscale)"
         if runtime == "ExLlamaV2" or any(k in ("attention_factor", "mscale", "mscale_all_dim") for k in tuned):
             return f"rope_type yarn with {', '.join(tuned)}: its yarn {reads}, so its rotation or scale differs"
-    original = rope.get("original_max_position_embeddings")
     if kind == "yarn" and runtime == "ExLlamaV2" and limit and original and limit <= original:
         return (f"rope_type yarn: it applies yarn only when max_seq_len (default max_position_embeddings, {limit}) "
                 f"exceeds original_max_position_embeddings ({original}), and rotates unscaled otherwise; load it "
                 f"with a longer max_seq_len")
     return None
+
+
+def _number(value) -> Optional[float]:
+    """`value` if it is a real number (not a bool), else None: hostile configs are `config_checks`' to report."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
