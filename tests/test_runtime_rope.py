@@ -305,3 +305,22 @@ def test_rope_fields_of_unscaled_and_unknown_types(base, written):
     from moe_upcycle.planning.rope import rope_fields
 
     assert rope_fields({"max_position_embeddings": 16, **base}) == written
+
+
+def test_mistral_config_without_sliding_window_key_keeps_transformers_default_window(tmp_path):
+    """MistralConfig's default window is 4096 (4.57 and 5): a config.json without the key slides, so must the MoE."""
+    dense = make_dense_model(tmp_path / "mistral", family="mistral", tokenizer=False, **DIMS)
+    cfg = json.loads((dense / "config.json").read_text())
+    del cfg["sliding_window"]
+    (dense / "config.json").write_text(json.dumps(cfg))
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(str(dense)).sliding_window == 4096
+    for arch, written in (("mixtral", {"sliding_window": 4096}),
+                          ("qwen2_moe", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0})):
+        result = upcycle({"base_model": str(dense), "num_experts": 4, "experts_per_token": 4, "gate_mode": "random",
+                          "architecture": arch}, tmp_path / arch)
+        out = json.loads((result.output / "config.json").read_text())
+        assert {k: out.get(k) for k in written} == written
+        llamacpp = next(v for v in compatibility(result.plan) if v.runtime == "llama.cpp")
+        assert llamacpp.status == RUNS and "window of 4096 tokens" in llamacpp.why

@@ -20,6 +20,7 @@ from typing import Optional, Union
 import torch
 
 from moe_upcycle.checkpoint.names import output_layout
+from moe_upcycle.planning import windows
 from moe_upcycle.planning.arch import config_fields
 from moe_upcycle.planning.rope import rope_fields
 from moe_upcycle.planning.steps import Plan
@@ -38,6 +39,7 @@ FAMILY_DEFAULTS = {
     family: {"rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": positions}
     for family, positions in (("llama", 2048), ("mistral", 131072), ("qwen2", 32768), ("qwen3", 32768))
 }
+FAMILY_DEFAULTS["mistral"]["sliding_window"] = windows.MISTRAL_WINDOW  # `windows.dense_windows` reads it so
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm: strides must be multiples of 16 bytes
 
 

@@ -21,6 +21,7 @@ from typing import Optional
 from moe_upcycle.checkpoint import names
 
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2/Qwen3 default for a config without the field
+MISTRAL_WINDOW = 4096  # transformers' (4.57 and 5) MistralConfig default: a config without the key slides
 
 
 def dense_windows(base: dict) -> list[Optional[int]]:
@@ -34,7 +35,8 @@ def dense_windows(base: dict) -> list[Optional[int]]:
         [None, 4]
     """
     n = int(base["num_hidden_layers"])
-    window = base.get("sliding_window") or None  # 0 and null are no window
+    window = base.get("sliding_window", MISTRAL_WINDOW if base.get("model_type") == "mistral" else None)
+    window = window or None  # 0 and null are no window
     rule = names.INPUT_FAMILIES[base["model_type"]].window_rule if base.get("model_type") in names.INPUT_FAMILIES \
         else "none"
     if rule == "all":
