@@ -4,8 +4,9 @@ Each case is a tiny random dense model whose config.json carries rope scaling th
 (transformers 4.x keys, as on the Hub): linear under ``type`` or ``rope_type``, dynamic NTK, Qwen2.5's
 yarn (``type``), yarn without ``original_max_position_embeddings``, yarn with both keys (what 4.x's
 ``save_pretrained`` writes), yarn with ``attention_factor`` or betas, Qwen3's yarn, a transformers-5
-``rope_parameters`` yarn, Llama-3.1's llama3 (with its list of eos ids), longrope with ``original_max_position_embeddings`` inside or at the top
-level (Phi-3 style), with an explicit ``factor``. ``max_position_embeddings`` is 16 (64 for longrope)
+``rope_parameters`` yarn, Llama-3.1's llama3 (with its list of eos ids), longrope with
+``original_max_position_embeddings`` inside or at the top level (Phi-3 style), with an explicit ``factor``,
+a Llama-1-era config that leaves rope_theta / rms_norm_eps / max_position_embeddings out. ``max_position_embeddings`` is 16 (64 for longrope)
 and the text 40 tokens, so every scaling is in play. Checked: transformers 5 logits equal the dense
 model's; the written config.json spells the scaling once, in the keys every runtime reads
 (`planning.rope`); transformers 4.57 (when ``.venv-tf4`` exists) does what the plan's verdict says,

@@ -15,8 +15,8 @@ longrope with it at the top level (Phi-3 style). The runtimes read fewer spellin
 - llama.cpp's ``convert_hf_to_gguf.py`` reads ``rope_parameters`` first, else ``rope_scaling``; it writes
   nothing for ``dynamic`` (llama.cpp then rotates unscaled) and no short/long factors for longrope on
   llama / qwen2moe / qwen3moe; llama.cpp's context replaces any yarn attention factor by the default
-  0.1 ln(factor) + 1 (``llama-context.cpp``), so ``attention_factor`` / ``mscale`` are lost. Linear and yarn (``beta_fast``/``beta_slow`` included) convert exactly (measured by
-  ``scripts/check_llamacpp.py``).
+  0.1 ln(factor) + 1 (``llama-context.cpp``), so ``attention_factor`` / ``mscale`` are lost. Linear and
+  yarn (``beta_fast``/``beta_slow`` included) convert exactly (measured by ``scripts/check_llamacpp.py``).
 - vLLM's ``get_rope`` yarn needs ``original_max_position_embeddings`` and reads ``attn_factor``, not
   transformers' ``attention_factor``; its dynamic NTK scales the base for ``max_position_embeddings x
   factor`` at every position (transformers: only past ``max_position_embeddings``).
@@ -112,11 +112,6 @@ def rope_fields(base: dict) -> dict:
     return fields
 
 
-def written_rope(config: dict) -> dict:
-    """The scaling an output config.json carries (`base_rope` of it): ``{"rope_type": "default"}`` when none."""
-    return base_rope(config)
-
-
 def problem(runtime: str, config: dict) -> Optional[str]:
     """Why `runtime` computes other rope positions than transformers 5 for this output config.json, or None.
 
@@ -125,10 +120,11 @@ def problem(runtime: str, config: dict) -> Optional[str]:
         config: the config.json the build writes (`model_config.moe_config`).
 
     Example:
-        >>> problem("llama.cpp", {"max_position_embeddings": 32, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
-        'rope_type dynamic: convert_hf_to_gguf.py writes no dynamic NTK scaling, so llama.cpp rotates unscaled; identical up to max_position_embeddings (32 tokens), different beyond'
+        >>> cfg = {"max_position_embeddings": 32, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+        >>> problem("llama.cpp", cfg).split("; ")[1]
+        'identical up to max_position_embeddings (32 tokens), different beyond'
     """
-    rope = written_rope(config)
+    rope = base_rope(config)  # the written config, read as transformers 5 reads it
     kind = rope["rope_type"]
     if kind == "default":
         return None
