@@ -43,9 +43,9 @@ def resolve_model(ref: str, field_name: str) -> Path:
                 pass
         at = f" at revision {revision!r}" if revision else ""
         looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
-    from moe_upcycle.terminal.hints import missing_model_hint
+    from moe_upcycle.terminal.hints import missing_model_hint, show_ref
 
-    raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
+    raise SourceError(f"{field_name}: model {show_ref(ref)} not found (looked in {' and '.join(looked)}); "
                       f"{missing_model_hint(ref)}")
 
 
