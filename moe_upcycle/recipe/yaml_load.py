@@ -16,9 +16,9 @@ Only then are Python objects built. `load_yaml_text` does the same for any YAML 
 files). It does not validate the recipe: that is `config`'s job.
 
 Syntax errors and non-UTF-8 files are reported with the fix for what a config pasted from a web
-page or model card typically has: tabs, look-alike spaces, Markdown fences, front matter, values
-starting with ``*``/``@``/`` ` ``, UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as
-mergekit-moe reads them.
+page or model card typically has: tabs, look-alike spaces, Markdown fences, front matter, a line
+of plain text above the config (an editor's title bar), values starting with ``*``/``@``/`` ` ``,
+UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as mergekit-moe reads them.
 """
 
 from __future__ import annotations
@@ -93,6 +93,10 @@ def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
         return "a value that starts with * is read as an alias (*name); put it in quotes"
     if "'@'" in problem or "'`'" in problem:
         return "YAML reserves @ and ` at the start of a value; put the value in quotes"
+    if "mapping values are not allowed" in problem or "expected '<document start>'" in problem:
+        stray = _stray_text_line(lines, index)
+        if stray:
+            return stray
     for n in (index, index - 1):
         line = lines[n] if 0 <= n < len(lines) else ""
         if "\t" in line:
@@ -100,6 +104,31 @@ def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
         for char, name in _ODD_SPACES.items():
             if char in line:
                 return f"line {n + 1} contains {name}, often pasted from a web page; replace it with a normal space"
+    return ""
+
+
+def _stray_text_line(lines: list[str], index: int) -> str:
+    """The fix when a 'key:' on line `index` follows a line of plain text (not 'key: value', a list item or a comment).
+
+    YAML then reads the text and the next line as one multi-line value and stops at that line's colon (or,
+    with a comment between them, reads the text as a whole document): text copied along with the config (an editor's title bar such as ``GNU nano 6.2 config.yml``, a
+    code block's ``yaml`` label, a heading) or a value with a second ``: `` in it.
+    """
+    line = lines[index] if 0 <= index < len(lines) else ""
+    n = index - 1
+    while n >= 0 and (not lines[n].strip() or lines[n].lstrip().startswith("#")):
+        n -= 1
+    prev = lines[n].strip() if n >= 0 else ""
+    if prev and ":" not in prev and not prev.startswith(("-", "[", "{", "'", '"', "&", "*", "|", ">")):
+        shown = prev if len(prev) <= 60 else prev[:57] + "..."
+        what = ("a code block's language label" if prev.lower() in ("yaml", "yml")
+                else "text copied along with the config, such as an editor's title bar or a heading")
+        return (f"line {n + 1} ({shown!r}) is not a 'key: value' line, so YAML cannot read the config below it; "
+                f"it looks like {what}: delete line {n + 1}, or make it a comment with #")
+    key, sep, value = line.partition(": ")
+    if sep and ": " in value and not value.lstrip().startswith(("'", '"', "[", "{")):
+        return (f"line {index + 1} has a second ': ' inside the value of {key.strip().lstrip('- ')}; "
+                f"put the value in quotes")
     return ""
 
 
