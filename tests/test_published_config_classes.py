@@ -1,0 +1,109 @@
+"""Classes of trouble found in real published mergekit-moe configs (round 2 of
+tests/data/mergekit_configs/published): each refused with the field or line and the fix, or built quietly.
+
+- Windows paths (``F:/7B/model``, ``D:\\models\\model``, ``models\\model``) from configs written on Windows:
+  not found here, and the message says it is a Windows path and which POSIX path to write, showing the
+  path as the user wrote it (backslashes not doubled).
+- A line of plain text above the config (an editor's title bar such as ``GNU nano 6.2 file.yml``, a code
+  block's ``yaml`` label, a model card heading copied from the rendered page), or a value with a second
+  ``: ``: YAML stops at the next line's colon; the message names the stray line and says to delete it.
+- The prompt lint (seconds of sentence-embedder work) runs only where the routers read the prompts, and
+  not for a config the build is about to refuse for want of prompts.
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from moe_upcycle.checkpoint.model_refs import resolve_model
+from moe_upcycle.cli import app
+from moe_upcycle.errors import SourceError, UpcycleError
+from moe_upcycle.recipe.schema import load_config
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("ref, words", [
+    ("F:/7B/Multi-Verse-RP", ["model 'F:/7B/Multi-Verse-RP' not found", "it is a Windows path (drive F:)",
+                              "(under WSL drive F: is /mnt/f: /mnt/f/7B/Multi-Verse-RP)"]),
+    ("D:\\models\\llama-3-cat-8B-instruct", ["model 'D:\\models\\llama-3-cat-8B-instruct' not found",
+                                             "drive D:", "/mnt/d/models/llama-3-cat-8B-instruct)"]),
+    ("c:\\Users\\me\\text-generation-webui\\models\\Mistral-7B\\",
+     ["drive C:", "/mnt/c/Users/me/text-generation-webui/models/Mistral-7B)"]),
+    ("E:/", ["drive E:", "/mnt/e/)"]),
+    ("models\\WizardLM-2-7B", ["model 'models\\WizardLM-2-7B' not found",
+                               "it separates folders with Windows backslashes, which are ordinary characters in a "
+                               "name here: write forward slashes (models/WizardLM-2-7B)"]),
+])
+def test_windows_paths_say_what_to_write_here(ref, words, empty_cache):
+    with pytest.raises(SourceError) as info:
+        resolve_model(ref, "experts[0].source_model")
+    text = str(info.value)
+    assert text.startswith("experts[0].source_model: model '")
+    assert "\\\\" not in text  # the path as written, not its Python repr
+    for w in words:
+        assert w in text, text
+
+
+@pytest.mark.parametrize("ref, words", [
+    ("./my-models/ft0", ["check the path: there is no folder my-models/ft0"]),  # not a Windows path: as before
+    ("a'b", ["model \"a'b\" not found"]),
+    ("bad\nname", ["model 'bad\\nname' not found"]),  # characters that do not print stay escaped
+])
+def test_other_missing_paths_keep_their_message(ref, words, empty_cache):
+    with pytest.raises(SourceError) as info:
+        resolve_model(ref, "base_model")
+    assert "Windows" not in str(info.value)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+CONFIG = "base_model: org/base\ngate_mode: random\nexperts:\n  - source_model: org/a\n  - source_model: org/b\n"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("GNU nano 6.2 mergekit_moe_configfs.yml\n" + CONFIG,
+     [":2:11: YAML syntax error: mapping values are not allowed here",
+      "line 1 ('GNU nano 6.2 mergekit_moe_configfs.yml') is not a 'key: value' line, so YAML cannot read the "
+      "config below it", "an editor's title bar", "delete line 1, or make it a comment with #"]),
+    ("yaml\n" + CONFIG, ["line 1 ('yaml') is not a 'key: value' line", "a code block's language label"]),
+    ("\U0001f9e9 Configuration\n\n" + CONFIG, [":3:11: YAML syntax error",
+                                             "line 1 ('\U0001f9e9 Configuration') is not a 'key: value' line"]),
+    ("Mergekit config\n# copied from the card\n" + CONFIG,
+     [":3:1: YAML syntax error: expected '<document start>'", "line 1 ('Mergekit config') is not a 'key: value' line"]),
+    (CONFIG.replace("org/base", "org/base: the chat one"),
+     [":1:21: YAML syntax error", "line 1 has a second ': ' inside the value of base_model; put the value in quotes"]),
+])
+def test_text_above_the_config_is_named_with_the_fix(text, words, tmp_path):
+    path = tmp_path / "pasted.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UpcycleError) as info:
+        load_config(path)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("mode, prompts, refused", [
+    ("random", [[""], [""]], False),  # random rows: the prompts are never read
+    ("uniform_random", [["code"], ["code"]], False),
+    ("hidden", [["chat"], None], True),  # refused for want of prompts: no lint before the refusal
+    ("cheap_embed", [["chat"], ["chat"]], True),  # every expert the same prompts: refused
+])
+def test_prompt_lint_runs_only_where_the_routers_read_the_prompts(mode, prompts, refused, tiny_llama, tmp_path):
+    import yaml
+
+    experts = [{"source_model": str(tiny_llama), **({"positive_prompts": p} if p is not None else {})}
+               for p in prompts]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"base_model": str(tiny_llama), "gate_mode": mode, "experts": experts}))
+    result = CliRunner().invoke(app, ["build", str(path), str(tmp_path / "out"), "--no-checksums"])
+    assert "prompt lint" not in result.output and "lint:" not in result.output, result.output
+    assert result.exit_code == (1 if refused else 0), result.output
+    assert (tmp_path / "out").exists() is not refused
