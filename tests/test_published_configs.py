@@ -466,3 +466,55 @@ def test_yaml_merge_keys_inside_experts_read_as_yaml_says(tmp_path):
     config = load_config(path)
     assert [(e.source_model, e.positive_prompts, e.negative_prompts) for e in config.experts] == [
         ("org/a", ["chat"], ["code"]), ("org/b", ["code"], ["code"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Round 2: what the new published configs exercise beyond "builds" / "refused"
+
+
+def _state(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in folder.glob("*.safetensors"):
+        state.update(load_file(str(shard)))
+    return state
+
+
+def test_qwen_shared_expert_residual_scale_as_mergekit_writes_it(published, tmp_path):
+    """Aoyinke's card: random gates, `positive_prompts: []` and residual_scale 0.1 on the shared expert.
+
+    The shared expert is the dense MLP with down_proj scaled by 0.1 in the source's fp32 and rounded to
+    bf16 once: the bytes mergekit-moe 0.1.5 writes (scaling the bf16 copy rounded twice, one ulp off in a
+    fifth of the values); both routed experts are the dense MLP.
+    """
+    config = load_config(published("aoyinke_qwen2_random_shared_empty_prompts"))
+    assert [e.positive_prompts for e in config.shared_experts] == [[]]
+    out = upcycle(published("aoyinke_qwen2_random_shared_empty_prompts"), tmp_path / "out", checksums=False).output
+    state, dense = _state(out), _state(resolve_model("Qwen/Qwen2-7B", "base_model"))
+    for layer in range(2):
+        mlp = f"model.layers.{layer}.mlp"
+        down = dense[f"{mlp}.down_proj.weight"]
+        assert torch.equal(state[f"{mlp}.shared_expert.down_proj.weight"], (down * 0.1).to(torch.bfloat16))
+        for e in range(2):
+            assert torch.equal(state[f"{mlp}.experts.{e}.down_proj.weight"], down.to(torch.bfloat16))
+        assert state[f"{mlp}.gate.weight"].shape == (2, down.shape[0])
+
+
+def test_key_with_a_space_before_its_colon_reads_as_the_key():
+    """femiari's card writes `base_model : Qwen/Qwen2-1.5B`; YAML (and mergekit-moe) read the key `base_model`."""
+    config = load_config(PUBLISHED / "femiari_qwen2_space_before_colon.yaml")
+    assert config.base_model == "Qwen/Qwen2-1.5B" and config.gate_mode == "hidden"
+    assert config.shared_experts[0].residual_scale == 0.1 and config.architecture == "qwen"
+
+
+def test_korean_prompts_build_when_tokenizer_source_is_allowed(published, tmp_path):
+    """`tokenizer_source: base` is refused by default; with --allow-unknown-keys the Korean cheap_embed config
+    builds as mergekit-moe builds it, with two distinct router rows."""
+    with pytest.warns(UserWarning, match="tokenizer_source: unknown key ignored"):
+        out = upcycle(published("solar_korean_tokenizer_source"), tmp_path / "out", checksums=False,
+                      allow_unknown_keys=True).output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["dtype"]) == ("mixtral", 2, "float16")
+    rows = _state(out)["model.layers.0.block_sparse_moe.gate.weight"].float()
+    assert torch.isfinite(rows).all() and torch.nn.functional.cosine_similarity(rows[0], rows[1], dim=0) < 0.99
