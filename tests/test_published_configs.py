@@ -49,6 +49,8 @@ BUILDS = {
     "wizardlm2_4x7b_top4_local_folder": ("mixtral", "MixtralForCausalLM", 4, 4, "float16"),
     "tiny_moe_rand_template_comments": ("mixtral", "MixtralForCausalLM", 2, 2, "bfloat16"),
     "random_merge_comma_prompts_cheap_embed": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
+    "yi_coder_8x_random_trailing_comment": ("mixtral", "MixtralForCausalLM", 8, 2, "bfloat16"),
+    "biomistral_6x_random_template_prompts": ("mixtral", "MixtralForCausalLM", 6, 2, "bfloat16"),
 }
 # file -> words the refusal must contain (what is wrong, where, and the fix)
 REFUSED = {
@@ -164,7 +166,7 @@ def published(hub_cache, stand_ins, monkeypatch, tmp_path):
 
 def test_every_published_config_has_an_expectation():
     names = {p.stem for p in PUBLISHED.glob("*.yaml")}
-    assert len(names) >= 38
+    assert len(names) >= 40
     assert names == set(BUILDS) | set(REFUSED)
     listed = (PUBLISHED / "README.md").read_text(encoding="utf-8")
     assert all(f"`{n}.yaml`" in listed for n in names), "every config names its source in the README"
