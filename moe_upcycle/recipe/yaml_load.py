@@ -23,6 +23,7 @@ UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as mergekit-moe reads 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,12 @@ _ODD_SPACES = {"\u00a0": "a non-breaking space (U+00A0)", "\u3000": "an ideograp
                "\u2002": "an en space (U+2002)", "\u2003": "an em space (U+2003)", "\u200b": "a zero-width space (U+200B)"}
 
 
+# `base_model:org/x` or `- source_model:org/x`: a recipe key glued to its value (YAML needs ': ')
+_GLUED_KEY = re.compile(r"^(\s*(?:-\s+)?)(base_model|gate_mode|dtype|experts_per_token|experts|shared_experts|"
+                        r"architecture|source_model|positive_prompts|negative_prompts|residual_scale|noise_scale|"
+                        r"num_experts):(\S.*)$")
+
+
 def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
     """What to change, for the mistakes a config pasted from a web page or model card typically has.
 
@@ -93,6 +100,13 @@ def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
         return "a value that starts with * is read as an alias (*name); put it in quotes"
     if "'@'" in problem or "'`'" in problem:
         return "YAML reserves @ and ` at the start of a value; put the value in quotes"
+    if "mapping values are not allowed" in problem or "expected" in problem:
+        for n in (index - 1, index, index - 2):  # the parser notices a glued 'key:value' a line or two late
+            glued = _GLUED_KEY.match(lines[n]) if 0 <= n < len(lines) else None
+            if glued and ": " not in lines[n]:
+                return (f"line {n + 1} has no space after '{glued.group(2)}:', so YAML reads "
+                        f"{lines[n].strip()!r} as text, not a key; write {'- ' if '-' in glued.group(1) else ''}{glued.group(2)}: "
+                        f"{glued.group(3)}")
     if "mapping values are not allowed" in problem or "expected '<document start>'" in problem:
         stray = _stray_text_line(lines, index)
         if stray:
