@@ -503,11 +503,22 @@ def _format_errors(exc: ValidationError) -> list[str]:
                           f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
+        elif err.get("input", 0) is None and loc and not isinstance(loc[-1], int) and kind != "missing":
+            # `key:` with nothing after it is null to YAML; pydantic would say "Input should be a valid string"
+            fix = (f"one of {err['ctx']['expected']}" if kind == "literal_error" else
+                   "the model: org/name (a hub id) or a folder" if loc[-1] in ("base_model", "source_model") else
+                   "a value")
+            lines.append(f"{path}: empty (nothing after '{loc[-1]}:'); write {fix}"
+                         f"{'' if loc[-1] in ('base_model', 'source_model') else ', or delete the line'}")
         elif kind == "literal_error":
             lines.append(f"{path}: {short_repr(err['input'])} is not allowed; expected {err['ctx']['expected']}")
         elif kind == "model_type" and path.startswith(("experts[", "shared_experts[")):
             value = err["input"]
-            if isinstance(value, str):
+            glued = re.match(r"^([A-Za-z_]+):(\S.*)$", value) if isinstance(value, str) else None
+            if glued and glued.group(1) in ExpertConfig.model_fields:
+                fix = (f"{short_repr(value)} has no space after the colon, so YAML reads it as one string, not a "
+                       f"key; write - {glued.group(1)}: {glued.group(2)}")
+            elif isinstance(value, str):
                 fix = f"a bare string; write it as - source_model: {value}"
             elif value is None:
                 fix = "empty (a bare '-' line); remove the line or give it source_model:"
