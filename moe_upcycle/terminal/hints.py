@@ -70,6 +70,8 @@ def missing_model_hint(ref: str) -> str:
     windows = windows_path_hint(ref)
     if windows:
         return windows
+    if re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*/$", ref):
+        return f"there is no model name after '{ref}': write {ref}name (the hub id), or give a folder"
     return f"check the path: there is no folder {Path(ref).expanduser()}; give the folder of a saved model"
 
 
