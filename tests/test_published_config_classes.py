@@ -107,3 +107,44 @@ def test_prompt_lint_runs_only_where_the_routers_read_the_prompts(mode, prompts,
     assert "prompt lint" not in result.output and "lint:" not in result.output, result.output
     assert result.exit_code == (1 if refused else 0), result.output
     assert (tmp_path / "out").exists() is not refused
+
+
+@pytest.mark.parametrize("text, words", [
+    # a key glued to its value: YAML reads 'key:value' as text (mergekit-moe fails on it too)
+    ("base_model:org/x\ngate_mode: random\n", [":2:10: YAML syntax error",
+                                             "line 1 has no space after 'base_model:', so YAML reads "
+                                             "'base_model:org/x' as text, not a key; write base_model: org/x"]),
+    ("base_model: org/x\ngate_mode:random\nexperts: []\n",
+     [":3:1: YAML syntax error: could not find expected ':'", "write gate_mode: random"]),
+    ("base_model: org/x\nexperts:\n  - source_model: a/b\n    positive_prompts:[\"a\"]\n  - source_model: c/d\n",
+     ["line 4 has no space after 'positive_prompts:'", "write positive_prompts: [\"a\"]"]),
+    ("base_model: org/x\ngate_mode: random\nexperts:\n  - source_model:a/b\n  - source_model: c/d\n",
+     ["experts[0]: 'source_model:a/b' has no space after the colon, so YAML reads it as one string, not a key; "
+      "write - source_model: a/b"]),
+    # `key:` with nothing after it (GK-MoE-0.1's first card had `base_model:` empty)
+    ("base_model:\nexperts:\n  - source_model: a/b\n  - source_model: c/d\n",
+     ["base_model: empty (nothing after 'base_model:'); write the model: org/name (a hub id) or a folder"]),
+    ("base_model: org/x\nexperts:\n  - source_model:\n  - source_model: c/d\n",
+     ["experts[0].source_model: empty (nothing after 'source_model:'); write the model"]),
+    ("base_model: org/x\ngate_mode:\nexperts:\n  - source_model: a/b\n  - source_model: c/d\n",
+     ["gate_mode: empty (nothing after 'gate_mode:'); write one of 'hidden'", "or delete the line"]),
+    ("base_model: org/x\nexperts_per_token:\ngate_mode: random\nexperts:\n  - source_model: a/b\n  - source_model: c/d\n",
+     ["experts_per_token: empty (nothing after 'experts_per_token:'); write a value, or delete the line"]),
+])
+def test_glued_and_empty_values_are_named_with_the_fix(text, words, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UpcycleError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert "Input should be" not in text
+    for w in words:
+        assert w in text, text
+
+
+def test_hub_id_without_a_model_name(empty_cache):
+    """An early aegolius-acadicus-24b config named `ibivibiv/` (the model name not yet typed)."""
+    with pytest.raises(SourceError) as info:
+        resolve_model("ibivibiv/", "experts[0].source_model")
+    assert "there is no model name after 'ibivibiv/': write ibivibiv/name (the hub id), or give a folder" in str(
+        info.value)
