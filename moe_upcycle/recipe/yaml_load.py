@@ -17,7 +17,8 @@ files). It does not validate the recipe: that is `config`'s job.
 
 Syntax errors and non-UTF-8 files are reported with the fix for what a config pasted from a web
 page or model card typically has: tabs, look-alike spaces, Markdown fences, front matter, a line
-of plain text above the config (an editor's title bar), values starting with ``*``/``@``/`` ` ``,
+of plain text above the config (an editor's title bar), a key glued to its value or indented
+out of line with its neighbours, values starting with ``*``/``@``/`` ` ``,
 UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as mergekit-moe reads them.
 """
 
@@ -111,6 +112,10 @@ def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
         stray = _stray_text_line(lines, index)
         if stray:
             return stray
+    if "mapping values are not allowed" in problem or "expected <block end>" in problem:
+        misaligned = _misaligned_key(lines, index)
+        if misaligned:
+            return misaligned
     for n in (index, index - 1):
         line = lines[n] if 0 <= n < len(lines) else ""
         if "\t" in line:
@@ -144,6 +149,30 @@ def _stray_text_line(lines: list[str], index: int) -> str:
         return (f"line {index + 1} has a second ': ' inside the value of {key.strip().lstrip('- ')}; "
                 f"put the value in quotes")
     return ""
+
+
+def _misaligned_key(lines: list[str], index: int) -> str:
+    """The fix when the 'key:' line `index` is indented differently from the key on the line above it.
+
+    Keys of one mapping line up; in a list item (``- source_model: x``) they line up with the first key,
+    after the dash. Indented less, YAML ends the item there; indented more, it reads the line as part of
+    the value above it (the usual slip when an expert's ``positive_prompts:`` is pasted).
+    """
+    line = lines[index] if 0 <= index < len(lines) else ""
+    n = index - 1
+    while n >= 0 and (not lines[n].strip() or lines[n].lstrip().startswith("#")):
+        n -= 1
+    if n < 0 or not re.match(r"^\s*[\w-]+:(\s|$)", line) or not re.match(r"^\s*(-\s+)?[\w-]+:\s+\S", lines[n]):
+        return ""
+    want = re.match(r"^\s*(-\s+)?", lines[n]).end()  # where the key above starts (after its dash)
+    have = len(line) - len(line.lstrip(" "))
+    if have == want:
+        return ""
+    key = lines[n][want:].split(":", 1)[0]
+    spaces = lambda k: f"{k} space{'' if k == 1 else 's'}"
+    fix = f"indent it by {spaces(want)}" if want else "remove its indentation"
+    return (f"line {index + 1} is indented {spaces(have)}, but the key above it ({key!r}, line {n + 1}) is "
+            f"indented {spaces(want)}; keys of one mapping line up: {fix}")
 
 
 def load_yaml_text(text: str, where: str) -> Any:
