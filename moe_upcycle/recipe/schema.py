@@ -493,9 +493,14 @@ def _format_errors(exc: ValidationError) -> list[str]:
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             hint = intended_key(loc[-1], valid)
+            # `yamlbase_model:`: a Markdown code block's language label copied onto the first key
+            label = re.match(r"^(yaml|yml)(\w+)$", str(loc[-1]), re.IGNORECASE)
+            label = label if label and label.group(2) in valid else None
             merge_key = MERGE_CONFIG_KEYS.get(str(loc[-1])) if len(loc) == 1 else None
-            home = None if hint or merge_key else key_elsewhere(loc[-1], UpcycleConfig, loc[:-1])
-            suggestion = (f" — did you mean {hint}?" if hint else
+            home = None if hint or merge_key or label else key_elsewhere(loc[-1], UpcycleConfig, loc[:-1])
+            suggestion = (f" — the code block's {label.group(1)!r} label is glued to {label.group(2)}; write "
+                          f"{label.group(2)}:" if label else
+                          f" — did you mean {hint}?" if hint else
                           f" — {merge_key}; remove it, or pass --allow-unknown-keys to ignore it with a warning"
                           if merge_key else
                           f" — it belongs {home}; move it there" if home else
