@@ -148,3 +148,29 @@ def test_hub_id_without_a_model_name(empty_cache):
         resolve_model("ibivibiv/", "experts[0].source_model")
     assert "there is no model name after 'ibivibiv/': write ibivibiv/name (the hub id), or give a folder" in str(
         info.value)
+
+
+EXPERTS = ("base_model: org/x\ngate_mode: cheap_embed\nexperts:\n  - source_model: a/b\n    positive_prompts:\n"
+           "    - chat\n  - source_model: c/d\n{indent}positive_prompts:\n    - code\n")
+
+
+@pytest.mark.parametrize("text, words", [
+    # an expert's key indented out of line with source_model: (less, or more: read as part of its value)
+    (EXPERTS.format(indent="  "), [":8:3: YAML syntax error", "line 8 is indented 2 spaces, but the key above it "
+                                   "('source_model', line 7) is indented 4 spaces", "indent it by 4 spaces"]),
+    (EXPERTS.format(indent="   "), [":8:4: YAML syntax error", "line 8 is indented 3 spaces", "indent it by 4 spaces"]),
+    (EXPERTS.format(indent="      "), [":8:23: YAML syntax error: mapping values are not allowed here",
+                                      "line 8 is indented 6 spaces", "indent it by 4 spaces"]),
+    ("base_model: org/x\n gate_mode: random\n", ["line 2 is indented 1 space, but the key above it ('base_model', "
+                                                 "line 1) is indented 0 spaces", "remove its indentation"]),
+    # Lumosia's card as rendered: the code block's `yaml` label glued to the first key
+    ("yamlbase_model: org/x\ngate_mode: random\nexperts:\n  - source_model: a/b\n  - source_model: c/d\n",
+     ["yamlbase_model: unknown key — the code block's 'yaml' label is glued to base_model; write base_model:"]),
+])
+def test_layout_slips_are_named_with_the_fix(text, words, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(UpcycleError) as info:
+        load_config(path)
+    for w in words:
+        assert w in str(info.value), str(info.value)
