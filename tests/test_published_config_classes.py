@@ -174,3 +174,16 @@ def test_layout_slips_are_named_with_the_fix(text, words, tmp_path):
         load_config(path)
     for w in words:
         assert w in str(info.value), str(info.value)
+
+
+def test_prompt_that_starts_with_a_hash_is_a_comment(tmp_path):
+    """`- #hashtags` (or a Markdown heading as a prompt) is a '-' line and a comment to YAML: a null prompt."""
+    path = tmp_path / "c.yaml"
+    path.write_text("base_model: org/x\ngate_mode: hidden\nexperts:\n  - source_model: a/b\n    positive_prompts:\n"
+                    "      - #hashtags\n      - chat\n  - source_model: c/d\n    positive_prompts: [code]\n")
+    with pytest.raises(UpcycleError) as info:
+        load_config(path)
+    assert ("experts[0].positive_prompts: prompt 0 is empty (a bare '-' line, which YAML reads as null)"
+            in str(info.value))
+    assert "a prompt that starts with # goes in quotes (YAML reads '- #...' as a '-' line and a comment)" in str(
+        info.value)

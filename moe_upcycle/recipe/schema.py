@@ -185,7 +185,8 @@ class ExpertConfig(_Strict):
         for i, p in enumerate(prompts if isinstance(prompts, list) else []):
             if p is None:
                 problems.append(f"prompt {i} is empty (a bare '-' line, which YAML reads as null); write \"\" for "
-                                f"the empty prompt or remove the line")
+                                f"the empty prompt or remove the line; a prompt that starts with # goes in quotes "
+                                f"(YAML reads '- #...' as a '-' line and a comment)")
             elif isinstance(p, dict):
                 shown = ", ".join(f"{k}: {v}" for k, v in p.items())
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
