@@ -220,7 +220,8 @@ def test_prompt_shared_gate_needs_prompts():
 def test_layout_typo_is_reported_with_choices():
     with pytest.raises(ConfigError) as exc:
         load_config(franken("a", layout="fusd"))
-    assert exc.value.problems == ["config: layout: 'fusd' is not allowed; expected 'per_expert' or 'fused'"]
+    assert exc.value.problems == [
+        "config: layout: 'fusd' is not allowed; did you mean fused? expected 'per_expert' or 'fused'"]
 
 
 # ---- through the CLI

@@ -187,3 +187,19 @@ def test_prompt_that_starts_with_a_hash_is_a_comment(tmp_path):
             in str(info.value))
     assert "a prompt that starts with # goes in quotes (YAML reads '- #...' as a '-' line and a comment)" in str(
         info.value)
+
+
+@pytest.mark.parametrize("value, guess", [
+    ("Random", "random"), ("HIDDEN", "hidden"), ("cheap-embed", "cheap_embed"), ("cheap embed", "cheap_embed"),
+    ("Cheap_Embed", "cheap_embed"), ("hidden_state", "hidden"), ("hidden_states", "hidden"),
+    ("random_uniform", "uniform_random"), ("hiden", "hidden"), ("banana", None),
+])
+def test_gate_mode_spellings_get_the_value_meant(value, guess, tmp_path):
+    """mergekit-moe fails late on these (its router raises for an unknown mode); we name the value meant."""
+    with pytest.raises(UpcycleError) as info:
+        load_config({"base_model": "org/x", "gate_mode": value,
+                     "experts": [{"source_model": "a/b", "positive_prompts": ["a"]},
+                                 {"source_model": "c/d", "positive_prompts": ["b"]}]})
+    text = str(info.value)
+    assert f"gate_mode: {value!r} is not allowed; " in text and "expected 'hidden'" in text
+    assert (f"did you mean {guess}? " in text) if guess else ("did you mean" not in text), text

@@ -517,7 +517,9 @@ def _format_errors(exc: ValidationError) -> list[str]:
             lines.append(f"{path}: empty (nothing after '{loc[-1]}:'); write {fix}"
                          f"{'' if loc[-1] in ('base_model', 'source_model') else ', or delete the line'}")
         elif kind == "literal_error":
-            lines.append(f"{path}: {short_repr(err['input'])} is not allowed; expected {err['ctx']['expected']}")
+            guess = _close_choice(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
+            lines.append(f"{path}: {short_repr(err['input'])} is not allowed; "
+                         f"{f'did you mean {guess}? ' if guess else ''}expected {err['ctx']['expected']}")
         elif kind == "model_type" and path.startswith(("experts[", "shared_experts[")):
             value = err["input"]
             glued = re.match(r"^([A-Za-z_]+):(\S.*)$", value) if isinstance(value, str) else None
@@ -539,6 +541,24 @@ def _format_errors(exc: ValidationError) -> list[str]:
             msg = err["msg"].removeprefix("Value error, ")
             lines += [f"{path}: {m}" if path else m for m in msg.split("\n")]
     return lines
+
+
+def _close_choice(value: Any, choices: list[str]) -> Optional[str]:
+    """The allowed value that `value` misspells (``Random``, ``cheap-embed``, ``hidden_state``), if one is close."""
+    import difflib
+
+    if not isinstance(value, str) or not choices:
+        return None
+    norm = re.sub(r"[\s-]+", "_", value.strip().lower())
+    if norm in choices:
+        return norm
+    reordered = [c for c in choices if sorted(c.split("_")) == sorted(norm.split("_"))]  # random_uniform
+    prefixed = [c for c in choices if norm.startswith(c + "_")]  # hidden_state, hidden_states
+    for found in (reordered, prefixed):
+        if len(found) == 1:
+            return found[0]
+    close = difflib.get_close_matches(norm, choices, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _not_a_list(value: Any, key: str) -> str:
