@@ -195,7 +195,7 @@ def test_prompt_that_starts_with_a_hash_is_a_comment(tmp_path):
     ("random_uniform", "uniform_random"), ("hiden", "hidden"), ("banana", None),
 ])
 def test_gate_mode_spellings_get_the_value_meant(value, guess, tmp_path):
-    """mergekit-moe fails late on these (its router raises for an unknown mode); we name the value meant."""
+    """mergekit-moe fails late on these (a TypeError in its router, after loading); we name the value meant."""
     with pytest.raises(UpcycleError) as info:
         load_config({"base_model": "org/x", "gate_mode": value,
                      "experts": [{"source_model": "a/b", "positive_prompts": ["a"]},
