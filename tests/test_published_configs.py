@@ -51,6 +51,7 @@ BUILDS = {
     "random_merge_comma_prompts_cheap_embed": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
     "yi_coder_8x_random_trailing_comment": ("mixtral", "MixtralForCausalLM", 8, 2, "bfloat16"),
     "biomistral_6x_random_template_prompts": ("mixtral", "MixtralForCausalLM", 6, 2, "bfloat16"),
+    "hai_ser_same_model_twice_cheap_embed": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
 }
 # file -> words the refusal must contain (what is wrong, where, and the fix)
 REFUSED = {
@@ -166,7 +167,7 @@ def published(hub_cache, stand_ins, monkeypatch, tmp_path):
 
 def test_every_published_config_has_an_expectation():
     names = {p.stem for p in PUBLISHED.glob("*.yaml")}
-    assert len(names) >= 40
+    assert len(names) >= 41
     assert names == set(BUILDS) | set(REFUSED)
     listed = (PUBLISHED / "README.md").read_text(encoding="utf-8")
     assert all(f"`{n}.yaml`" in listed for n in names), "every config names its source in the README"
@@ -520,3 +521,18 @@ def test_korean_prompts_build_when_tokenizer_source_is_allowed(published, tmp_pa
     assert (config["model_type"], config["num_local_experts"], config["dtype"]) == ("mixtral", 2, "float16")
     rows = _state(out)["model.layers.0.block_sparse_moe.gate.weight"].float()
     assert torch.isfinite(rows).all() and torch.nn.functional.cosine_similarity(rows[0], rows[1], dim=0) < 0.99
+
+
+@pytest.mark.parametrize("name, noted", [
+    ("hai_ser_same_model_twice_cheap_embed", True), ("tiny_mistral_4x_comments", True),
+    ("minicpm_x4_random_same_model", False),  # random routers: nothing is claimed for them
+    ("aegolius_v1_5x_negatives_case_variants", False), ("femiari_qwen2_space_before_colon", False),
+])
+def test_plan_says_when_every_expert_is_one_unchanged_model(name, noted, published):
+    """mergekit-moe refuses prompted gates over copies of one model; we build them and say what the routers do."""
+    notes = upcycle(published(name), dry_run=True).plan.notes
+    said = [n for n in notes if n.startswith("every expert is ")]
+    assert bool(said) == noted, notes
+    if noted:
+        assert "the MoE gives the dense model's output whichever experts" in said[0]
+        assert "--i-understand-this-is-not-useful-without-training" in said[0]
