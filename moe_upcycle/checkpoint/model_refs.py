@@ -32,6 +32,7 @@ def resolve_model(ref: str, field_name: str) -> Path:
     looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
     # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    repo = repo[:-1] if repo.endswith("/") and repo.count("/") == 2 else repo  # org/name/ (a folder's spelling)
     if "/" in repo and not repo.startswith((".", "/", "~")) and repo.count("/") == 1:
         from huggingface_hub import constants, snapshot_download
 

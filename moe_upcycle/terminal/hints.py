@@ -59,7 +59,9 @@ def missing_model_hint(ref: str) -> str:
                 f".merge_and_unload().save_pretrained(folder)) and give that folder")
     if ref.count("@") > 1:
         return "a model reference has at most one '@' (org/name@revision: a branch, tag or commit)"
-    url = re.match(r"^https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
+    if ref != ref.strip():
+        return f"it has spaces at its start or end (inside quotes); remove them: {ref.strip()}"
+    url = re.match(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
     if url:
         return f"write the hub id, not its web address: {url.group(1)}"
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
