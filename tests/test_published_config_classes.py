@@ -203,3 +203,30 @@ def test_gate_mode_spellings_get_the_value_meant(value, guess, tmp_path):
     text = str(info.value)
     assert f"gate_mode: {value!r} is not allowed; " in text and "expected 'hidden'" in text
     assert (f"did you mean {guess}? " in text) if guess else ("did you mean" not in text), text
+
+
+@pytest.mark.parametrize("ref, words", [
+    ("hf.co/mistralai/Mistral-7B-v0.1", ["write the hub id, not its web address: mistralai/Mistral-7B-v0.1"]),
+    ("huggingface.co/mistralai/Mistral-7B-v0.1", ["write the hub id, not its web address: mistralai/Mistral-7B-v0.1"]),
+    ("mistralai/Mistral-7B-v0.1 ", ["it has spaces at its start or end (inside quotes); remove them: "
+                                    "mistralai/Mistral-7B-v0.1"]),
+])
+def test_other_pasted_reference_forms(ref, words, empty_cache):
+    with pytest.raises(SourceError) as info:
+        resolve_model(ref, "base_model")
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_hub_id_with_a_trailing_slash_is_found_in_the_cache(tmp_path, monkeypatch, tiny_llama):
+    """`org/name/` (a folder's spelling of a hub id) finds the cached `org/name`, at a revision too."""
+    from huggingface_hub import constants
+
+    from fake_hub import build_hub_cache
+
+    cache = build_hub_cache(tmp_path / "cache", {"llama": [tiny_llama]}, {"Abhaykoul/SER"})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    found = resolve_model("Abhaykoul/SER", "base_model")
+    assert resolve_model("Abhaykoul/SER/", "base_model") == found
+    assert resolve_model("Abhaykoul/SER/@main", "base_model") == found
