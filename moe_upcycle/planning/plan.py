@@ -161,6 +161,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
     notes += arch.mergekit_choice_notes(config, base, layout)
+    notes += compat.source_notes(config, sources)
     if problems:
         raise PlanError(*_dedupe(problems))
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
