@@ -14,6 +14,7 @@ tests/data/mergekit_configs/published): each refused with the field or line and 
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from moe_upcycle.checkpoint.model_refs import resolve_model
@@ -230,3 +231,38 @@ def test_hub_id_with_a_trailing_slash_is_found_in_the_cache(tmp_path, monkeypatc
     found = resolve_model("Abhaykoul/SER", "base_model")
     assert resolve_model("Abhaykoul/SER/", "base_model") == found
     assert resolve_model("Abhaykoul/SER/@main", "base_model") == found
+
+
+@pytest.mark.parametrize("added", [1, 2, 1024])
+def test_experts_with_added_tokens_build_on_the_base_vocabulary(added, tiny_llama, tmp_path):
+    """Beyonder-4x7B-v3's experts (openchat-3.5-0106, CodeNinja: 32002 tokens) next to a 32000-token base:
+    mergekit-moe builds it with the base's embeddings, and so do we, saying so; the output loads."""
+    import json
+
+    from conftest import model_logits
+    from moe_upcycle.build import upcycle
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    base_vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    chatml = make_dense_model(tmp_path / "chatml", family="llama", seed=11, vocab_size=base_vocab + added)
+    result = upcycle({"base_model": str(tiny_llama), "gate_mode": "cheap_embed", "dtype": "float32",
+                      "experts": [{"source_model": str(tiny_llama), "positive_prompts": ["chat"]},
+                                  {"source_model": str(chatml), "positive_prompts": ["code"]}]},
+                     tmp_path / "out", checksums=False)
+    said = [n for n in result.plan.notes if n.startswith("vocab_size differs")]
+    assert said and f"experts[1] ({chatml}): {base_vocab + added}" in said[0] and "base_model's embeddings" in said[0]
+    assert json.loads((result.output / "config.json").read_text())["vocab_size"] == base_vocab
+    assert torch.isfinite(model_logits(result.output)).all()
+
+
+def test_an_expert_from_another_pretraining_is_refused(tiny_llama, tmp_path):
+    from moe_upcycle.build import upcycle
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+    from moe_upcycle.errors import PlanError
+
+    other = make_dense_model(tmp_path / "other", family="llama", seed=12, vocab_size=2000)
+    with pytest.raises(PlanError) as info:
+        upcycle({"base_model": str(tiny_llama), "gate_mode": "random",
+                 "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(other)}]}, tmp_path / "out")
+    assert f"experts[1] ({other}): vocab_size is 2000 but base_model {tiny_llama} has 300" in str(info.value)
+    assert "a model from another pretraining" in str(info.value) and not (tmp_path / "out").exists()
