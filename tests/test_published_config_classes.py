@@ -266,3 +266,31 @@ def test_an_expert_from_another_pretraining_is_refused(tiny_llama, tmp_path):
                  "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(other)}]}, tmp_path / "out")
     assert f"experts[1] ({other}): vocab_size is 2000 but base_model {tiny_llama} has 300" in str(info.value)
     assert "a model from another pretraining" in str(info.value) and not (tmp_path / "out").exists()
+
+
+def test_mistral_v02_base_with_a_v01_expert_plans_from_the_published_configs(tmp_path, monkeypatch):
+    """shuvom/my-mixtral-2x7B and jsfs11's 2x7B pair Mistral-7B-Instruct-v0.2 (rope_theta 1e6) with v0.1 fine-tunes
+    (1e4), and mergekit-moe builds them; with the models' published config.json the plan goes through, saying
+    that the MoE runs the base's attention."""
+    import shutil
+    from pathlib import Path
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf_cache"
+    for name in ("mistralai--Mistral-7B-Instruct-v0.2", "mistralai--Mistral-7B-v0.1"):
+        repo = cache / f"models--{name}"
+        shutil.copytree(Path(__file__).parent / "data" / "hub_configs" / name, repo / "snapshots" / ("0" * 40))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    path = tmp_path / "mix.yaml"
+    path.write_text("base_model: mistralai/Mistral-7B-Instruct-v0.2\ngate_mode: cheap_embed\nexperts:\n"
+                    "  - source_model: mistralai/Mistral-7B-Instruct-v0.2\n    positive_prompts: [chat]\n"
+                    "  - source_model: mistralai/Mistral-7B-v0.1\n    positive_prompts: [code]\n")
+    result = CliRunner().invoke(app, ["plan", "--from-config", str(path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert ("experts[1] (mistralai/Mistral-7B-v0.1): rope settings is rope_theta=10000.0, scaling: none, base_model "
+            "mistralai/Mistral-7B-Instruct-v0.2 has rope_theta=1000000.0") in text
+    assert "runs base_model's attention and norms with the base's value" in text
