@@ -125,12 +125,18 @@ def _differences(base_ref: str, used: Sequence[tuple[str, str]], sources: dict[s
         if src is base:
             continue
         label = f"{path} ({ref})"
-        act = ("hidden_act", src.config.get("hidden_act", "silu"), base.config.get("hidden_act", "silu"))
+        act = ("hidden_act", _act(src.config), _act(base.config))
         for key, mine, theirs in (act,
                                   ("rms_norm_eps", src.config.get("rms_norm_eps"), base.config.get("rms_norm_eps")),
                                   ("rope settings", _rope(src.config), _rope(base.config))):
             if mine != theirs:
                 yield label, key, mine, theirs
+
+
+def _act(config: dict) -> Any:
+    """The activation's name, with transformers' aliases of one function made one (swish is silu)."""
+    act = config.get("hidden_act", "silu")
+    return "silu" if act == "swish" else act
 
 
 def _show(value: Any) -> str:
