@@ -186,3 +186,14 @@ def test_damaged_tokenizer_or_generation_file_refused(name, content, tiny_llama,
     target = tmp_path / "moe"
     code, output = cli("build", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"), target)
     assert_clean_failure(code, output, target, [f"{base / name}:", "re-download it"])
+
+
+def test_activation_aliases_are_one_activation(tiny_llama, tmp_path):
+    """transformers' `swish` is `silu` (the same function): an expert that spells it so builds."""
+    from moe_upcycle.build import upcycle
+
+    expert = _edited(tiny_llama, tmp_path / "expert", {"hidden_act": "swish"})
+    result = upcycle({"base_model": str(tiny_llama), "gate_mode": "random",
+                      "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(expert)}]},
+                     tmp_path / "moe", checksums=False)
+    assert json.loads((result.output / "config.json").read_text())["hidden_act"] == "silu"
