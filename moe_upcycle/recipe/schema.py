@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
-from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS
+from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, key_elsewhere, model_in
@@ -447,6 +447,7 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     if odd:  # YAML reads `true:`, `null:` and `1:` as a boolean, None and a number; pydantic showed `true` as [1]
         raise ConfigError(*[f"{where}: {at}key {_yaml_key(k)} is not a name; keys are names such as base_model — "
                             f"fix it, or quote it if it is meant" for at, k in odd])
+    data = drop_base_tokenizer(data)
     if allow_unknown_keys:
         data = drop_unknown_keys(data, UpcycleConfig)
     try:
