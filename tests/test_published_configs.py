@@ -52,6 +52,7 @@ BUILDS = {
     "yi_coder_8x_random_trailing_comment": ("mixtral", "MixtralForCausalLM", 8, 2, "bfloat16"),
     "biomistral_6x_random_template_prompts": ("mixtral", "MixtralForCausalLM", 6, 2, "bfloat16"),
     "hai_ser_same_model_twice_cheap_embed": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
+    "solar_korean_tokenizer_source": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
 }
 # file -> words the refusal must contain (what is wrong, where, and the fix)
 REFUSED = {
@@ -81,8 +82,6 @@ REFUSED = {
                                         for i in range(4)],
     "qwen25_05b_mixtral_inline_comments_null_prompts": [
         "experts[4].positive_prompts: gate_mode hidden needs at least one prompt"],
-    "solar_korean_tokenizer_source": ["tokenizer_source: unknown key — the MoE gets base_model's tokenizer, as with "
-                                      "mergekit-moe; remove it, or pass --allow-unknown-keys"],
     "dark_multiverse_windows_drive_paths": [
         "base_model: model 'F:/7B/Multi-Verse-RP' not found",
         "it is a Windows path (drive F:), and this machine names folders POSIX-style",
@@ -511,16 +510,30 @@ def test_key_with_a_space_before_its_colon_reads_as_the_key():
     assert config.shared_experts[0].residual_scale == 0.1 and config.architecture == "qwen"
 
 
-def test_korean_prompts_build_when_tokenizer_source_is_allowed(published, tmp_path):
-    """`tokenizer_source: base` is refused by default; with --allow-unknown-keys the Korean cheap_embed config
-    builds as mergekit-moe builds it, with two distinct router rows."""
-    with pytest.warns(UserWarning, match="tokenizer_source: unknown key ignored"):
-        out = upcycle(published("solar_korean_tokenizer_source"), tmp_path / "out", checksums=False,
-                      allow_unknown_keys=True).output
-    config = json.loads((out / "config.json").read_text())
-    assert (config["model_type"], config["num_local_experts"], config["dtype"]) == ("mixtral", 2, "float16")
+def test_korean_prompts_and_tokenizer_source_base_build(published, tmp_path):
+    """`tokenizer_source: base` asks for what every MoE gets, base_model's tokenizer: read, not refused (as by
+    mergekit-moe); the Korean cheap_embed prompts give two distinct router rows."""
+    config = load_config(PUBLISHED / "solar_korean_tokenizer_source.yaml")
+    assert config.gate_mode == "cheap_embed" and config.experts[0].positive_prompts == ["당신은 친절한 보편적인 어시스턴트이다."]
+    out = upcycle(published("solar_korean_tokenizer_source"), tmp_path / "out", checksums=False).output
     rows = _state(out)["model.layers.0.block_sparse_moe.gate.weight"].float()
     assert torch.isfinite(rows).all() and torch.nn.functional.cosine_similarity(rows[0], rows[1], dim=0) < 0.99
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ("tokenizer_source: base\n", False), ("tokenizer_source: BASE\n", False), ("tokenizer:\n  source: base\n", False),
+    ("tokenizer_source: union\n", True), ("tokenizer:\n  source: base\n  tokens: {}\n", True),
+    ("tokenizer_source: org/other-model\n", True),
+])
+def test_only_a_tokenizer_choice_we_honour_is_read(extra, refused, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base_model: org/x\ngate_mode: random\nexperts:\n  - source_model: a/b\n  - source_model: c/d\n"
+                    + extra, encoding="utf-8")
+    if refused:
+        with pytest.raises(UpcycleError, match="unknown key — the MoE gets base_model's tokenizer"):
+            load_config(path)
+    else:
+        assert load_config(path).base_model == "org/x"
 
 
 @pytest.mark.parametrize("name, noted", [
