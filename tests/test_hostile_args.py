@@ -611,7 +611,7 @@ def test_huge_pool_refused(stories, tmp_path):
 @pytest.mark.parametrize("command", [["lint"], ["prompts", "grow"]])
 def test_unknown_key_error_names_an_option_the_command_has(command, stories, files):
     cfg = files / "cfg.yaml"
-    cfg.write_text(PROMPTED.format(base=stories) + "tokenizer_source: base\n")
+    cfg.write_text(PROMPTED.format(base=stories) + "tokenizer_source: union\n")
     extra = ["--pool", files / "prompts.txt"] if command[0] == "prompts" else []
     code, output = cli(*command, cfg, *extra)
     assert_clean_failure(code, output, files / "cfg.grown.yaml", ["tokenizer_source: unknown key",
@@ -622,8 +622,8 @@ def test_unknown_key_error_names_an_option_the_command_has(command, stories, fil
 
 def test_grow_keeps_a_mergekit_config_with_unknown_keys(stories, files):
     cfg = files / "cfg.yaml"
-    cfg.write_text(PROMPTED.format(base=stories) + "tokenizer_source: base\n")
+    cfg.write_text(PROMPTED.format(base=stories) + "tokenizer_source: union\n")
     code, output = cli("prompts", "grow", cfg, "--pool", files / "prompts.txt", "--allow-unknown-keys")
     assert code == 0, output
     assert "tokenizer_source: unknown key ignored" in " ".join(output.split())
-    assert "tokenizer_source: base" in (files / "cfg.grown.yaml").read_text()
+    assert "tokenizer_source: union" in (files / "cfg.grown.yaml").read_text()

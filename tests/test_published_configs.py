@@ -39,6 +39,20 @@ BUILDS = {
     "tiny_mistral_4x_comments": ("mixtral", "MixtralForCausalLM", 4, 2, "bfloat16"),
     "bagel_34b_local_names": ("mixtral", "MixtralForCausalLM", 4, 2, "bfloat16"),
     "vigyan_qwen2_shared_top1": ("qwen2_moe", "Qwen2MoeForCausalLM", 4, 1, "bfloat16"),
+    "aoyinke_qwen2_random_shared_empty_prompts": ("qwen2_moe", "Qwen2MoeForCausalLM", 2, 2, "bfloat16"),
+    "femiari_qwen2_space_before_colon": ("qwen2_moe", "Qwen2MoeForCausalLM", 2, 2, "float32"),
+    "minicpm_x4_random_same_model": ("mixtral", "MixtralForCausalLM", 4, 2, "float32"),
+    "my_mixtral_2x7b_cheap_embed_empty_default": ("mixtral", "MixtralForCausalLM", 2, 2, "float32"),
+    "aegolius_v1_5x_negatives_case_variants": ("mixtral", "MixtralForCausalLM", 5, 2, "float32"),
+    "l3_2x8b_leading_blank_line_negatives": ("mixtral", "MixtralForCausalLM", 2, 2, "bfloat16"),
+    "swestarling_swedish_cheap_embed": ("mixtral", "MixtralForCausalLM", 4, 2, "float32"),
+    "wizardlm2_4x7b_top4_local_folder": ("mixtral", "MixtralForCausalLM", 4, 4, "float16"),
+    "tiny_moe_rand_template_comments": ("mixtral", "MixtralForCausalLM", 2, 2, "bfloat16"),
+    "random_merge_comma_prompts_cheap_embed": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
+    "yi_coder_8x_random_trailing_comment": ("mixtral", "MixtralForCausalLM", 8, 2, "bfloat16"),
+    "biomistral_6x_random_template_prompts": ("mixtral", "MixtralForCausalLM", 6, 2, "bfloat16"),
+    "hai_ser_same_model_twice_cheap_embed": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
+    "solar_korean_tokenizer_source": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
 }
 # file -> words the refusal must contain (what is wrong, where, and the fix)
 REFUSED = {
@@ -60,11 +74,37 @@ REFUSED = {
     "mergekit_docs_shared_template": ["experts: '...' is not a list of experts",
                                       "one '- source_model: ...' line per expert"],
     "gitcode_qwen_shared_placeholders": ["experts: every expert has the same prompts (positive_prompts: '...')"],
+    "theqwenmoe_qwen25_mixed_sizes_shared": [
+        "experts[1] (Qwen/Qwen2.5-Math-1.5B-Instruct): intermediate_size is 96 but base_model "
+        "huihui-ai/Qwen2.5-7B-Instruct-abliterated-v2 has 128",
+        "experts[3] (RefalMachine/ruadapt_qwen2.5_3B_ext_u48_instruct_v4): intermediate_size is 96"],
+    "metamodel_moe_hidden_no_prompts": [f"experts[{i}].positive_prompts: gate_mode hidden needs at least one prompt"
+                                        for i in range(4)],
+    "qwen25_05b_mixtral_inline_comments_null_prompts": [
+        "experts[4].positive_prompts: gate_mode hidden needs at least one prompt"],
+    "dark_multiverse_windows_drive_paths": [
+        "base_model: model 'F:/7B/Multi-Verse-RP' not found",
+        "it is a Windows path (drive F:), and this machine names folders POSIX-style",
+        "(under WSL drive F: is /mnt/f: /mnt/f/7B/Multi-Verse-RP)",
+        "experts[2].source_model: model 'F:/7B/DarkSapling-V2' not found"],
+    "theta_cat_backslash_paths": [
+        "base_model: model 'D:\\models\\llama-3-cat-8B-instruct' not found",
+        "it is a Windows path (drive D:)", "/mnt/d/models/Hermes-2-Theta-Llama-3-8B"],
+    "aegolius_nano_header_pasted": [
+        "aegolius_nano_header_pasted.yaml:2:11: YAML syntax error: mapping values are not allowed here",
+        "line 1 ('GNU nano 6.2 mergekit_moe_configfs.yml') is not a 'key: value' line",
+        "delete line 1, or make it a comment with #"],
 }
 # local folders named by the configs, and the family that stands in for them
-LOCAL_FAMILY = {"bagel_34b_local_names": "llama", "vigyan_qwen2_shared_top1": "qwen2"}
+LOCAL_FAMILY = {"bagel_34b_local_names": "llama", "vigyan_qwen2_shared_top1": "qwen2",
+                "wizardlm2_4x7b_top4_local_folder": "llama"}
 # a stand-in of another FFN size for the one expert of llama31_mixed_sizes that is a Llama-2 7B
 OTHER_SIZE = "WizardLMTeam/WizardCoder-Python-7B-V1.0"
+# theqwenmoe's 1.5B and 3B experts next to its 7B base: a Qwen2 stand-in of another FFN size
+OTHER_QWEN_SIZE = ("Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-3B-Instruct",
+                   "RefalMachine/ruadapt_qwen2.5_3B_ext_u48_instruct_v4")
+# local folders whose names look like hub ids (org/name): laid out as folders, never put in the cache
+HUB_LOOKALIKE_FOLDERS = {"models/WizardLM-2-7B"}
 
 
 def read_config(path: Path) -> dict:
@@ -79,6 +119,8 @@ def stand_ins(tmp_path_factory, tiny_llama, tiny_qwen2, tiny_qwen3) -> dict[str,
     out["phi"] = [make_dense_model(root / "phi", family="phi", seed=7)]
     out["llama_other_size"] = [make_dense_model(root / "llama_other_size", family="llama", seed=8,
                                                 intermediate_size=96)]
+    out["qwen2_other_size"] = [make_dense_model(root / "qwen2_other_size", family="qwen2", seed=9,
+                                                intermediate_size=96, random_norms_and_biases=True)]
     return out
 
 
@@ -90,8 +132,10 @@ def hub_cache(tmp_path_factory, stand_ins) -> Path:
             refs |= model_refs(read_config(path))
         except yaml.YAMLError:
             pass
-    return build_hub_cache(tmp_path_factory.mktemp("hf_cache"), stand_ins, refs,
-                           overrides={OTHER_SIZE: stand_ins["llama_other_size"][0]})
+    overrides = {OTHER_SIZE: stand_ins["llama_other_size"][0],
+                 **{ref: stand_ins["qwen2_other_size"][0] for ref in OTHER_QWEN_SIZE}}
+    return build_hub_cache(tmp_path_factory.mktemp("hf_cache"), stand_ins, refs - HUB_LOOKALIKE_FOLDERS,
+                           overrides=overrides)
 
 
 @pytest.fixture
@@ -108,7 +152,8 @@ def published(hub_cache, stand_ins, monkeypatch, tmp_path):
             return path
         text = path.read_text(encoding="utf-8").replace("/tmp/", f"{tmp_path}/")
         models = stand_ins[LOCAL_FAMILY[name]]
-        for i, ref in enumerate(sorted(local_refs(yaml.safe_load(text)))):
+        data = yaml.safe_load(text)
+        for i, ref in enumerate(sorted(local_refs(data) | (model_refs(data) & HUB_LOOKALIKE_FOLDERS))):
             folder = Path(ref) if ref.startswith("/") else tmp_path / ref
             folder.parent.mkdir(parents=True, exist_ok=True)
             folder.symlink_to(models[i % len(models)], target_is_directory=True)
@@ -121,7 +166,7 @@ def published(hub_cache, stand_ins, monkeypatch, tmp_path):
 
 def test_every_published_config_has_an_expectation():
     names = {p.stem for p in PUBLISHED.glob("*.yaml")}
-    assert len(names) >= 20
+    assert len(names) >= 41
     assert names == set(BUILDS) | set(REFUSED)
     listed = (PUBLISHED / "README.md").read_text(encoding="utf-8")
     assert all(f"`{n}.yaml`" in listed for n in names), "every config names its source in the README"
@@ -423,3 +468,84 @@ def test_yaml_merge_keys_inside_experts_read_as_yaml_says(tmp_path):
     config = load_config(path)
     assert [(e.source_model, e.positive_prompts, e.negative_prompts) for e in config.experts] == [
         ("org/a", ["chat"], ["code"]), ("org/b", ["code"], ["code"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Round 2: what the new published configs exercise beyond "builds" / "refused"
+
+
+def _state(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in folder.glob("*.safetensors"):
+        state.update(load_file(str(shard)))
+    return state
+
+
+def test_qwen_shared_expert_residual_scale_as_mergekit_writes_it(published, tmp_path):
+    """Aoyinke's card: random gates, `positive_prompts: []` and residual_scale 0.1 on the shared expert.
+
+    The shared expert is the dense MLP with down_proj scaled by 0.1 in the source's fp32 and rounded to
+    bf16 once: the bytes mergekit-moe 0.1.5 writes (scaling the bf16 copy rounded twice, one ulp off in a
+    fifth of the values); both routed experts are the dense MLP.
+    """
+    config = load_config(published("aoyinke_qwen2_random_shared_empty_prompts"))
+    assert [e.positive_prompts for e in config.shared_experts] == [[]]
+    out = upcycle(published("aoyinke_qwen2_random_shared_empty_prompts"), tmp_path / "out", checksums=False).output
+    state, dense = _state(out), _state(resolve_model("Qwen/Qwen2-7B", "base_model"))
+    for layer in range(2):
+        mlp = f"model.layers.{layer}.mlp"
+        down = dense[f"{mlp}.down_proj.weight"]
+        assert torch.equal(state[f"{mlp}.shared_expert.down_proj.weight"], (down * 0.1).to(torch.bfloat16))
+        for e in range(2):
+            assert torch.equal(state[f"{mlp}.experts.{e}.down_proj.weight"], down.to(torch.bfloat16))
+        assert state[f"{mlp}.gate.weight"].shape == (2, down.shape[0])
+
+
+def test_key_with_a_space_before_its_colon_reads_as_the_key():
+    """femiari's card writes `base_model : Qwen/Qwen2-1.5B`; YAML (and mergekit-moe) read the key `base_model`."""
+    config = load_config(PUBLISHED / "femiari_qwen2_space_before_colon.yaml")
+    assert config.base_model == "Qwen/Qwen2-1.5B" and config.gate_mode == "hidden"
+    assert config.shared_experts[0].residual_scale == 0.1 and config.architecture == "qwen"
+
+
+def test_korean_prompts_and_tokenizer_source_base_build(published, tmp_path):
+    """`tokenizer_source: base` asks for what every MoE gets, base_model's tokenizer: read, not refused (as by
+    mergekit-moe); the Korean cheap_embed prompts give two distinct router rows."""
+    config = load_config(PUBLISHED / "solar_korean_tokenizer_source.yaml")
+    assert config.gate_mode == "cheap_embed" and config.experts[0].positive_prompts == ["당신은 친절한 보편적인 어시스턴트이다."]
+    out = upcycle(published("solar_korean_tokenizer_source"), tmp_path / "out", checksums=False).output
+    rows = _state(out)["model.layers.0.block_sparse_moe.gate.weight"].float()
+    assert torch.isfinite(rows).all() and torch.nn.functional.cosine_similarity(rows[0], rows[1], dim=0) < 0.99
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ("tokenizer_source: base\n", False), ("tokenizer_source: BASE\n", False), ("tokenizer:\n  source: base\n", False),
+    ("tokenizer_source: union\n", True), ("tokenizer:\n  source: base\n  tokens: {}\n", True),
+    ("tokenizer_source: org/other-model\n", True),
+])
+def test_only_a_tokenizer_choice_we_honour_is_read(extra, refused, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base_model: org/x\ngate_mode: random\nexperts:\n  - source_model: a/b\n  - source_model: c/d\n"
+                    + extra, encoding="utf-8")
+    if refused:
+        with pytest.raises(UpcycleError, match="unknown key — the MoE gets base_model's tokenizer"):
+            load_config(path)
+    else:
+        assert load_config(path).base_model == "org/x"
+
+
+@pytest.mark.parametrize("name, noted", [
+    ("hai_ser_same_model_twice_cheap_embed", True), ("tiny_mistral_4x_comments", True),
+    ("minicpm_x4_random_same_model", False),  # random routers: nothing is claimed for them
+    ("aegolius_v1_5x_negatives_case_variants", False), ("femiari_qwen2_space_before_colon", False),
+])
+def test_plan_says_when_every_expert_is_one_unchanged_model(name, noted, published):
+    """mergekit-moe refuses prompted gates over copies of one model; we build them and say what the routers do."""
+    notes = upcycle(published(name), dry_run=True).plan.notes
+    said = [n for n in notes if n.startswith("every expert is ")]
+    assert bool(said) == noted, notes
+    if noted:
+        assert "the MoE gives the dense model's output whichever experts" in said[0]
+        assert "--i-understand-this-is-not-useful-without-training" in said[0]

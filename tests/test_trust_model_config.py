@@ -101,21 +101,54 @@ def test_expert_config_contradicting_its_tensors_refused(tiny_llama, tmp_path):
     assert_clean_failure(code, output, target, [f"experts[1] ({expert})", "self_attn.q_proj.weight", "implies [128, 64]"])
 
 
-@pytest.mark.parametrize("fields,words", [
-    ({"hidden_act": "gelu"}, ["hidden_act is 'gelu' but base_model", "has 'silu'"]),
-    ({"rms_norm_eps": 1e-5}, ["rms_norm_eps is 1e-05 but base_model", "has 1e-06"]),
-    ({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
-     ["rope settings is rope_theta=500000.0, scaling: none but base_model", "rope_theta=10000.0"]),
-    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0}},
-     ["rope settings is rope_theta=10000.0, scaling: factor=4.0, rope_type='linear'"]),
-], ids=["hidden-act", "norm-eps", "rope-theta", "rope-scaling"])
-def test_expert_with_other_settings_than_base_refused(fields, words, tiny_llama, tmp_path):
-    expert = _edited(tiny_llama, tmp_path / "expert", fields)
+def test_expert_with_another_activation_refused(tiny_llama, tmp_path):
+    expert = _edited(tiny_llama, tmp_path / "expert", {"hidden_act": "gelu"})
     target = tmp_path / "moe"
     text = (f"base_model: {tiny_llama}\ngate_mode: random\nexperts:\n  - source_model: {tiny_llama}\n"
             f"  - source_model: {expert}\n")
     code, output = cli("build", _recipe(tmp_path, text), target)
-    assert_clean_failure(code, output, target, [f"experts[1] ({expert})", *words, "one value for all experts"])
+    assert_clean_failure(code, output, target, [f"experts[1] ({expert})", "hidden_act is 'gelu' but base_model",
+                                                "has 'silu'", "one value for all experts"])
+
+
+SETTINGS = [
+    ({"rms_norm_eps": 1e-5}, ["rms_norm_eps is 1e-05", "has 1e-06"]),
+    ({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+     ["rope settings is rope_theta=500000.0, scaling: none", "rope_theta=10000.0"]),
+    ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0}},
+     ["rope settings is rope_theta=10000.0, scaling: factor=4.0, rope_type='linear'"]),
+]
+
+
+@pytest.mark.parametrize("fields,words", SETTINGS, ids=["norm-eps", "rope-theta", "rope-scaling"])
+def test_expert_with_other_attention_settings_builds_with_a_note(fields, words, tiny_llama, tmp_path):
+    """Rope and norm eps act in attention and the norms, which the MoE takes from the base (as mergekit-moe does:
+    published frankenMoEs mix Mistral v0.1 and v0.2 fine-tunes, rope_theta 1e4 and 1e6)."""
+    from moe_upcycle.build import upcycle
+
+    expert = _edited(tiny_llama, tmp_path / "expert", fields)
+    result = upcycle({"base_model": str(tiny_llama), "gate_mode": "random",
+                      "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(expert)}]},
+                     tmp_path / "moe", checksums=False)
+    said = [n for n in result.plan.notes if n.startswith(f"experts[1] ({expert}): ")]
+    assert said and "runs base_model's attention and norms with the base's value" in said[0], result.plan.notes
+    for w in words:
+        assert w in said[0], said
+    base_cfg = json.loads((tiny_llama / "config.json").read_text())
+    out_cfg = json.loads((result.output / "config.json").read_text())
+    assert out_cfg["rms_norm_eps"] == base_cfg["rms_norm_eps"]
+    assert out_cfg["rope_parameters"]["rope_theta"] == base_cfg["rope_parameters"]["rope_theta"]
+
+
+@pytest.mark.parametrize("fields,words", SETTINGS, ids=["norm-eps", "rope-theta", "rope-scaling"])
+def test_other_attention_settings_refused_when_attention_is_averaged(fields, words, tiny_llama, tmp_path):
+    expert = _edited(tiny_llama, tmp_path / "expert", fields)
+    target = tmp_path / "moe"
+    text = (f"base_model: {tiny_llama}\ngate_mode: random\nattention_from: average\nexperts:\n"
+            f"  - source_model: {tiny_llama}\n  - source_model: {expert}\n")
+    code, output = cli("build", _recipe(tmp_path, text), target)
+    assert_clean_failure(code, output, target, [f"experts[1] ({expert})", *words, "attention_from: average would",
+                                                "use attention_from: base"])
 
 
 def test_same_settings_written_differently_still_build(tiny_llama, tmp_path):
@@ -153,3 +186,14 @@ def test_damaged_tokenizer_or_generation_file_refused(name, content, tiny_llama,
     target = tmp_path / "moe"
     code, output = cli("build", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"), target)
     assert_clean_failure(code, output, target, [f"{base / name}:", "re-download it"])
+
+
+def test_activation_aliases_are_one_activation(tiny_llama, tmp_path):
+    """transformers' `swish` is `silu` (the same function): an expert that spells it so builds."""
+    from moe_upcycle.build import upcycle
+
+    expert = _edited(tiny_llama, tmp_path / "expert", {"hidden_act": "swish"})
+    result = upcycle({"base_model": str(tiny_llama), "gate_mode": "random",
+                      "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(expert)}]},
+                     tmp_path / "moe", checksums=False)
+    assert json.loads((result.output / "config.json").read_text())["hidden_act"] == "silu"

@@ -32,6 +32,7 @@ def resolve_model(ref: str, field_name: str) -> Path:
     looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
     # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
+    repo = repo[:-1] if repo.endswith("/") and repo.count("/") == 2 else repo  # org/name/ (a folder's spelling)
     if "/" in repo and not repo.startswith((".", "/", "~")) and repo.count("/") == 1:
         from huggingface_hub import constants, snapshot_download
 
@@ -43,9 +44,9 @@ def resolve_model(ref: str, field_name: str) -> Path:
                 pass
         at = f" at revision {revision!r}" if revision else ""
         looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
-    from moe_upcycle.terminal.hints import missing_model_hint
+    from moe_upcycle.terminal.hints import missing_model_hint, show_ref
 
-    raise SourceError(f"{field_name}: model {ref!r} not found (looked in {' and '.join(looked)}); "
+    raise SourceError(f"{field_name}: model {show_ref(ref)} not found (looked in {' and '.join(looked)}); "
                       f"{missing_model_hint(ref)}")
 
 

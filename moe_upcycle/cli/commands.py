@@ -172,12 +172,15 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), metavar="FOLDER",
 
 def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: Optional[dict] = None,
                       device_needed: bool = False) -> None:
-    """Print `lint.quick_lint` warnings, one line each; a config that does not load is left to the build.
+    """Print `lint.quick_lint` warnings, one line each, for gate modes that route on the prompts.
+
+    A config that does not load, or that the build refuses for want of prompts, is left to the build.
 
     A missing GPU (`build.check_device`) is reported before the lint, not after it.
     """
     from moe_upcycle.build import check_device
     from moe_upcycle.prompts.lint import quick_lint
+    from moe_upcycle.recipe.params import PROMPT_MODES
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.schema import load_config
 
@@ -189,8 +192,10 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
         return  # the build reports it, with every problem
     if options:  # a real build (not --dry-run)
         check_device(cfg, device_needed)
-    if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from sets included
-        return
+    if cfg.gate_mode not in PROMPT_MODES:
+        return  # random, uniform and kmeans routers do not read the prompts: nothing to warn about
+    if not all(e.positive_prompts for e in cfg.expert_list()) or cfg.same_prompts_problem():
+        return  # *_prompts_from sets included; the build refuses these at once, naming each expert
     with stage("prompt lint", note="--no-lint skips it"):
         lines = quick_lint(expert_prompts(cfg.expert_list()))
     for line in lines:

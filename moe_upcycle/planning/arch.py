@@ -110,19 +110,42 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
 
 
 def mergekit_choice_notes(config: UpcycleConfig, base: Checkpoint, layout: names.OutputLayout) -> list[str]:
-    """Say so when mergekit-moe 0.1.5 would write another output for the same config.
+    """Say so when mergekit-moe 0.1.5 would write another output for the same config, or refuse it.
 
     Without `architecture:`, mergekit picks DeepSeek MoE for Llama/Mistral experts with a shared
     expert that has no prompts (its Qwen MoE needs prompted shared experts); we write what
-    transformers loads natively.
+    transformers loads natively. Experts that are all one model, unchanged, with routers built from
+    prompts, mergekit refuses without a flag; we build them (upcycling is what the tool is for) and
+    say what the routers then do.
     """
+    notes = _identical_experts_note(config)
     if config.architecture or not config.shared_experts or base.model_type not in ("llama", "mistral"):
-        return []
+        return notes
     if any(e.positive_prompts or e.positive_prompts_from for e in config.shared_experts):
         return []  # mergekit picks its Qwen MoE, as we do
-    return [f"mergekit-moe 0.1.5 writes DeepSeek MoE for {base.model_type} experts with an unprompted shared expert "
-            f"(loadable only with trust_remote_code); this build writes {layout.model_type}, which transformers "
-            f"loads natively — add architecture: {layout.model_type} to the YAML to make the choice explicit"]
+    return notes + [
+        f"mergekit-moe 0.1.5 writes DeepSeek MoE for {base.model_type} experts with an unprompted shared expert "
+        f"(loadable only with trust_remote_code); this build writes {layout.model_type}, which transformers "
+        f"loads natively — add architecture: {layout.model_type} to the YAML to make the choice explicit"]
+
+
+def _identical_experts_note(config: UpcycleConfig) -> list[str]:
+    """A note when every listed expert is the same model, copied unchanged, under prompt-built routers."""
+    from moe_upcycle.recipe.params import PROMPT_MODES
+
+    experts = config.experts
+    if config.num_experts is not None or len(experts) < 2 or config.gate_mode not in PROMPT_MODES:
+        return []
+    first = experts[0]
+    unchanged = config.expert_init.method == "copy" and all(
+        not e.noise_scale and e.residual_scale in (None, 1.0) and (e.expert_init is None or e.expert_init.method == "copy")
+        for e in experts)
+    if not unchanged or any((e.source_model, e.layers) != (first.source_model, first.layers) for e in experts):
+        return []
+    return [f"every expert is {first.source_model}, unchanged: the {len(experts)} experts compute the same FFN, so "
+            f"the MoE gives the dense model's output whichever experts the gate_mode {config.gate_mode} routers pick, "
+            f"until it is trained (mergekit-moe 0.1.5 refuses this without "
+            f"--i-understand-this-is-not-useful-without-training)"]
 
 
 def _no_layers(where: str, base: Checkpoint, family: names.InputFamily) -> str:

@@ -4,7 +4,13 @@ An MoE built from several dense models takes each expert's FFN from its `source_
 rest (attention, norms, embeddings) from `base_model`, or the mean over all sources
 (`attention_from: average`). That only works when the pieces fit, so each source is compared
 with the base field by field, and every problem names the model (with its YAML path) and the
-field, e.g. ``experts[1] (./math-ft): vocab_size is 32002 but base_model ./base has 32000``.
+field, e.g. ``experts[1] (./math-ft): intermediate_size is 11008 but base_model ./base has 14336``.
+
+An expert's own vocabulary is not part of its FFN: fine-tunes that added a few tokens (ChatML's
+``<|im_start|>``, a pad token: 32000 -> 32002) are built, as mergekit-moe builds them, with a note
+that the MoE keeps base_model's embeddings and tokenizer. A vocabulary of another size class
+(32000 next to 128256) marks a model from another pretraining, whose FFN expects another model's
+hidden states, and is refused.
 
 An expert's `layers: [start, end)` takes its FFNs from a slice of a deeper (or shallower) model;
 the slice must be exactly as long as the base is deep, and the message says both counts instead
@@ -20,7 +26,9 @@ from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
 from moe_upcycle.checkpoint.source import Checkpoint
 
 # fields an FFN must share with the base to sit in its MoE layers
-FFN_FIELDS = ("hidden_size", "intermediate_size", "vocab_size")
+FFN_FIELDS = ("hidden_size", "intermediate_size")
+# tokens a fine-tune may add to its base's vocabulary (chat markers, pad tokens, a few hundred domain tokens)
+ADDED_TOKENS_LIMIT = 1024
 # extra fields that must match when attention and embeddings are averaged over sources
 ATTENTION_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
@@ -82,6 +90,11 @@ def _ffn_problems(path: str, expert: ExpertConfig, src: Checkpoint, base: Checkp
         if src.config.get(key) != base.config.get(key):
             out.append(f"{label}: {key} is {src.config.get(key)} but base_model {base_ref} has "
                        f"{base.config.get(key)}; experts must have the base's shape")
+    vocab, base_vocab = src.config.get("vocab_size"), base.config.get("vocab_size")
+    if vocab != base_vocab and not _added_tokens(vocab, base_vocab):
+        out.append(f"{label}: vocab_size is {vocab} but base_model {base_ref} has {base_vocab}, more than the "
+                   f"{ADDED_TOKENS_LIMIT} tokens a fine-tune adds: a model from another pretraining, whose FFN "
+                   f"expects that model's hidden states; use experts fine-tuned from the same base")
     n_base, n_src = int(base.config["num_hidden_layers"]), int(src.config["num_hidden_layers"])
     if expert.layers is not None:
         start, end = expert.layers
@@ -102,6 +115,29 @@ def _ffn_problems(path: str, expert: ExpertConfig, src: Checkpoint, base: Checkp
         out.append(f"{label}: tensor {mlp_bias!r} is an MLP bias, which MoE experts cannot hold; "
                    f"it would be silently dropped, so the build stops")
     return out
+
+
+def _added_tokens(vocab, base_vocab) -> bool:
+    """Whether two vocab sizes differ only by the tokens a fine-tune adds."""
+    return isinstance(vocab, int) and isinstance(base_vocab, int) and abs(vocab - base_vocab) <= ADDED_TOKENS_LIMIT
+
+
+def source_notes(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> list[str]:
+    """What the plan should say about sources that fit but differ from the base (added tokens)."""
+    base = sources[config.base_model]
+    used = [(f"experts[{i}]", e) for i, e in enumerate(config.expert_list())]
+    used += [(f"shared_experts[{i}]", e) for i, e in enumerate(config.shared_experts)]
+    differ = {}
+    for path, expert in used:
+        vocab = sources[expert.source_model].config.get("vocab_size")
+        if vocab != base.config.get("vocab_size") and _added_tokens(vocab, base.config.get("vocab_size")):
+            differ.setdefault(expert.source_model, (path, vocab))
+    if not differ:
+        return []
+    listed = ", ".join(f"{path} ({ref}): {vocab}" for ref, (path, vocab) in differ.items())
+    return [f"vocab_size differs from base_model's {base.config.get('vocab_size')} ({listed}): tokens added in "
+            f"fine-tuning; the MoE keeps base_model's embeddings and tokenizer (as mergekit-moe does), so those "
+            f"tokens are not in its vocabulary"]
 
 
 def _attention_problems(label: str, src: Checkpoint, base: Checkpoint, base_ref: str) -> list[str]:

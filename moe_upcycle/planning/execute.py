@@ -103,7 +103,11 @@ def iter_tensors(
         shared_gates: layer -> shared-expert gate (1, hidden), for "shared_gate" steps.
     """
     remaining = plan.source_uses()
+    # transforms (residual_scale, noise, expert inits) start from the source's own precision and are rounded
+    # to the output dtype once, as mergekit-moe does: a source they use keeps its raw tensor while cached
+    transformed = {s.source for s in plan.leaf_steps() if s.transforms and s.source is not None}
     cache: dict[tuple[str, str], torch.Tensor] = {}
+    raws: dict[tuple[str, str], torch.Tensor] = {}
 
     def slot(step: Step) -> torch.Tensor:
         src = step.source
@@ -112,13 +116,17 @@ def iter_tensors(
             raw = sources[src[0]].read(src[1])
             base = raw.to(step.dtype)
             watch.submit(base, raw, src[1], sources[src[0]])  # once per source tensor, no extra read
+            if src in transformed:
+                raws[src] = raw
             del raw
             cache[src] = base
+        raw = raws.get(src, base)
         remaining[src] -= 1
         if remaining[src] == 0:
             del cache[src]
+            raws.pop(src, None)
         if step.transforms:
-            return apply_transforms(base, step, seed).to(step.dtype)
+            return apply_transforms(raw, step, seed).to(step.dtype)
         if policy == "clone" and step.kind in ("expert", "shared"):
             return base.clone()
         return base

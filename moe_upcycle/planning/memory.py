@@ -37,7 +37,7 @@ from moe_upcycle.checkpoint import names, shard_file
 from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning.steps import Plan, Step
-from moe_upcycle.recipe.params import HIDDEN_MODES, CheckParams, GateParams, WriteParams
+from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, CheckParams, GateParams, WriteParams
 from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, kmeans_sample_budget
 
 RUNTIME_BYTES = 165 * 10**6  # Python + torch + moe_upcycle imported, CLI running
@@ -132,8 +132,9 @@ def mapped_input_bytes(plan: Plan, sources: dict[str, Checkpoint]) -> int:
 
 
 def lints_prompts(gating: GateParams) -> bool:
-    """Whether ``build`` lints the recipe's prompts with a sentence embedder (installed, and prompts given)."""
-    return (any(e.positive for e in gating.experts)
+    """Whether ``build`` lints the recipe's prompts with a sentence embedder: installed, and a gate mode that
+    routes on the prompts, which every expert has (`cli.commands._warn_prompt_lint`)."""
+    return (gating.mode in PROMPT_MODES and bool(gating.experts) and all(e.positive for e in gating.experts)
             and importlib.util.find_spec("sentence_transformers") is not None)
 
 

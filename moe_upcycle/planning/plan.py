@@ -50,7 +50,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     problems += compat.source_problems(config, sources)
     used = [(f"experts[{i}]", e.source_model) for i, e in enumerate(config.expert_list())]
     used += [(f"shared_experts[{i}]", e.source_model) for i, e in enumerate(config.shared_experts)]
-    problems += source_checks.expert_problems(config.base_model, used, sources)
+    problems += source_checks.expert_problems(config.base_model, used, sources,
+                                              attention_average=config.attention_from == "average")
     for ref, ckpt in sources.items():  # config.json against the tensor shapes, every source
         problems += source_checks.shape_problems(ckpt, f"{_where(config, ref)} ({ref})")
     if problems:  # per-tensor checks of sources that do not fit would only repeat these
@@ -161,6 +162,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
     notes += arch.mergekit_choice_notes(config, base, layout)
+    notes += compat.source_notes(config, sources)
+    notes += source_checks.expert_setting_notes(config.base_model, used, sources)
     if problems:
         raise PlanError(*_dedupe(problems))
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,

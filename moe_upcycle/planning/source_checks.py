@@ -2,9 +2,12 @@
 
 - `shape_problems`: the sizes in config.json against the tensor shapes in the weights' headers
   (vocab, hidden, intermediate, attention heads / key-value heads / head_dim).
-- `expert_problems`: an expert whose ``hidden_act``, rope settings or ``rms_norm_eps`` differ from
-  the base's — the MoE's config.json has one value for all experts, so such an expert would run
-  with settings it was not trained with.
+- `expert_problems`: an expert whose ``hidden_act`` differs from the base's — the MoE's config.json
+  has one activation for all experts, so its FFN would run with one it was not trained with. Rope
+  settings and ``rms_norm_eps`` act in attention and the norms, which the MoE takes from the base
+  (as mergekit-moe does: Mistral v0.1 and v0.2 fine-tunes, rope_theta 1e4 and 1e6, are mixed in
+  published frankenMoEs), so a difference there is a note (`expert_setting_notes`) — and a problem
+  only with ``attention_from: average``, which would average attention trained with other settings.
 
 Every function returns all the problems it finds (empty when there are none); it reads config
 values and header shapes only, never tensor bytes.
@@ -79,30 +82,61 @@ def _rope(config: dict) -> tuple:
     return float(theta) if is_number(theta) else theta, tuple(sorted((k, repr(v)) for k, v in merged.items()))
 
 
-def expert_problems(base_ref: str, used: Sequence[tuple[str, str]], sources: dict[str, Checkpoint]) -> list[str]:
-    """Experts (routed or shared) whose activation, rope settings or norm eps differ from the base's.
+def expert_problems(base_ref: str, used: Sequence[tuple[str, str]], sources: dict[str, Checkpoint],
+                    attention_average: bool = False) -> list[str]:
+    """Experts (routed or shared) whose activation differs from the base's (and, when attention is averaged
+    over the sources, whose rope settings or norm eps do).
 
     Args:
         base_ref: the recipe's ``base_model``.
         used: (YAML path, model reference) of every routed and shared expert, e.g. ("experts[0]", "./ft0").
         sources: the opened checkpoints, keyed by reference.
+        attention_average: the recipe has ``attention_from: average``.
     """
-    base = sources[base_ref]
     out = []
+    for label, key, mine, theirs in _differences(base_ref, used, sources):
+        if key == "hidden_act":
+            out.append(f"{label}: {key} is {_show(mine)} but base_model {base_ref} has {_show(theirs)}; "
+                       f"the MoE has one value for all experts, so this expert would run with settings it was "
+                       f"not trained with — use experts fine-tuned from the same base")
+        elif attention_average:
+            out.append(f"{label}: {key} is {_show(mine)} but base_model {base_ref} has {_show(theirs)}; "
+                       f"attention_from: average would run this model's attention with the base's settings, "
+                       f"which it was not trained with — use attention_from: base")
+    return list(dict.fromkeys(out))
+
+
+def expert_setting_notes(base_ref: str, used: Sequence[tuple[str, str]], sources: dict[str, Checkpoint]) -> list[str]:
+    """One note per expert whose rope settings or norm eps differ from the base's (which the MoE keeps)."""
+    out = []
+    for label, key, mine, theirs in _differences(base_ref, used, sources):
+        if key != "hidden_act":
+            out.append(f"{label}: {key} is {_show(mine)}, base_model {base_ref} has {_show(theirs)}; the MoE "
+                       f"runs base_model's attention and norms with the base's value and takes only this "
+                       f"expert's FFN, as mergekit-moe does")
+    return list(dict.fromkeys(out))
+
+
+def _differences(base_ref: str, used: Sequence[tuple[str, str]], sources: dict[str, Checkpoint]):
+    """(label, setting, expert's value, base's value) for every setting an expert has other than the base."""
+    base = sources[base_ref]
     for path, ref in used:
         src = sources[ref]
         if src is base:
             continue
         label = f"{path} ({ref})"
-        act = ("hidden_act", base.config.get("hidden_act", "silu"), src.config.get("hidden_act", "silu"))
-        for key, theirs, mine in (act,
-                                  ("rms_norm_eps", base.config.get("rms_norm_eps"), src.config.get("rms_norm_eps")),
-                                  ("rope settings", _rope(base.config), _rope(src.config))):
+        act = ("hidden_act", _act(src.config), _act(base.config))
+        for key, mine, theirs in (act,
+                                  ("rms_norm_eps", src.config.get("rms_norm_eps"), base.config.get("rms_norm_eps")),
+                                  ("rope settings", _rope(src.config), _rope(base.config))):
             if mine != theirs:
-                out.append(f"{label}: {key} is {_show(mine)} but base_model {base_ref} has {_show(theirs)}; "
-                           f"the MoE has one value for all experts, so this expert would run with settings it was "
-                           f"not trained with — use experts fine-tuned from the same base")
-    return list(dict.fromkeys(out))
+                yield label, key, mine, theirs
+
+
+def _act(config: dict) -> Any:
+    """The activation's name, with transformers' aliases of one function made one (swish is silu)."""
+    act = config.get("hidden_act", "silu")
+    return "silu" if act == "swish" else act
 
 
 def _show(value: Any) -> str:

@@ -43,6 +43,27 @@ OUR_ARCHITECTURES = ("mixtral", "qwen", "qwen2_moe", "qwen3_moe", "deepseek")
 RUN_KEYS = frozenset({"device", "batch_size", "checksums", "tensor_policy", "max_shard_size", "output"})
 
 
+def drop_base_tokenizer(data: dict) -> dict:
+    """`data` without ``tokenizer_source: base`` (or ``tokenizer: {source: base}``): mergekit-yaml keys that
+    ask for exactly what every MoE gets, base_model's tokenizer — so they are read, not refused, as
+    mergekit-moe reads them. Any other tokenizer choice stays, for the unknown-key message.
+
+    Example:
+        >>> drop_base_tokenizer({"base_model": "m", "tokenizer_source": "base", "tokenizer": {"source": "union"}})
+        {'base_model': 'm', 'tokenizer': {'source': 'union'}}
+    """
+    def is_base(value: Any) -> bool:
+        return isinstance(value, str) and value.strip().lower() == "base"
+
+    out = dict(data)
+    if is_base(out.get("tokenizer_source")):
+        del out["tokenizer_source"]
+    tok = out.get("tokenizer")
+    if isinstance(tok, dict) and set(tok) == {"source"} and is_base(tok["source"]):
+        del out["tokenizer"]
+    return out
+
+
 def architecture_name(value: str) -> Optional[str]:
     """Our name for an `architecture:` value as mergekit-moe would read it.
 

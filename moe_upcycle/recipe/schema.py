@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
-from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS
+from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, key_elsewhere, model_in
@@ -185,7 +185,8 @@ class ExpertConfig(_Strict):
         for i, p in enumerate(prompts if isinstance(prompts, list) else []):
             if p is None:
                 problems.append(f"prompt {i} is empty (a bare '-' line, which YAML reads as null); write \"\" for "
-                                f"the empty prompt or remove the line")
+                                f"the empty prompt or remove the line; a prompt that starts with # goes in quotes "
+                                f"(YAML reads '- #...' as a '-' line and a comment)")
             elif isinstance(p, dict):
                 shown = ", ".join(f"{k}: {v}" for k, v in p.items())
                 shown = shown if len(shown) <= 60 else shown[:57] + "..."
@@ -446,6 +447,7 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     if odd:  # YAML reads `true:`, `null:` and `1:` as a boolean, None and a number; pydantic showed `true` as [1]
         raise ConfigError(*[f"{where}: {at}key {_yaml_key(k)} is not a name; keys are names such as base_model — "
                             f"fix it, or quote it if it is meant" for at, k in odd])
+    data = drop_base_tokenizer(data)
     if allow_unknown_keys:
         data = drop_unknown_keys(data, UpcycleConfig)
     try:
@@ -493,9 +495,14 @@ def _format_errors(exc: ValidationError) -> list[str]:
         if kind == "extra_forbidden":
             valid = _fields_at(loc[:-1])
             hint = intended_key(loc[-1], valid)
+            # `yamlbase_model:`: a Markdown code block's language label copied onto the first key
+            label = re.match(r"^(yaml|yml)(\w+)$", str(loc[-1]), re.IGNORECASE)
+            label = label if label and label.group(2) in valid else None
             merge_key = MERGE_CONFIG_KEYS.get(str(loc[-1])) if len(loc) == 1 else None
-            home = None if hint or merge_key else key_elsewhere(loc[-1], UpcycleConfig, loc[:-1])
-            suggestion = (f" — did you mean {hint}?" if hint else
+            home = None if hint or merge_key or label else key_elsewhere(loc[-1], UpcycleConfig, loc[:-1])
+            suggestion = (f" — the code block's {label.group(1)!r} label is glued to {label.group(2)}; write "
+                          f"{label.group(2)}:" if label else
+                          f" — did you mean {hint}?" if hint else
                           f" — {merge_key}; remove it, or pass --allow-unknown-keys to ignore it with a warning"
                           if merge_key else
                           f" — it belongs {home}; move it there" if home else
@@ -503,11 +510,24 @@ def _format_errors(exc: ValidationError) -> list[str]:
                           f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
+        elif err.get("input", 0) is None and loc and not isinstance(loc[-1], int) and kind != "missing":
+            # `key:` with nothing after it is null to YAML; pydantic would say "Input should be a valid string"
+            fix = (f"one of {err['ctx']['expected']}" if kind == "literal_error" else
+                   "the model: org/name (a hub id) or a folder" if loc[-1] in ("base_model", "source_model") else
+                   "a value")
+            lines.append(f"{path}: empty (nothing after '{loc[-1]}:'); write {fix}"
+                         f"{'' if loc[-1] in ('base_model', 'source_model') else ', or delete the line'}")
         elif kind == "literal_error":
-            lines.append(f"{path}: {short_repr(err['input'])} is not allowed; expected {err['ctx']['expected']}")
+            guess = _close_choice(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
+            lines.append(f"{path}: {short_repr(err['input'])} is not allowed; "
+                         f"{f'did you mean {guess}? ' if guess else ''}expected {err['ctx']['expected']}")
         elif kind == "model_type" and path.startswith(("experts[", "shared_experts[")):
             value = err["input"]
-            if isinstance(value, str):
+            glued = re.match(r"^([A-Za-z_]+):(\S.*)$", value) if isinstance(value, str) else None
+            if glued and glued.group(1) in ExpertConfig.model_fields:
+                fix = (f"{short_repr(value)} has no space after the colon, so YAML reads it as one string, not a "
+                       f"key; write - {glued.group(1)}: {glued.group(2)}")
+            elif isinstance(value, str):
                 fix = f"a bare string; write it as - source_model: {value}"
             elif value is None:
                 fix = "empty (a bare '-' line); remove the line or give it source_model:"
@@ -522,6 +542,24 @@ def _format_errors(exc: ValidationError) -> list[str]:
             msg = err["msg"].removeprefix("Value error, ")
             lines += [f"{path}: {m}" if path else m for m in msg.split("\n")]
     return lines
+
+
+def _close_choice(value: Any, choices: list[str]) -> Optional[str]:
+    """The allowed value that `value` misspells (``Random``, ``cheap-embed``, ``hidden_state``), if one is close."""
+    import difflib
+
+    if not isinstance(value, str) or not choices:
+        return None
+    norm = re.sub(r"[\s-]+", "_", value.strip().lower())
+    if norm in choices:
+        return norm
+    reordered = [c for c in choices if sorted(c.split("_")) == sorted(norm.split("_"))]  # random_uniform
+    prefixed = [c for c in choices if norm.startswith(c + "_")]  # hidden_state, hidden_states
+    for found in (reordered, prefixed):
+        if len(found) == 1:
+            return found[0]
+    close = difflib.get_close_matches(norm, choices, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _not_a_list(value: Any, key: str) -> str:

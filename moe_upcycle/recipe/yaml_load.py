@@ -16,13 +16,15 @@ Only then are Python objects built. `load_yaml_text` does the same for any YAML 
 files). It does not validate the recipe: that is `config`'s job.
 
 Syntax errors and non-UTF-8 files are reported with the fix for what a config pasted from a web
-page or model card typically has: tabs, look-alike spaces, Markdown fences, front matter, values
-starting with ``*``/``@``/`` ` ``, UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as
-mergekit-moe reads them.
+page or model card typically has: tabs, look-alike spaces, Markdown fences, front matter, a line
+of plain text above the config (an editor's title bar), a key glued to its value or indented
+out of line with its neighbours, values starting with ``*``/``@``/`` ` ``,
+UTF-16 or legacy encodings. A UTF-8 BOM and CRLF are read as mergekit-moe reads them.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,12 @@ _ODD_SPACES = {"\u00a0": "a non-breaking space (U+00A0)", "\u3000": "an ideograp
                "\u2002": "an en space (U+2002)", "\u2003": "an em space (U+2003)", "\u200b": "a zero-width space (U+200B)"}
 
 
+# `base_model:org/x` or `- source_model:org/x`: a recipe key glued to its value (YAML needs ': ')
+_GLUED_KEY = re.compile(r"^(\s*(?:-\s+)?)(base_model|gate_mode|dtype|experts_per_token|experts|shared_experts|"
+                        r"architecture|source_model|positive_prompts|negative_prompts|residual_scale|noise_scale|"
+                        r"num_experts):(\S.*)$")
+
+
 def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
     """What to change, for the mistakes a config pasted from a web page or model card typically has.
 
@@ -93,6 +101,21 @@ def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
         return "a value that starts with * is read as an alias (*name); put it in quotes"
     if "'@'" in problem or "'`'" in problem:
         return "YAML reserves @ and ` at the start of a value; put the value in quotes"
+    if "mapping values are not allowed" in problem or "expected" in problem:
+        for n in (index - 1, index, index - 2):  # the parser notices a glued 'key:value' a line or two late
+            glued = _GLUED_KEY.match(lines[n]) if 0 <= n < len(lines) else None
+            if glued and ": " not in lines[n]:
+                return (f"line {n + 1} has no space after '{glued.group(2)}:', so YAML reads "
+                        f"{lines[n].strip()!r} as text, not a key; write {'- ' if '-' in glued.group(1) else ''}{glued.group(2)}: "
+                        f"{glued.group(3)}")
+    if "mapping values are not allowed" in problem or "expected '<document start>'" in problem:
+        stray = _stray_text_line(lines, index)
+        if stray:
+            return stray
+    if "mapping values are not allowed" in problem or "expected <block end>" in problem:
+        misaligned = _misaligned_key(lines, index)
+        if misaligned:
+            return misaligned
     for n in (index, index - 1):
         line = lines[n] if 0 <= n < len(lines) else ""
         if "\t" in line:
@@ -101,6 +124,55 @@ def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
             if char in line:
                 return f"line {n + 1} contains {name}, often pasted from a web page; replace it with a normal space"
     return ""
+
+
+def _stray_text_line(lines: list[str], index: int) -> str:
+    """The fix when a 'key:' on line `index` follows a line of plain text (not 'key: value', a list item or a comment).
+
+    YAML then reads the text and the next line as one multi-line value and stops at that line's colon (or,
+    with a comment between them, reads the text as a whole document): text copied along with the config (an editor's title bar such as ``GNU nano 6.2 config.yml``, a
+    code block's ``yaml`` label, a heading) or a value with a second ``: `` in it.
+    """
+    line = lines[index] if 0 <= index < len(lines) else ""
+    n = index - 1
+    while n >= 0 and (not lines[n].strip() or lines[n].lstrip().startswith("#")):
+        n -= 1
+    prev = lines[n].strip() if n >= 0 else ""
+    if prev and ":" not in prev and not prev.startswith(("-", "[", "{", "'", '"', "&", "*", "|", ">")):
+        shown = prev if len(prev) <= 60 else prev[:57] + "..."
+        what = ("a code block's language label" if prev.lower() in ("yaml", "yml")
+                else "text copied along with the config, such as an editor's title bar or a heading")
+        return (f"line {n + 1} ({shown!r}) is not a 'key: value' line, so YAML cannot read the config below it; "
+                f"it looks like {what}: delete line {n + 1}, or make it a comment with #")
+    key, sep, value = line.partition(": ")
+    if sep and ": " in value and not value.lstrip().startswith(("'", '"', "[", "{")):
+        return (f"line {index + 1} has a second ': ' inside the value of {key.strip().lstrip('- ')}; "
+                f"put the value in quotes")
+    return ""
+
+
+def _misaligned_key(lines: list[str], index: int) -> str:
+    """The fix when the 'key:' line `index` is indented differently from the key on the line above it.
+
+    Keys of one mapping line up; in a list item (``- source_model: x``) they line up with the first key,
+    after the dash. Indented less, YAML ends the item there; indented more, it reads the line as part of
+    the value above it (the usual slip when an expert's ``positive_prompts:`` is pasted).
+    """
+    line = lines[index] if 0 <= index < len(lines) else ""
+    n = index - 1
+    while n >= 0 and (not lines[n].strip() or lines[n].lstrip().startswith("#")):
+        n -= 1
+    if n < 0 or not re.match(r"^\s*[\w-]+:(\s|$)", line) or not re.match(r"^\s*(-\s+)?[\w-]+:\s+\S", lines[n]):
+        return ""
+    want = re.match(r"^\s*(-\s+)?", lines[n]).end()  # where the key above starts (after its dash)
+    have = len(line) - len(line.lstrip(" "))
+    if have == want:
+        return ""
+    key = lines[n][want:].split(":", 1)[0]
+    spaces = lambda k: f"{k} space{'' if k == 1 else 's'}"
+    fix = f"indent it by {spaces(want)}" if want else "remove its indentation"
+    return (f"line {index + 1} is indented {spaces(have)}, but the key above it ({key!r}, line {n + 1}) is "
+            f"indented {spaces(want)}; keys of one mapping line up: {fix}")
 
 
 def load_yaml_text(text: str, where: str) -> Any:

@@ -8,11 +8,13 @@ older versions); a local path is never given a download command.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+WINDOWS_DRIVE = re.compile(r"^([A-Za-z]):[\\/]")  # F:/7B/model, D:\models\model
 
 # extra name -> the packages it installs (mirrors [project.optional-dependencies] in pyproject.toml)
 EXTRAS = {"plot": "matplotlib", "quant": "bitsandbytes", "test": "pytest hypothesis"}
@@ -57,7 +59,9 @@ def missing_model_hint(ref: str) -> str:
                 f".merge_and_unload().save_pretrained(folder)) and give that folder")
     if ref.count("@") > 1:
         return "a model reference has at most one '@' (org/name@revision: a branch, tag or commit)"
-    url = re.match(r"^https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
+    if ref != ref.strip():
+        return f"it has spaces at its start or end (inside quotes); remove them: {ref.strip()}"
+    url = re.match(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
     if url:
         return f"write the hub id, not its web address: {url.group(1)}"
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
@@ -65,4 +69,46 @@ def missing_model_hint(ref: str) -> str:
         at = ("--revision", revision) if revision else ()
         return (f"give a local folder, or download the hub model first ({download_command(repo, *at)}; "
                 f"`moe-upcycle plan --from-config` needs only {download_command(repo, 'config.json', *at)})")
+    windows = windows_path_hint(ref)
+    if windows:
+        return windows
+    if re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*/$", ref):
+        return f"there is no model name after '{ref}': write {ref}name (the hub id), or give a folder"
     return f"check the path: there is no folder {Path(ref).expanduser()}; give the folder of a saved model"
+
+
+def windows_path_hint(ref: str) -> str:
+    r"""What to write instead of a Windows path (``F:/7B/x``, ``D:\models\x``, ``models\x``) where paths are POSIX.
+
+    Configs published from Windows name models this way; elsewhere the drive letter is part of a
+    relative folder name and backslashes are ordinary characters, so the folder is never found.
+    Empty when `ref` is not one, or when this machine is Windows.
+
+    Example:
+        >>> print(windows_path_hint(r"D:\models\cat-8B") if os.sep == "/" else "...")  # doctest: +ELLIPSIS
+        it is a Windows path (drive D:), ...(under WSL drive D: is /mnt/d: /mnt/d/models/cat-8B)
+    """
+    if os.sep == "\\":
+        return ""
+    drive = WINDOWS_DRIVE.match(ref)
+    if not drive and "\\" not in ref:
+        return ""
+    rest = ref[drive.end():] if drive else ref
+    posix = "/".join(part for part in re.split(r"[\\/]+", rest) if part)
+    if drive:
+        letter = drive.group(1).lower()
+        return (f"it is a Windows path (drive {letter.upper()}:), and this machine names folders "
+                f"POSIX-style: give the model's folder as it is named here (under WSL drive {letter.upper()}: is "
+                f"/mnt/{letter}: /mnt/{letter}/{posix})")
+    return (f"it separates folders with Windows backslashes, which are ordinary characters in a name "
+            f"here: write forward slashes ({posix})")
+
+
+def show_ref(ref: str) -> str:
+    r"""`ref` in quotes as the user wrote it: backslashes not doubled, characters that do not print escaped.
+
+    Example:
+        >>> print(show_ref(r"D:\models\x"), show_ref("a\nb"))
+        'D:\models\x' 'a\nb'
+    """
+    return f"'{ref}'" if ref.isprintable() and "'" not in ref else repr(ref)
