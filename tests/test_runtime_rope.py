@@ -280,14 +280,16 @@ def _expert_recipe(built, fields: dict, folder: Path) -> dict:
 def test_experts_with_the_same_rope_spelled_otherwise_build(built, spelling, tmp_path):
     plan = upcycle(_expert_recipe(built, SPELLINGS[spelling], tmp_path / "expert"), dry_run=True).plan
     assert plan.experts_per_token == 2 and len(plan.expert_names) == 2
+    assert not [n for n in plan.notes if "rope settings" in n], plan.notes  # the same scaling: nothing to say
 
 
-def test_expert_with_another_yarn_factor_is_still_refused(built, tmp_path):
-    from moe_upcycle.errors import PlanError
-
+def test_expert_with_another_yarn_factor_builds_with_a_note(built, tmp_path):
+    """Another real factor is named (the MoE runs the base's attention, as mergekit-moe builds it)."""
     fields = {"rope_theta": 1e6, "rope_scaling": {**YARN, "factor": 2.0, "rope_type": "yarn"}}
-    with pytest.raises(PlanError, match=r"experts\[1\] .*rope settings is .*factor=2\.0.*has .*factor=4\.0"):
-        upcycle(_expert_recipe(built, fields, tmp_path / "expert"), dry_run=True)
+    plan = upcycle(_expert_recipe(built, fields, tmp_path / "expert"), dry_run=True).plan
+    notes = [n for n in plan.notes if "rope settings" in n]
+    assert len(notes) == 1 and "experts[1]" in notes[0], plan.notes
+    assert "factor=2.0" in notes[0] and "factor=4.0" in notes[0] and "base's value" in notes[0]
 
 
 @pytest.mark.parametrize("base,written", [
