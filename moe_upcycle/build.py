@@ -59,7 +59,7 @@ class BuildResult:
     verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
     gate_warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # e.g. a mergekit config built with our router semantics
+    notes: list[str] = field(default_factory=list)  # the plan's cautions; a mergekit config built with our router semantics
 
 
 def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Path:
@@ -264,4 +264,4 @@ def upcycle(
         ckpt.close()
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift, gate_warnings, [note] if note else [])
+                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else [])])

@@ -140,6 +140,21 @@ def test_expert_with_other_attention_settings_builds_with_a_note(fields, words, 
     assert out_cfg["rope_parameters"]["rope_theta"] == base_cfg["rope_parameters"]["rope_theta"]
 
 
+def test_build_prints_the_note_plan_prints(tiny_llama, tmp_path):
+    """`build` (not only `plan`) says that an expert's rope settings are not the MoE's: its user may never run plan."""
+    expert = _edited(tiny_llama, tmp_path / "expert", SETTINGS[1][0])
+    target = tmp_path / "moe"
+    text = (f"base_model: {tiny_llama}\ngate_mode: random\nexperts:\n"
+            f"  - source_model: {tiny_llama}\n  - source_model: {expert}\n")
+    code, output = cli("build", _recipe(tmp_path, text), target, "--no-checksums")
+    assert code == 0, output
+    flat = " ".join(output.split())
+    assert f"note: experts[1] ({expert}): rope settings is" in flat, output
+    assert "runs base_model's attention and norms with the base's value" in flat
+    out_cfg = json.loads((target / "config.json").read_text())
+    assert out_cfg["num_local_experts"] == 2 and out_cfg["rope_theta"] == 10000.0  # the base's, as the note says
+
+
 @pytest.mark.parametrize("fields,words", SETTINGS, ids=["norm-eps", "rope-theta", "rope-scaling"])
 def test_other_attention_settings_refused_when_attention_is_averaged(fields, words, tiny_llama, tmp_path):
     expert = _edited(tiny_llama, tmp_path / "expert", fields)

@@ -161,14 +161,14 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     if config.layout == "fused" and not problems:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
-    notes += arch.mergekit_choice_notes(config, base, layout)
-    notes += compat.source_notes(config, sources)
-    notes += source_checks.expert_setting_notes(config.base_model, used, sources)
+    cautions = (arch.mergekit_choice_notes(config, base, layout) + compat.source_notes(config, sources)
+                + source_checks.expert_setting_notes(config.base_model, used, sources))
+    notes += cautions
     if problems:
         raise PlanError(*_dedupe(problems))
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
-                layout=config.layout)
+                layout=config.layout, cautions=tuple(cautions))
     if llamacpp.verdict(plan)[0] != "exact":
         plan = dataclasses.replace(plan, notes=plan.notes + (llamacpp.plan_note(plan),))
     return plan

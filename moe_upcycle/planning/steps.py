@@ -74,6 +74,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
     layout: str = "per_expert"
+    # the notes (also in `notes`) that `build` prints too: where the MoE differs from what its sources
+    # or mergekit-moe would suggest (an expert's rope or vocab that the MoE does not keep, another output)
+    cautions: tuple[str, ...] = field(default=())
 
     @cached_property
     def total_bytes(self) -> int:
