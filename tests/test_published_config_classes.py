@@ -110,6 +110,24 @@ def test_prompt_lint_runs_only_where_the_routers_read_the_prompts(mode, prompts,
     assert (tmp_path / "out").exists() is not refused
 
 
+def test_a_missing_model_is_reported_before_any_lint(tiny_llama, tmp_path, monkeypatch):
+    """Good prompts, but an expert's folder is missing: the build says so at once (no lint advice first)."""
+    import yaml
+
+    import moe_upcycle.prompts.lint as lint
+
+    monkeypatch.setattr(lint, "quick_lint", lambda *a, **k: pytest.fail("lint ran before the refusal"))
+    missing = tmp_path / "no-such-model"
+    experts = [{"source_model": str(tiny_llama), "positive_prompts": ["write python code"]},
+               {"source_model": str(missing), "positive_prompts": ["tell a bedtime story"]}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"base_model": str(tiny_llama), "gate_mode": "hidden", "experts": experts}))
+    result = CliRunner().invoke(app, ["build", str(path), str(tmp_path / "out"), "--no-checksums"])
+    assert result.exit_code == 1, result.output
+    assert str(missing) in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("text, words", [
     # a key glued to its value: YAML reads 'key:value' as text (mergekit-moe fails on it too)
     ("base_model:org/x\ngate_mode: random\n", [":2:10: YAML syntax error",

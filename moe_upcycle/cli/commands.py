@@ -174,11 +174,12 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
                       device_needed: bool = False) -> None:
     """Print `lint.quick_lint` warnings, one line each, for gate modes that route on the prompts.
 
-    A config that does not load, or that the build refuses for want of prompts, is left to the build.
+    A config that does not load, that the build refuses for want of prompts, or whose sources or plan
+    the build refuses (a missing model), is left to the build: it reports that before any lint runs.
 
     A missing GPU (`build.check_device`) is reported before the lint, not after it.
     """
-    from moe_upcycle.build import check_device
+    from moe_upcycle.build import check_device, prepare
     from moe_upcycle.prompts.lint import quick_lint
     from moe_upcycle.recipe.params import PROMPT_MODES
     from moe_upcycle.recipe.resolve import expert_prompts
@@ -196,6 +197,14 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
         return  # random, uniform and kmeans routers do not read the prompts: nothing to warn about
     if not all(e.positive_prompts for e in cfg.expert_list()) or cfg.same_prompts_problem():
         return  # *_prompts_from sets included; the build refuses these at once, naming each expert
+    try:  # a missing model or a plan problem is reported at once, not after seconds of lint advice
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UpcycleWarning)
+            _, sources, _ = prepare(cfg)
+    except UpcycleError:
+        return  # the build reports it, with every problem
+    for source in sources.values():
+        source.close()
     with stage("prompt lint", note="--no-lint skips it"):
         lines = quick_lint(expert_prompts(cfg.expert_list()))
     for line in lines:
