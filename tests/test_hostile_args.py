@@ -265,9 +265,9 @@ BUILD_OPTION_CASES = [
     ("shard-negative-unit", RANDOM, ["--max-shard-size", "-1GB"], ["option max_shard_size: '-1GB' is not a size"]),
     ("shard-unknown-unit", RANDOM, ["--max-shard-size", "1XB"], ["option max_shard_size: '1XB' is not a size"]),
     ("shard-bare-fraction", RANDOM, ["--max-shard-size", "1.5"], ["option max_shard_size: '1.5' is not a whole"]),
-    ("batch-zero", HIDDEN, ["--batch-size", "0"], ["option batch_size: Input should be greater than or equal to 1"]),
+    ("batch-zero", HIDDEN, ["--batch-size", "0"], ["option batch_size: 0 is too small; write at least 1"]),
     ("batch-negative", HIDDEN, ["--batch-size", "-3"], ["option batch_size:"]),
-    ("batch-huge", HIDDEN, ["--batch-size", "10000000"], ["option batch_size: Input should be less than or equal"]),
+    ("batch-huge", HIDDEN, ["--batch-size", "10000000"], ["option batch_size: 10000000 is too large; write at most"]),
     ("device-gpu", HIDDEN, ["--device", "gpu"], ["option device: 'gpu' is not a device"]),
     ("device-cuda-x", RANDOM, ["--device", "cuda:x"], ["option device: 'cuda:x' is not a device"]),
     ("device-cuda-no-gpu-hidden", HIDDEN, ["--device", "cuda"], ["device: 'cuda' asks for a GPU but torch sees no CUDA"]),
@@ -506,12 +506,12 @@ def test_calibration_text_refused_before_the_base_loads(command, name, words, st
 
 
 @pytest.mark.parametrize("case_id,extra,words", [
-    ("router-std-overflows-fp32", "router_init_std: 1.0e+39\n", ["router_init_std: Input should be less than or equal to 100"]),
+    ("router-std-overflows-fp32", "router_init_std: 1.0e+39\n", ["router_init_std: 1e+39 is too large; write at most 100"]),
     ("router-std-huge", "router_init_std: 1000\n", ["router_init_std:", "100"]),
-    ("noise-overflows-fp32", "expert_init: {{method: noise, scale: 1.0e+30}}\n", ["expert_init.scale:", "less than or equal to 10"]),
+    ("noise-overflows-fp32", "expert_init: {{method: noise, scale: 1.0e+30}}\n", ["expert_init.scale:", "1e+30 is too large; write at most 10"]),
     ("noise-overflows-fp16", "dtype: float16\nexpert_init: {{method: noise, scale: 1.0e+6}}\n", ["expert_init.scale:"]),
     ("absolute-noise", "expert_init: {{method: noise, scale: 50, absolute: true}}\n", ["expert_init.scale:"]),
-    ("gate-scale-huge", "gate_scale: 1.0e+39\n", ["gate_scale: Input should be less than or equal to 100"]),
+    ("gate-scale-huge", "gate_scale: 1.0e+39\n", ["gate_scale: 1e+39 is too large; write at most 100"]),
 ], ids=["router-std-overflows-fp32", "router-std-huge", "noise-overflows-fp32", "noise-overflows-fp16",
         "absolute-noise", "gate-scale-huge"])
 def test_overflowing_scale_refused(case_id, extra, words, stories, tmp_path):
@@ -526,12 +526,12 @@ def test_per_expert_scales_bounded(stories, tmp_path):
     cfg.write_text(f"base_model: {stories}\ngate_mode: random\nexperts:\n  - source_model: {stories}\n"
                    f"    noise_scale: 100.0\n    residual_scale: -1.0e+9\n  - source_model: {stories}\n")
     code, output = cli("build", cfg, tmp_path / "moe", "--no-lint")
-    assert_clean_failure(code, output, tmp_path / "moe", ["experts[0].noise_scale: Input should be less than or equal to 10",
-                                                         "experts[0].residual_scale: Input should be greater than or equal to -100"])
+    assert_clean_failure(code, output, tmp_path / "moe", ["experts[0].noise_scale: 100.0 is too large; write at most 10",
+                                                         "experts[0].residual_scale: -1000000000.0 is too small; write at least -100"])
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    ({"router_init_std": 1e39}, ["router_init_std: Input should be less than or equal to 100"]),
+    ({"router_init_std": 1e39}, ["router_init_std: 1e+39 is too large; write at most 100"]),
     ({"dtype": "float16", "expert_init": {"method": "noise", "scale": 1e6}}, ["expert_init.scale"]),
 ])
 def test_in_memory_overflowing_scale_refused(kwargs, words, dense):

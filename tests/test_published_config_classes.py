@@ -110,6 +110,26 @@ def test_prompt_lint_runs_only_where_the_routers_read_the_prompts(mode, prompts,
     assert (tmp_path / "out").exists() is not refused
 
 
+@pytest.mark.parametrize("line, words", [
+    ("experts_per_token: 2.5", "experts_per_token: 2.5 is not a whole number; write an integer such as 2"),
+    ("num_experts: 1e3", "num_experts: '1e3' is text to YAML, which reads an exponent only with a dot (1.0e3); "
+                         "write 1000"),
+    ("num_experts: four", "num_experts: 'four' is not a number; write an integer such as 2"),
+    ("gate_scale: high", "gate_scale: 'high' is not a number; write a number such as 0.5"),
+    ("experts_per_token: 0", "experts_per_token: 0 is too small; write at least 1"),
+    ("gate_scale: 1000", "gate_scale: 1000 is too large; write at most 100"),
+])
+def test_number_values_say_what_to_write(line, words, tmp_path):
+    """A value where a number goes is named with the number to write, in our words (not pydantic's)."""
+    path = tmp_path / "c.yaml"
+    key = line.split(":")[0]
+    lines = ["base_model: org/x", "gate_mode: random", "num_experts: 4", line]
+    path.write_text("\n".join(x for x in lines if x.split(":")[0] != key or x == line) + "\n")
+    with pytest.raises(UpcycleError) as info:
+        load_config(path)
+    assert words in str(info.value) and "Input should" not in str(info.value), str(info.value)
+
+
 def test_a_missing_model_is_reported_before_any_lint(tiny_llama, tmp_path, monkeypatch):
     """Good prompts, but an expert's folder is missing: the build says so at once (no lint advice first)."""
     import yaml

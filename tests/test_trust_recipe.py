@@ -34,7 +34,7 @@ CASES = [
     ("number-for-bool", GOOD + "checksums: 1\n", ["checksums: 1 is not a boolean; write true or false"]),
     ("string-for-bool", GOOD + "output_router_logits: 'off'\n", ["output_router_logits: 'off' is not a boolean"]),
     ("huge-experts-per-token", GOOD + "experts_per_token: 1000000\n", ["experts_per_token"]),
-    ("huge-batch", GOOD + "batch_size: 100000000\n", ["batch_size", "less than or equal to 65536"]),
+    ("huge-batch", GOOD + "batch_size: 100000000\n", ["batch_size", "100000000 is too large; write at most 65536"]),
     ("huge-num-experts", GOOD.replace("num_experts: 2", "num_experts: 1000000000"), ["num_experts", "1024"]),
     ("too-many-experts", "base_model: {base}\ngate_mode: random\nexperts:\n" + "  - source_model: {base}\n" * 1025,
      ["experts: List should have at most 1024 items"]),

@@ -538,10 +538,41 @@ def _format_errors(exc: ValidationError) -> list[str]:
             lines.append(f"{path}: {_not_a_list(err['input'], str(loc[-1]) if loc else path)}")
         elif kind == "missing":
             lines.append(f"{path}: required key is missing")
+        elif kind in NUMBER_ERRORS:
+            lines.append(f"{path}: {_not_a_number(err['input'], kind)}")
+        elif kind in BOUND_WORDS:
+            bound = next(iter(err["ctx"].values()))
+            lines.append(f"{path}: {short_repr(err['input'])} is {BOUND_WORDS[kind]} {bound!r}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
             lines += [f"{path}: {m}" if path else m for m in msg.split("\n")]
     return lines
+
+
+BOUND_WORDS = {"greater_than": "too small; write more than", "greater_than_equal": "too small; write at least",
+               "less_than": "too large; write less than", "less_than_equal": "too large; write at most"}
+NUMBER_ERRORS = ("int_parsing", "int_from_float", "int_type", "float_parsing", "float_type")
+
+
+def _not_a_number(value: Any, kind: str) -> str:
+    """What is wrong with a value where a number goes, and what to write (pydantic says "Input should be ...").
+
+    Example:
+        >>> _not_a_number("1e3", "int_parsing")
+        "'1e3' is text to YAML, which reads an exponent only with a dot (1.0e3); write 1000"
+        >>> _not_a_number(2.5, "int_from_float")
+        '2.5 is not a whole number; write an integer such as 2'
+    """
+    whole = kind.startswith("int")
+    if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+(\.\d*)?[eE][-+]?\d+\s*", value):
+        number = float(value)
+        shown = (f"{int(number)}" if whole and number.is_integer() and abs(number) < 1e18 else
+                 f"{value.strip().split('e')[0].split('E')[0]}{'' if '.' in value else '.0'}e"
+                 f"{re.split('[eE]', value.strip())[1]}")
+        return f"{short_repr(value)} is text to YAML, which reads an exponent only with a dot (1.0e3); write {shown}"
+    if isinstance(value, float) and whole:
+        return f"{value!r} is not a whole number; write an integer such as {max(int(value), 1)}"
+    return f"{short_repr(value)} is not a number; write {'an integer such as 2' if whole else 'a number such as 0.5'}"
 
 
 def _close_choice(value: Any, choices: list[str]) -> Optional[str]:
