@@ -130,6 +130,15 @@ def test_number_values_say_what_to_write(line, words, tmp_path):
     assert words in str(info.value) and "Input should" not in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("written, size", [("1e9", 10**9), ("1E9", 10**9), ("2.5e9", 25 * 10**8), ("1.0e9", 10**9),
+                                           ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30)])
+def test_shard_size_with_an_exponent_is_read_as_written(written, size, tmp_path):
+    """YAML 1.1 (and a shell) hands `1e9` over as text; it is the number of bytes it says."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"base_model: org/x\ngate_mode: random\nnum_experts: 4\nmax_shard_size: {written}\n")
+    assert load_config(path).max_shard_size == size
+
+
 def test_a_missing_model_is_reported_before_any_lint(tiny_llama, tmp_path, monkeypatch):
     """Good prompts, but an expert's folder is missing: the build says so at once (no lint advice first)."""
     import yaml

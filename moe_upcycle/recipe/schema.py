@@ -80,10 +80,11 @@ def parse_size(value: Union[int, str]) -> int:
                              f"{value}GB or 500MB")
         size = int(value)
     else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?I?B?)\s*", str(value).upper())
+        # 1e9 too: YAML 1.1 reads an exponent without a dot as text, and a shell passes it as text
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:E[+]?[0-9]{1,2})?)\s*([KMGT]?I?B?)\s*", str(value).upper())
         if not m:
             raise ValueError(f"{value!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
-        if m.group(2) in ("", "B") and "." in m.group(1):
+        if m.group(2) in ("", "B") and not float(m.group(1)).is_integer():
             raise ValueError(f"{value!r} is not a whole number of bytes; write a size with its unit, e.g. "
                              f"{m.group(1)}GB or 500MB")
         size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
