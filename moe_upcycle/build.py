@@ -251,7 +251,7 @@ def upcycle(
             checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
                                     device=resolve_device(gating.device))  # the recipe's device (auto)
         with progress_stage("init drift"):
-            drift = build_drift(checking, plan, base.path, stage)
+            drift = build_drift(checking, plan, base.path, stage, base.adapter)
         card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
         write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path],
                          {ref: s.path for ref, s in sources.items()})

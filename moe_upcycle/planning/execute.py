@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator, Literal, Optional, Union
 
@@ -102,21 +103,28 @@ def iter_tensors(
         seed: seeds per-slot transforms.
         shared_gates: layer -> shared-expert gate (1, hidden), for "shared_gate" steps.
     """
-    remaining = plan.source_uses()
+    # keyed by the bytes read: the same model under two LoRA adapters shares the tensors neither adapts
+    def same(src: tuple[str, str]) -> tuple[str, str]:
+        return sources[src[0]].identity(src[1])
+
+    remaining: Counter = Counter()
+    for src, uses in plan.source_uses().items():
+        remaining[same(src)] += uses
     cache: dict[tuple[str, str], torch.Tensor] = {}
 
     def slot(step: Step) -> torch.Tensor:
         src = step.source
-        base = cache.get(src)
+        key = same(src)
+        base = cache.get(key)
         if base is None:
             raw = sources[src[0]].read(src[1])
             base = raw.to(step.dtype)
             watch.submit(base, raw, src[1], sources[src[0]])  # once per source tensor, no extra read
             del raw
-            cache[src] = base
-        remaining[src] -= 1
-        if remaining[src] == 0:
-            del cache[src]
+            cache[key] = base
+        remaining[key] -= 1
+        if remaining[key] == 0:
+            del cache[key]
         if step.transforms:
             return apply_transforms(base, step, seed).to(step.dtype)
         if policy == "clone" and step.kind in ("expert", "shared"):
