@@ -68,9 +68,11 @@ def merged_by_hand(model: Path, adapter: Path) -> dict[str, torch.Tensor]:
         module = key[len(PREFIX):].split(".lora_")[0]
         b = lora[key.replace("lora_A", "lora_B").replace("lora_embedding_A", "lora_embedding_B")].float()
         a = lora[key].float()
-        short = module.rsplit(".", 1)[-1]
-        r = cfg.get("rank_pattern", {}).get(short, cfg["r"])
-        alpha = cfg.get("alpha_pattern", {}).get(short, cfg["lora_alpha"])
+        # peft's pattern rule: a key names the module itself or the end of its dotted name
+        def pick(patterns, default):
+            return next((v for k, v in patterns.items() if module == k or module.endswith("." + k)), default)
+        r = pick(cfg.get("rank_pattern", {}), cfg["r"])
+        alpha = pick(cfg.get("alpha_pattern", {}), cfg["lora_alpha"])
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         delta = (b @ a) * scaling
         if "embedding" in key:
@@ -181,7 +183,7 @@ def test_hidden_gates_run_the_merged_base(tiny_llama, adapters, tmp_path):
     rows = {}
     for name, base in (("lora", ref), ("merged", str(merged)), ("plain", str(tiny_llama))):
         out = upcycle(moe_config(base, [str(tiny_llama), str(tiny_llama)], gate_mode="hidden"),
-                      tmp_path / name).output
+                      tmp_path / f"out_{name}").output
         rows[name] = read_output(out)[gate]
     torch.testing.assert_close(rows["lora"], rows["merged"], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(rows["lora"], rows["plain"], atol=1e-4)
