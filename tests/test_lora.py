@@ -196,15 +196,10 @@ def test_same_base_two_adapters_shares_only_untouched_tensors(tiny_llama, adapte
     """X+A and X+B: tensors an adapter changes are not shared; up_proj of layer 1 (in neither 'attn'
     nor... ) is. 'ffn' adapts every FFN tensor, 'attn' only layer 0's up_proj among them."""
     from moe_upcycle.build import prepare
-    from moe_upcycle.checkpoint.source import open_sources
-    from moe_upcycle.planning.plan import make_plan
     from moe_upcycle.planning.report import sharing_report
-    from moe_upcycle.recipe.resolve import source_refs
 
     a, b = f"{tiny_llama}+{adapters['attn']}", f"{tiny_llama}+{adapters['ffn']}"
-    config = prepare(moe_config(str(tiny_llama), [a, b, str(tiny_llama)]))
-    sources = open_sources(source_refs(config))
-    plan = make_plan(config, sources)
+    config, sources, plan = prepare(moe_config(str(tiny_llama), [a, b, str(tiny_llama)]))
     lines = sharing_report(plan, sources, "share")
     # shared: every FFN tensor 'attn' leaves alone, between X+attn and X (5 tensors: 6 minus layer 0's up_proj)
     assert lines[0].startswith("Duplicate tensors: 10 expert slots are fed by 5 source tensors"), lines
@@ -314,13 +309,14 @@ def test_plan_and_mapping_form_show_the_adapter(tiny_llama, adapters, write_yaml
     data["experts"][0]["source_model"] = {"model": {"path": str(tiny_llama)}, "lora": {"path": str(adapters["ffn"])}}
     result = CliRunner().invoke(app, ["plan", str(write_yaml(data))])
     assert result.exit_code == 0, result.output
-    text = "".join(result.output.split())
-    assert f"{tiny_llama}+{adapters['ffn']}".replace(" ", "") in text, result.output
+    text = "".join(result.output.replace("│", "").split())
+    assert "LoRAadapter" in text and f"{tiny_llama}+{adapters['ffn']}:LoRA{adapters['ffn']}" in text, result.output
+    assert f"mergedinto6tensorsof{tiny_llama}(scaling4)" in text, result.output
 
 
 def test_verify_compares_with_the_merged_dense_model(tiny_llama, adapters, tmp_path):
     """verify's dense reference for base_model X+Y is the merged model: a copy-init build agrees exactly."""
-    from moe_upcycle.check.verify import verify_folder
+    from moe_upcycle.check.verify import verify as verify_folder
 
     ref = f"{tiny_llama}+{adapters['attn']}"
     out = upcycle(moe_config(ref, [ref, ref]), tmp_path / "moe").output

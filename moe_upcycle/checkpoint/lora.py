@@ -128,13 +128,14 @@ class Adapter:
         """scaling * (B @ A) for model weight `key` in float32 (transposed for an embedding)."""
         pair = self.pairs[key]
         a, b = self._tensor(pair.a_key).float(), self._tensor(pair.b_key).float()
-        delta = (b @ a) * pair.scaling
+        delta = (b @ a).mul_(pair.scaling)  # (out, in), or (dim, vocab) for an embedding
         return delta.T if pair.embedding else delta
 
     def merge(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         """`weight` (the model's `key`) with this adapter merged: fp32 sum, cast to `weight`'s dtype."""
         if key not in self.pairs:
             return weight
+        # never in place: `weight` may be a view of the mapped input file
         return (weight.float() + self.delta(key).to(weight.device)).to(weight.dtype)
 
 
