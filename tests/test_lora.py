@@ -324,3 +324,28 @@ def test_verify_compares_with_the_merged_dense_model(tiny_llama, adapters, tmp_p
     assert result.comparison is not None, result.notes
     assert result.comparison.top1_agreement == 1.0
     assert result.comparison.max_abs_diff < 1e-4
+
+
+def test_verify_base_option_and_init_drift_use_the_merged_model(tiny_llama, adapters, tmp_path):
+    """`verify --base X+Y` compares with the merged model (exact for a copy-init build of X+Y; not for X),
+    and a build's init-drift report runs the merged dense model (zero drift for copies)."""
+    ref = f"{tiny_llama}+{adapters['attn']}"
+    result = upcycle(moe_config(ref, [ref, ref], report_init_drift=True), tmp_path / "moe")
+    assert result.drift is not None and result.drift.top1_agreement == 1.0 and result.drift.mean_kl < 1e-8
+    runner = CliRunner()
+    merged = runner.invoke(app, ["verify", str(result.output), "--base", ref, "--max-kl", "1e-8"])
+    assert merged.exit_code == 0, merged.output
+    plain = runner.invoke(app, ["verify", str(result.output), "--base", str(tiny_llama), "--max-kl", "1e-8"])
+    assert plain.exit_code == 1 and "above the threshold" in " ".join(plain.output.split()), plain.output
+
+
+def test_cheap_embed_gates_read_the_adapted_embedding(tiny_llama, adapters, tmp_path):
+    """cheap_embed rows come from base_model's embedding: with a lora_embedding adapter, the merged one."""
+    ref = f"{tiny_llama}+{adapters['embed']}"
+    merged = save_merged(tiny_llama, adapters["embed"], tmp_path / "merged")
+    gate = "model.layers.0.block_sparse_moe.gate.weight"
+    rows = {name: read_output(upcycle(moe_config(base, [str(tiny_llama)] * 2, gate_mode="cheap_embed"),
+                                      tmp_path / f"out_{name}").output)[gate]
+            for name, base in (("lora", ref), ("merged", str(merged)), ("plain", str(tiny_llama)))}
+    assert torch.equal(rows["lora"], rows["merged"])
+    assert not torch.equal(rows["lora"], rows["plain"])
