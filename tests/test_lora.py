@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -349,3 +350,37 @@ def test_cheap_embed_gates_read_the_adapted_embedding(tiny_llama, adapters, tmp_
             for name, base in (("lora", ref), ("merged", str(merged)), ("plain", str(tiny_llama)))}
     assert torch.equal(rows["lora"], rows["merged"])
     assert not torch.equal(rows["lora"], rows["plain"])
+
+
+# ---------------------------------------------------------------- against peft itself
+
+PEFT_CONFIGS = {
+    "plain": dict(r=4, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"]),
+    "rslora_patterns": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"],
+                            rank_pattern={"down_proj": 8, "model.layers.0.mlp.up_proj": 2},
+                            alpha_pattern={"up_proj": 3}),
+    "embedding": dict(r=4, lora_alpha=16, target_modules=["embed_tokens", "v_proj"]),  # saves the embedding too
+    "fan_in_fan_out": dict(r=4, lora_alpha=16, target_modules=["gate_proj"], fan_in_fan_out=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PEFT_CONFIGS))
+def test_merge_equals_peft_merge_and_unload(name, tiny_llama, tmp_path):
+    """Every tensor of X+Y, as the build reads it, equals peft's merge_and_unload() bit for bit."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle.checkpoint.source import open_checkpoint
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's notes (fan_in_fan_out reset for nn.Linear, embedding saving)
+        peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **PEFT_CONFIGS[name])).save_pretrained(
+            str(tmp_path / "adapter"))
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+        merged = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload().state_dict()
+    checkpoint = open_checkpoint(f"{tiny_llama}+{tmp_path / 'adapter'}", "base_model")
+    assert checkpoint.adapter.pairs
+    for key in checkpoint.tensors:
+        assert torch.equal(checkpoint.read(key), merged[key]), key

@@ -37,6 +37,8 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # embeddings' A and B are parameters of their own: base_model.model.<module>.lora_embedding_A[.default]
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?:(?P<part>lora_A|lora_B)(?:\.[A-Za-z0-9_]+)?\.weight"
                   r"|(?P<emb>lora_embedding_A|lora_embedding_B)(?:\.[A-Za-z0-9_]+)?)$")
+# peft's save_embedding_layers: the whole (possibly resized) embedding, loaded in place of the model's
+_BASE_LAYER = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -65,6 +67,8 @@ class Adapter:
     Attributes:
         ref: the adapter reference as written; path: its folder; file: its weights file.
         pairs: model weight key -> the LoRA pair that changes it.
+        replaced: model weight key -> the adapter tensor that replaces it before the merge (peft's
+            ``save_embedding_layers``: ``<module>.base_layer.weight``).
         dtypes: model weight key -> the model's stored dtype (the merged tensor's dtype).
         base_name: adapter_config.json's base_model_name_or_path.
     """
@@ -75,6 +79,7 @@ class Adapter:
     pairs: dict[str, LoraPair]
     dtypes: dict[str, torch.dtype]
     base_name: str = ""
+    replaced: dict[str, str] = field(default_factory=dict)
     _state: Optional[dict] = field(default=None, repr=False)
 
     @classmethod
@@ -105,7 +110,10 @@ class Adapter:
                               f"save_pretrained")
         infos = ({k: (i.shape, i.dtype) for k, i in read_safetensors_header(file).items()}
                  if file.suffix == ".safetensors" else {k: (tuple(t.shape), t.dtype) for k, t in load_bin(file).items()})
-        pairs, problems = _pair_up(infos, cfg, file, model_tensors, model_ref)
+        replaced, problems = _replacements(infos, file, model_tensors, model_ref)
+        pairs, more = _pair_up({k: v for k, v in infos.items() if k not in replaced.values()}, cfg, file,
+                               model_tensors, model_ref)
+        problems += more
         if problems:
             raise SourceError(*problems)
         base_name = str(cfg.get("base_model_name_or_path") or "")
@@ -113,8 +121,12 @@ class Adapter:
             warnings.warn(f"{field_name}: LoRA adapter {ref!r} was trained on {base_name!r} (adapter_config.json "
                           f"base_model_name_or_path), not {model_ref!r}; it is merged anyway, as mergekit does",
                           UpcycleWarning, stacklevel=2)
-        dtypes = {k: model_tensors[k].dtype for k in pairs}
-        return cls(ref=ref, path=path, file=file, pairs=pairs, dtypes=dtypes, base_name=base_name)
+        dtypes = {k: model_tensors[k].dtype for k in [*pairs, *replaced]}
+        return cls(ref=ref, path=path, file=file, pairs=pairs, dtypes=dtypes, base_name=base_name, replaced=replaced)
+
+    def changes(self, key: str) -> bool:
+        """Whether this adapter changes model weight `key`."""
+        return key in self.pairs or key in self.replaced
 
     def _tensor(self, key: str) -> torch.Tensor:
         if self.file.suffix == ".safetensors":
@@ -133,6 +145,8 @@ class Adapter:
 
     def merge(self, key: str, weight: torch.Tensor) -> torch.Tensor:
         """`weight` (the model's `key`) with this adapter merged: fp32 sum, cast to `weight`'s dtype."""
+        if key in self.replaced:
+            weight = self._tensor(self.replaced[key]).to(device=weight.device, dtype=weight.dtype)
         if key not in self.pairs:
             return weight
         # never in place: `weight` may be a view of the mapped input file
@@ -161,6 +175,28 @@ def _config_problems(cfg: dict, cfg_file: Path) -> list[str]:
                                                   for v in value.values()):
             problems.append(f"{cfg_file}: {name} must map module names to positive numbers, got {value!r}")
     return problems
+
+
+def _replacements(infos: dict, file: Path, model: dict, model_ref: str) -> tuple[dict[str, str], list[str]]:
+    """Whole weights the adapter saved (``<module>.base_layer.weight``): model key -> adapter key."""
+    replaced, problems = {}, []
+    for key, (shape, dtype) in infos.items():
+        m = _BASE_LAYER.match(key)
+        if m is None:
+            continue
+        target = f"{m['module']}.weight"
+        if target not in model:
+            problems.append(f"{file}: tensor {key!r} replaces {target!r}, which model {model_ref!r} does not have; "
+                            f"is this adapter for another model?")
+        elif tuple(shape) != tuple(model[target].shape):
+            problems.append(f"{file}: tensor {key!r} is {list(shape)} but {target!r} of {model_ref!r} is "
+                            f"{list(model[target].shape)} (a resized vocabulary?); resize the model's embeddings "
+                            f"as in training and merge with peft, then give that folder")
+        elif dtype not in _FLOATS:
+            problems.append(f"{file}: {key!r} is {dtype}; save the adapter in a floating-point dtype")
+        else:
+            replaced[target] = key
+    return replaced, problems
 
 
 def _pattern(patterns: dict, module: str, default: float) -> float:
@@ -253,7 +289,7 @@ def merge_into_model(model: Any, adapter: Optional[Adapter]) -> None:
         return
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for key in adapter.pairs:
+        for key in [*adapter.pairs, *(k for k in adapter.replaced if k not in adapter.pairs)]:
             param = params.get(key)
             if param is None:
                 raise SourceError(f"LoRA adapter {adapter.ref!r}: the loaded model has no parameter {key!r} to merge "

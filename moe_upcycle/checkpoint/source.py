@@ -70,14 +70,14 @@ class Checkpoint:
         The same model under two adapters reads the same bytes for every tensor neither adapts, so
         those slots may share one tensor.
         """
-        if self.adapter is not None and key not in self.adapter.pairs:
+        if self.adapter is not None and not self.adapter.changes(key):
             return (self.model_ref or self.ref, key)
         return (self.ref, key)
 
     def read(self, key: str) -> torch.Tensor:
         """Read one tensor (with the LoRA adapter merged in, when there is one and it adapts `key`)."""
         tensor = self._read(key)
-        if self.adapter is not None and key in self.adapter.pairs and self.path is not None:
+        if self.adapter is not None and self.adapter.changes(key) and self.path is not None:
             try:
                 return self.adapter.merge(key, tensor)
             except SourceError:

@@ -269,7 +269,7 @@ def leaf_bytes(step: Step, sources: dict[str, Checkpoint], policy: str) -> tuple
     source = sources[step.source[0]]
     # a LoRA-adapted tensor (`lora.Adapter.merge`) is a new tensor: made from an fp32 copy of W,
     # the fp32 delta and their fp32 sum (transient), then cast to W's dtype (kept)
-    merging = source.adapter is not None and step.source[1] in source.adapter.pairs
+    merging = source.adapter is not None and source.adapter.changes(step.source[1])
     if merging:
         read = info.nbytes
     cast = math.prod(info.shape) * step.dtype.itemsize if info.dtype != step.dtype else 0

@@ -189,7 +189,7 @@ def adapter_lines(sources: dict[str, Checkpoint]) -> list[str]:
         if adapter is None:
             continue
         ranks = sorted({round(p.scaling, 6) for p in adapter.pairs.values()})
-        lines.append(f"{ref}: LoRA {adapter.file} merged into {len(adapter.pairs)} tensors of {source.model_ref} "
+        lines.append(f"{ref}: LoRA {adapter.file} merged into {len(set(adapter.pairs) | set(adapter.replaced))} tensors of {source.model_ref} "
                      f"(scaling {', '.join(f'{r:g}' for r in ranks)})")
     return lines
 
