@@ -283,13 +283,23 @@ def test_bad_adapters_are_refused(case, tiny_llama, adapters, tmp_path, write_ya
     assert not out.exists()
 
 
-def test_adapter_for_another_base_only_warns(tiny_llama, adapters, tmp_path):
-    """base_model_name_or_path naming another model is a warning (mergekit does not check), not a refusal."""
+def test_adapter_for_another_base_only_warns(tiny_llama, adapters, tmp_path, monkeypatch):
+    """base_model_name_or_path naming another hub model is a warning (mergekit does not check), not a refusal;
+    a local model folder proves nothing by its name and gets none."""
+    from huggingface_hub import constants
+
+    _cache_repo(tmp_path / "cache", "me/base", tiny_llama)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     other = tmp_path / "adapter"
     shutil.copytree(adapters["ffn"], other)
     _edit_config(other, base_model_name_or_path="someone/other-model")
     with pytest.warns(UserWarning, match="was trained on 'someone/other-model'"):
-        upcycle(moe_config(str(tiny_llama), [f"{tiny_llama}+{other}", str(tiny_llama)]), tmp_path / "moe")
+        upcycle(moe_config(str(tiny_llama), [f"me/base+{other}", str(tiny_llama)]), tmp_path / "moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        upcycle(moe_config(str(tiny_llama), [f"{tiny_llama}+{other}", str(tiny_llama)]), tmp_path / "moe2")
+        _edit_config(other, base_model_name_or_path="ME/Base")  # hub ids: any case
+        upcycle(moe_config(str(tiny_llama), [f"me/base@main+{other}", str(tiny_llama)]), tmp_path / "moe3")
 
 
 def test_missing_adapter_names_it(tiny_llama, tmp_path, write_yaml):
@@ -384,3 +394,32 @@ def test_merge_equals_peft_merge_and_unload(name, tiny_llama, tmp_path):
     assert checkpoint.adapter.pairs
     for key in checkpoint.tensors:
         assert torch.equal(checkpoint.read(key), merged[key]), key
+
+
+def _cache_repo(cache: Path, repo: str, files: Path, revision: str = "main") -> None:
+    """Lay `files` out as hub repo `repo` at `revision` in a Hugging Face cache (offline lookups only)."""
+    commit = (repo.encode().hex() * 40)[:40]
+    snap = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+    shutil.copytree(files, snap)
+    (snap.parent.parent / "refs").mkdir(exist_ok=True)
+    (snap.parent.parent / "refs" / revision).write_text(commit)
+
+
+def test_hub_ids_with_revisions_and_the_model_card(tiny_llama, adapters, tmp_path, monkeypatch):
+    """org/model@rev+org/adapter@rev reads both from the cache; the card lists both hub ids as base_model
+    and names the expert "model with LoRA adapter merged in"."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "cache"
+    _cache_repo(cache, "me/base", tiny_llama)
+    _cache_repo(cache, "me/adapter", adapters["ffn"], revision="v2")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    out = upcycle(moe_config("me/base", ["me/base@main+me/adapter@v2", "me/base"]), tmp_path / "moe").output
+    expected = merged_by_hand(tiny_llama, adapters["ffn"])
+    assert torch.equal(read_output(out)["model.layers.1.block_sparse_moe.experts.0.w2.weight"],
+                       expected["model.layers.1.mlp.down_proj.weight"])
+    card = (out / "README.md").read_text()
+    assert "base_model:\n- me/base\n- me/adapter\n" in card, card[:600]
+    assert "[me/base](https://huggingface.co/me/base) with LoRA [me/adapter](https://huggingface.co/me/adapter) " \
+           "merged in" in card
+    assert "source_model: me/base+me/adapter" in card

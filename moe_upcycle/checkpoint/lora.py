@@ -268,12 +268,13 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
 
 
 def _same_model(name: str, model_ref: str) -> bool:
-    """Whether adapter_config's base model name plausibly names `model_ref` (a folder or hub id)."""
-    def norm(s: str) -> str:
-        return s.split("@")[0].rstrip("/").lower()
-    a, b = norm(name), norm(model_ref)
-    return a == b or a.endswith("/" + b.split("/")[-1]) or b.endswith("/" + a.split("/")[-1]) or \
-        a.split("/")[-1] == b.split("/")[-1]
+    """False only when adapter_config's base model and `model_ref` are both hub ids, and different ones
+    (a local folder may hold any model: its name proves nothing)."""
+    hub = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    a, b = name.strip().rstrip("/"), model_ref.partition("@")[0]
+    if Path(os.path.expanduser(model_ref)).is_dir() or not hub.match(a) or not hub.match(b) or Path(a).exists():
+        return True
+    return a.lower() == b.lower()
 
 
 def merge_into_model(model: Any, adapter: Optional[Adapter]) -> None:
