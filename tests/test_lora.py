@@ -423,3 +423,16 @@ def test_hub_ids_with_revisions_and_the_model_card(tiny_llama, adapters, tmp_pat
     assert "[me/base](https://huggingface.co/me/base) with LoRA [me/adapter](https://huggingface.co/me/adapter) " \
            "merged in" in card
     assert "source_model: me/base+me/adapter" in card
+
+
+@pytest.mark.parametrize("mode", ["random", "hidden", "cheap_embed"])
+def test_memory_estimate_counts_the_merge(mode, tiny_llama, adapters, tmp_path):
+    """The plan's private-memory figures grow by at least the fp32 merge of the largest adapted tensor."""
+    estimates = {}
+    for name, ref in (("plain", str(tiny_llama)), ("lora", f"{tiny_llama}+{adapters['embed' if mode == 'cheap_embed' else 'ffn']}")):
+        config = moe_config(ref, [ref, ref], gate_mode=mode)
+        estimates[name] = upcycle(config, dry_run=True).summary.memory
+    largest = 300 * 64 if mode == "cheap_embed" else 128 * 64  # the embedding / one FFN matrix, elements
+    phase = "gate_private_bytes" if mode != "random" else "build_private_bytes"
+    grown = getattr(estimates["lora"], phase) - getattr(estimates["plain"], phase)
+    assert grown >= 12 * largest, (phase, grown)

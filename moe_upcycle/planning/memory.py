@@ -159,9 +159,14 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
         info = base.tensors[names.EMBED]
         private += math.prod(info.shape) * 4 if info.dtype != torch.float32 else 0
         files += info.nbytes
+        if base.adapter is not None and base.adapter.changes(names.EMBED):  # merged: a new tensor, fp32 work
+            private += info.nbytes + 12 * math.prod(info.shape)
     if not hidden:
         return private, files, 0, notes
     model = model_bytes_in(base, gating)
+    if base.adapter is not None and base.adapter.pairs:  # `lora.merge_into_model`: one weight at a time
+        largest = max(math.prod(base.tensors[k].shape) for k in base.adapter.pairs)
+        model += 12 * largest  # fp32 copy of W, the fp32 delta and their sum
     acts = activation_bytes(plan, gating)
     files += sum(t.nbytes for t in base.tensors.values())  # transformers maps the input while loading
     dtype = gating.dtype or ("bfloat16" if gating.source == "mergekit" else "float32")
