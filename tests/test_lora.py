@@ -302,12 +302,26 @@ def test_adapter_for_another_base_only_warns(tiny_llama, adapters, tmp_path, mon
         upcycle(moe_config(str(tiny_llama), [f"me/base@main+{other}", str(tiny_llama)]), tmp_path / "moe3")
 
 
-def test_missing_adapter_names_it(tiny_llama, tmp_path, write_yaml):
-    path = write_yaml(moe_config(str(tiny_llama), [f"{tiny_llama}+{tmp_path / 'nowhere'}", str(tiny_llama)]))
-    result = CliRunner().invoke(app, ["build", str(path), "-o", str(tmp_path / "out")])
-    assert result.exit_code == 1
+@pytest.mark.parametrize("command", ["build", "plan", "plan --from-config"])
+@pytest.mark.parametrize("form, words", [
+    ("{model}+{tmp}/nowhere", ["experts[0].source_model (LoRA adapter): model", "nowhere", "not found"]),
+    ("{model}+", ["has an empty adapter part", "MODEL+ADAPTER"]),
+    ("+{model}", ["has an empty model part"]),
+    ("{model}+{model}", ["has no adapter_config.json"]),  # a model folder given as the adapter
+    ("{model}+{model}/model.safetensors", ["(LoRA adapter): model", "is a file, not a model folder"]),
+])
+def test_unusable_references_are_named(command, form, words, tiny_llama, tmp_path, write_yaml):
+    if command == "plan --from-config" and "adapter_config" in words[0]:
+        pytest.skip("plan --from-config reads no adapter file: only that the adapter exists")
+    ref = form.format(model=tiny_llama, tmp=tmp_path)
+    path = write_yaml(moe_config(str(tiny_llama), [ref, str(tiny_llama)]))
+    args = command.split() + [str(path)] + (["-o", str(tmp_path / "out")] if command == "build" else [])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
     text = " ".join(result.output.split())
-    assert "experts[0].source_model (LoRA adapter): model" in text and "nowhere" in text, text
+    assert "experts[0].source_model" in text and "Traceback" not in text, text
+    for word in words:
+        assert word in text, (word, text)
     assert not (tmp_path / "out").exists()
 
 

@@ -50,6 +50,19 @@ def split_ref(ref: str) -> tuple[str, Optional[str]]:
     return model, adapter
 
 
+def reference_parts(ref: str, field_name: str) -> tuple[str, Optional[str]]:
+    """`split_ref`, refusing an empty model or adapter part (``X+`` or ``+Y`` would read the current folder).
+
+    Raises:
+        SourceError: a part is empty.
+    """
+    model, adapter = split_ref(ref)
+    if adapter is not None and (not model.strip() or not adapter.strip()):
+        raise SourceError(f"{field_name}: {ref!r} has an empty {'model' if not model.strip() else 'adapter'} part; "
+                          f"mergekit's model+LoRA form is MODEL+ADAPTER, each a folder or hub id")
+    return model, adapter
+
+
 @dataclass
 class LoraPair:
     """One adapted weight: its A (r, in) and B (out, r) keys, scaling, and whether it is an embedding."""

@@ -16,7 +16,7 @@ import torch
 from moe_upcycle.checkpoint import names
 from moe_upcycle.errors import SourceError
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, meta_checkpoint, open_sources, read_config
-from moe_upcycle.checkpoint.lora import split_ref
+from moe_upcycle.checkpoint.lora import reference_parts
 from moe_upcycle.checkpoint.model_refs import resolve_model
 
 Dims = dict[str, int]
@@ -92,7 +92,7 @@ def meta_source(ref: str, field_name: str) -> Checkpoint:
     Raises:
         SourceError: `ref` is not a local folder or cached hub id, or has no usable config.json.
     """
-    model_ref, adapter_ref = split_ref(ref)  # a LoRA changes no shape: model+adapter is planned as the model
+    model_ref, adapter_ref = reference_parts(ref, field_name)  # a LoRA changes no shape: model+adapter is planned as the model
     path = resolve_model(model_ref, field_name)
     if adapter_ref is not None:
         resolve_model(adapter_ref, f"{field_name} (LoRA adapter)")

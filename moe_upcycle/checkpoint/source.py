@@ -28,7 +28,7 @@ from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
-from moe_upcycle.checkpoint.lora import Adapter, split_ref
+from moe_upcycle.checkpoint.lora import Adapter, reference_parts
 from moe_upcycle.checkpoint.model_refs import repo_and_revision, resolve_model
 from moe_upcycle.checkpoint.weight_files import WEIGHT_FILES, check_index, choose_weights, duplicate_problems, index_files
 
@@ -189,7 +189,7 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
 
 
 def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
-    model_ref, adapter_ref = split_ref(ref)
+    model_ref, adapter_ref = reference_parts(ref, field_name)
     if adapter_ref is not None:
         model = _open_checkpoint(model_ref, field_name)
         model.adapter = Adapter.open(adapter_ref, field_name, model.tensors, model_ref)
