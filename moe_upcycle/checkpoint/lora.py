@@ -235,7 +235,13 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
                 problems.append(f"{file}: tensor {key!r} is not a LoRA weight (base_model.model.<module>.lora_A.weight "
                                 f"or lora_B); is this a PEFT LoRA adapter?")
             continue
-        found.setdefault(m["module"], {})[m["part"] or m["emb"]] = key
+        parts = found.setdefault(m["module"], {})
+        part = m["part"] or m["emb"]
+        if part in parts:  # e.g. lora_A.weight beside lora_A.default.weight: which one peft loads is unclear
+            problems.append(f"{file}: tensors {parts[part]!r} and {key!r} are both {part} of {m['module']!r}; "
+                            f"keep one (save the adapter again)")
+            continue
+        parts[part] = key
     pairs = {}
     for module, parts in found.items():
         embedding = "lora_embedding_A" in parts or "lora_embedding_B" in parts
