@@ -256,7 +256,7 @@ BAD_ADAPTERS = {
     "ab_rank": (lambda f: _edit_weights(f, lambda s: s.update({B0: torch.ones(128, 3)})), ["their ranks differ"]),
     "non_float": (lambda f: _edit_weights(f, lambda s: s.update({A0: torch.ones(4, 64, dtype=torch.int8)})),
                   ["torch.int8", "must be floating point"]),
-    "duplicate": (lambda f: _edit_weights(f, lambda s: s.update({A0.replace("lora_A.", "lora_A.default."): s[A0]})),
+    "duplicate": (lambda f: _edit_weights(f, lambda s: s.update({A0.replace("lora_A.", "lora_A.default."): s[A0].clone()})),
                   ["are both lora_A of 'model.layers.0.mlp.up_proj'"]),
     "missing_b": (lambda f: _edit_weights(f, lambda s: s.pop(B0)), ["not its B matrix"]),
     "bias": (lambda f: _edit_weights(f, lambda s: s.update({f"{PREFIX}model.layers.0.mlp.up_proj.bias": torch.ones(128)})),
