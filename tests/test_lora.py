@@ -307,6 +307,9 @@ def test_adapter_for_another_base_only_warns(tiny_llama, adapters, tmp_path, mon
 @pytest.mark.parametrize("command", ["build", "plan", "plan --from-config"])
 @pytest.mark.parametrize("form, words", [
     ("{model}+{tmp}/nowhere", ["experts[0].source_model (LoRA adapter): model", "nowhere", "not found"]),
+    ("{model}+me/missing-adapter@v1", ["experts[0].source_model (LoRA adapter): model 'me/missing-adapter@v1' not "
+                                      "found", "give the adapter's folder, or download it first",
+                                      "download me/missing-adapter --revision v1)"]),
     ("{model}+", ["has an empty adapter part", "MODEL+ADAPTER"]),
     ("+{model}", ["has an empty model part"]),
     ("{model}+{model}", ["has no adapter_config.json"]),  # a model folder given as the adapter

@@ -102,7 +102,7 @@ class Adapter:
         Raises:
             SourceError: every problem found, each naming the adapter file, key or field and the fix.
         """
-        path = resolve_model(ref, f"{field_name} (LoRA adapter)")
+        path = resolve_adapter(ref, field_name)
         where = f"{field_name}: LoRA adapter {ref!r}"
         cfg_file = path / "adapter_config.json"
         if not cfg_file.is_file():
@@ -164,6 +164,30 @@ class Adapter:
             return weight
         # never in place: `weight` may be a view of the mapped input file
         return (weight.float() + self.delta(key).to(weight.device)).to(weight.dtype)
+
+
+def resolve_adapter(ref: str, field_name: str) -> Path:
+    """The folder of adapter `ref` (a folder or a cached hub id, optionally @revision).
+
+    Raises:
+        SourceError: not found; says where it looked and how to get it.
+    """
+    try:
+        return resolve_model(ref, f"{field_name} (LoRA adapter)")
+    except SourceError as exc:
+        raise SourceError(*[_adapter_hint(p, ref) for p in exc.problems]) from None
+
+
+def _adapter_hint(problem: str, ref: str) -> str:
+    """`resolve_model`'s message for a missing adapter, with the advice an adapter needs (not a model's)."""
+    from moe_upcycle.terminal.hints import download_command, is_hub_id
+
+    repo, _, revision = ref.partition("@")
+    if " not found " not in problem or not is_hub_id(repo):
+        return problem
+    head = problem.split("; ")[0]
+    return (f"{head}; give the adapter's folder, or download it first "
+            f"({download_command(repo, *(('--revision', revision) if revision else ()))})")
 
 
 def _config_problems(cfg: dict, cfg_file: Path) -> list[str]:
