@@ -285,6 +285,21 @@ def test_bad_adapters_are_refused(case, tiny_llama, adapters, tmp_path, write_ya
     assert not out.exists()
 
 
+def test_lm_head_adapter_on_a_tied_model_is_refused(tiny_qwen2_tied, tmp_path, write_yaml):
+    """A tied model has no lm_head tensor: peft's lm_head merge would change the embedding; refused, named."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({f"{PREFIX}lm_head.lora_A.weight": torch.ones(2, 64), f"{PREFIX}lm_head.lora_B.weight": torch.ones(5, 2)},
+              str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    path = write_yaml(moe_config(str(tiny_qwen2_tied), [f"{tiny_qwen2_tied}+{adapter}", str(tiny_qwen2_tied)]))
+    result = CliRunner().invoke(app, ["build", str(path), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "adapts 'lm_head.weight'" in text and "ties lm_head to its embedding" in text, text
+    assert not (tmp_path / "out").exists()
+
+
 def test_adapter_for_another_base_only_warns(tiny_llama, adapters, tmp_path, monkeypatch):
     """base_model_name_or_path naming another hub model is a warning (mergekit does not check), not a refusal;
     a local model folder proves nothing by its name and gets none."""

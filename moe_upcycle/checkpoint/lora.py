@@ -276,6 +276,12 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
                             f"{'B' if a_key else 'A'} matrix; the adapter file is incomplete — save it again")
             continue
         target = f"{module}.weight"
+        if target not in model and module.endswith("lm_head") and any(k.endswith("embed_tokens.weight") for k in model):
+            problems.append(f"{file}: tensor {a_key!r} adapts {target!r}, but model {model_ref!r} ties lm_head to its "
+                            f"embedding (no lm_head tensor of its own), so merging it would change the embedding "
+                            f"too, which moe-upcycle does not do; merge this adapter with peft "
+                            f"(merge_and_unload().save_pretrained(folder)) and give that folder")
+            continue
         if target not in model:
             problems.append(f"{file}: tensor {a_key!r} adapts {target!r}, which model {model_ref!r} does not have; "
                             f"is this adapter for another model?")
