@@ -344,6 +344,10 @@ def merge_into_model(model: Any, adapter: Optional[Adapter]) -> None:
             if param is None:
                 raise SourceError(f"LoRA adapter {adapter.ref!r}: the loaded model has no parameter {key!r} to merge "
                                   f"into")
+            if param.device.type == "meta":  # accelerate offloaded it (device_map beyond the GPUs)
+                raise SourceError(f"LoRA adapter {adapter.ref!r}: {key!r} was offloaded while loading the model whole, "
+                                  f"and a LoRA cannot be merged into an offloaded weight; use device: cpu, or a GPU "
+                                  f"the model fits on")
             if param.dtype not in _FLOATS:
                 raise SourceError(f"LoRA adapter {adapter.ref!r}: {key!r} is loaded quantized ({param.dtype}); a LoRA "
                                   f"cannot be merged into it — remove quantize:")
