@@ -16,15 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_upcycle import upcycle
 from moe_upcycle.cli.app import app
-from moe_upcycle.errors import UpcycleError
 
-from conftest import PROMPT_TEXT, model_logits
+from conftest import model_logits
 
 FFN = ("gate_proj", "up_proj", "down_proj")
 PREFIX = "base_model.model."

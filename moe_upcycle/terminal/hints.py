@@ -75,4 +75,4 @@ def missing_model_hint(ref: str) -> str:
 
 def _present(ref: str) -> bool:
     """Whether a reference is a local folder (hub ids are not looked up here)."""
-    return Path(ref.partition("@")[0] if not Path(ref).expanduser().is_dir() else ref).expanduser().is_dir()
+    return Path(ref).expanduser().is_dir()
