@@ -62,6 +62,12 @@ class BuildResult:
     notes: list[str] = field(default_factory=list)  # the plan's cautions; a mergekit config built with our router semantics
 
 
+def source_folders(sources: dict) -> list[Path]:
+    """Every folder the build reads models from: model folders and LoRA adapter folders (never replaced)."""
+    folders = [s.path for s in sources.values() if s.path]
+    return folders + [s.adapter.path for s in sources.values() if s.adapter is not None]
+
+
 def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Path:
     """The output folder: the argument, else the config's `output:`."""
     chosen = output if output is not None else config.output
@@ -204,13 +210,13 @@ def upcycle(
     target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
     summary = summarize(config, plan, sources, sharing, target)
     if dry_run:
-        problem = target and target_problem(target, force, [s.path for s in sources.values() if s.path],
+        problem = target and target_problem(target, force, source_folders(sources),
                                             input_paths(recipe_source, config, ()), full=False)
         if problem:  # what the build would refuse, whatever its --force
             raise OutputError(problem)
         return BuildResult(config, plan, None, sharing, summary=summary)
     make_parent(target)
-    check_target(target, force, [s.path for s in sources.values() if s.path],
+    check_target(target, force, source_folders(sources),
                  input_paths(recipe_source, config, ()))
     check_free_space(target, summary.disk_needed_bytes)
     base = sources[config.base_model]
@@ -251,7 +257,7 @@ def upcycle(
             checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
                                     device=resolve_device(gating.device))  # the recipe's device (auto)
         with progress_stage("init drift"):
-            drift = build_drift(checking, plan, base.path, stage)
+            drift = build_drift(checking, plan, base.path, stage, base.adapter)
         card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
         write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path],
                          {ref: s.path for ref, s in sources.items()})

@@ -107,7 +107,7 @@ def test_plan_and_build_share_one_drift_rule(stories, tmp_path, monkeypatch, rep
     monkeypatch.setattr(type(plan), "total_bytes", property(lambda self: size))
     predicted = memory.drift_phase(plan, check, sources[str(stories)]) is not None
     ran = []
-    monkeypatch.setattr(drift, "measure_drift_folders", lambda dense, moe, text: ran.append(text))
+    monkeypatch.setattr(drift, "measure_drift_folders", lambda dense, moe, text, adapter=None: ran.append(text))
     drift.build_drift(check, plan, stories, tmp_path)
     assert predicted is expected and bool(ran) is expected
 

@@ -298,8 +298,10 @@ def test_identical_prompts_for_every_expert(experts, refused, mode):
 @pytest.mark.parametrize("ref, words", [
     ("mistralai/Mistral-7B-v0.1+someone/mistral-lora",
      ["'mistralai/Mistral-7B-v0.1'+'someone/mistral-lora' is mergekit's model+LoRA form",
-      "moe-upcycle does not apply LoRA adapters", "merge_and_unload()"]),
-    ("mistralai/Mistral-7B-v0.1@main+someone/lora@v2", ["mergekit's model+LoRA form"]),
+      "the model and the adapter must each be a folder or a hub id in the local cache",
+      "download mistralai/Mistral-7B-v0.1"]),
+    ("mistralai/Mistral-7B-v0.1@main+someone/lora@v2", ["mergekit's model+LoRA form", "--revision main"]),
+    ("mistralai/Mistral-7B-v0.1+a/b+c/d", ["names more than one '+'", "merge_and_unload()"]),
     ("mistralai/Mistral-7B-v0.1@main@v2", ["a model reference has at most one '@' (org/name@revision"]),
     ("https://huggingface.co/mistralai/Mistral-7B-v0.1/tree/main",
      ["write the hub id, not its web address: mistralai/Mistral-7B-v0.1"]),

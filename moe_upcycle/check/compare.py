@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 import torch
 
 from moe_upcycle.check.continuations import continue_from_drafts, eos_ids, usable_draft
+from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
 from moe_upcycle.inputs.text import check_token_ids
 
 MAX_TEXT_TOKENS = 1024  # perplexity text is cut to this (and to the model's max_position_embeddings)
@@ -98,8 +99,9 @@ def encode_inputs(tokenizer, prompts: list[str], text: Optional[str] = None,
     return Inputs(ids, text_ids)
 
 
-def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32, device: str = "cpu") -> Loaded:
-    """Load a model folder with AutoModelForCausalLM/AutoTokenizer (eval mode).
+def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32, device: str = "cpu",
+                   adapter: Optional[Adapter] = None) -> Loaded:
+    """Load a model folder with AutoModelForCausalLM/AutoTokenizer (eval mode), `adapter` (a LoRA) merged in.
 
     `dtype` "auto" is the folder's own (config.json ``dtype``); the experts implementation is
     whatever transformers picks for the folder (config.json ``experts_implementation``, else its
@@ -121,6 +123,7 @@ def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32,
                                                for n in ("tokenizer.json", "tokenizer.model", "vocab.json")) else "")
                                  ) from exc
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
+    merge_into_model(model, adapter)
     mismatched = [k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", [])]
     return Loaded(model.to(device).eval(), tokenizer, sorted(info.get("missing_keys", [])),
                   sorted(info.get("unexpected_keys", [])), sorted(mismatched))

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from moe_upcycle.check import compare
+from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
 from moe_upcycle.recipe.params import DRIFT_TEXT, CheckParams
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.steps import Plan
@@ -68,8 +69,8 @@ def measure_drift(dense_model: torch.nn.Module, moe_model: torch.nn.Module, inpu
     return compare_logits(dense_logits, moe_logits)
 
 
-def measure_drift_folders(dense: Path, moe: Path, text: str = DRIFT_TEXT) -> InitDrift:
-    """Load two saved models (fp32, whole-model memory) and compare them on `text`.
+def measure_drift_folders(dense: Path, moe: Path, text: str = DRIFT_TEXT, adapter: Optional[Adapter] = None) -> InitDrift:
+    """Load two saved models (fp32, whole-model memory; `adapter` merged into the dense one) and compare them on `text`.
 
     Raises:
         ConfigError: the dense folder has no tokenizer to encode `text` with.
@@ -81,6 +82,7 @@ def measure_drift_folders(dense: Path, moe: Path, text: str = DRIFT_TEXT) -> Ini
                           f"encode the drift text; add them or set report_init_drift: false")
     ids = AutoTokenizer.from_pretrained(str(dense))(text, return_tensors="pt")["input_ids"]
     dense_model = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
+    merge_into_model(dense_model, adapter)
     check_token_ids(ids, dense_model.get_input_embeddings().num_embeddings, dense, text)
     # eager experts: the reference loop, which (unlike grouped_mm on CPU) takes any intermediate size
     moe_model = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32, **EAGER_EXPERTS).eval()
@@ -91,11 +93,12 @@ def has_tokenizer(folder: Path) -> bool:
     return any((Path(folder) / name).is_file() for name in TOKENIZER_MARKERS)
 
 
-def build_drift(check: CheckParams, plan: Plan, dense: Optional[Path], moe: Path) -> Optional[InitDrift]:
+def build_drift(check: CheckParams, plan: Plan, dense: Optional[Path], moe: Path,
+                adapter: Optional[Adapter] = None) -> Optional[InitDrift]:
     """The drift of a freshly written build, or None when `CheckParams.measures_drift` skips it (or,
     by default, the base has no tokenizer to encode the drift text with)."""
     if dense is None or not check.measures_drift(plan.total_bytes):
         return None
     if check.report_init_drift is None and not has_tokenizer(dense):
         return None
-    return measure_drift_folders(dense, moe, check.drift_text)
+    return measure_drift_folders(dense, moe, check.drift_text, adapter)

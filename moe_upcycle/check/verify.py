@@ -48,7 +48,9 @@ from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
+from moe_upcycle.checkpoint.lora import Adapter, split_ref
 from moe_upcycle.checkpoint.model_refs import resolve_model
+from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build
@@ -318,13 +320,15 @@ def verify(
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
     advance("verify", note="loading the dense base")
 
-    base_path = base_given or _resolve_base(check, result)
+    base_path, adapter = base_given or _resolve_base(check, result)
     dense_run = None
     if base_path is not None:
         result.base = str(base if base is not None else check.base_model)
         _check_tokenizer(base_path, folder, result)
         try:
-            dense = load_causal_lm(base_path, device=device)
+            dense = load_causal_lm(base_path, device=device, adapter=adapter)
+        except SourceError:
+            raise
         except Exception as exc:  # the reference itself is broken: the user must fix --base
             raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
                               f"{exc}); pass a working --base DENSE") from None
@@ -397,26 +401,34 @@ def _check_options(device: str, max_new_tokens: int, max_kl: Optional[float],
         raise ConfigError(*problems)
 
 
-def _explicit_base(base) -> Optional[Path]:
-    """The folder of an explicitly given --base, which must be a model folder; None when not given."""
+def _explicit_base(base) -> Optional[tuple[Path, Optional[Adapter]]]:
+    """The folder (and LoRA adapter) of an explicitly given --base, which must be a model; None when not given."""
     if base is None:
         return None
-    path = resolve_model(str(base), "--base")  # given explicitly: an error if absent
+    path, adapter = _model_and_adapter(str(base), "--base")  # given explicitly: an error if absent
     if not (path / "config.json").is_file():
         raise SourceError(f"--base: {path} is not a model folder (no config.json); give the dense model's folder")
-    return path
+    return path, adapter
 
 
-def _resolve_base(check: Optional[CheckParams], result: VerifyResult) -> Optional[Path]:
-    """The recipe's base_model, or None (with a note) when there is none to compare with."""
+def _model_and_adapter(ref: str, field_name: str) -> tuple[Path, Optional[Adapter]]:
+    """A reference's folder, and for mergekit's ``model+adapter`` the adapter merged into the dense reference."""
+    if split_ref(ref)[1] is None:
+        return resolve_model(ref, field_name), None
+    checkpoint = open_checkpoint(ref, field_name)  # headers only: checks the adapter against the model
+    return checkpoint.path, checkpoint.adapter
+
+
+def _resolve_base(check: Optional[CheckParams], result: VerifyResult) -> tuple[Optional[Path], Optional[Adapter]]:
+    """The recipe's base_model (and its LoRA adapter), or None (with a note) when there is none to compare with."""
     if check is None:
         result.notes.append("no dense base to compare with (no recipe); pass --base DENSE")
-        return None
+        return None, None
     try:
-        return resolve_model(check.base_model, f"{RECIPE_NAME} base_model")
+        return _model_and_adapter(check.base_model, f"{RECIPE_NAME} base_model")
     except SourceError as exc:
         result.notes.append(f"dense comparison skipped: {exc.problems[0]} (pass --base DENSE)")
-        return None
+        return None, None
 
 
 def _check_tokenizer(base: Path, folder: Path, result: VerifyResult) -> None:

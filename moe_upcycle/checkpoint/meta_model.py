@@ -16,6 +16,7 @@ import torch
 from moe_upcycle.checkpoint import names
 from moe_upcycle.errors import SourceError
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, meta_checkpoint, open_sources, read_config
+from moe_upcycle.checkpoint.lora import reference_parts, resolve_adapter
 from moe_upcycle.checkpoint.model_refs import resolve_model
 
 Dims = dict[str, int]
@@ -91,7 +92,10 @@ def meta_source(ref: str, field_name: str) -> Checkpoint:
     Raises:
         SourceError: `ref` is not a local folder or cached hub id, or has no usable config.json.
     """
-    path = resolve_model(ref, field_name)
+    model_ref, adapter_ref = reference_parts(ref, field_name)  # a LoRA changes no shape: model+adapter is planned as the model
+    path = resolve_model(model_ref, field_name)
+    if adapter_ref is not None:
+        resolve_adapter(adapter_ref, field_name)
     config = read_config(path, field_name)
     try:
         return meta_checkpoint(ref, config, describe_dense(config, f"{field_name} ({path / 'config.json'})"))

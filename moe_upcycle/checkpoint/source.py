@@ -7,7 +7,8 @@ the files transformers would load (`weight_files`), without reading any tensor d
 checkpoints against each other: that is `plan`'s job.
 
 Model references are local folders, or hub ids resolved from the local Hugging Face cache
-(`model_refs`; offline, nothing is downloaded).
+(`model_refs`; offline, nothing is downloaded). mergekit's ``model+adapter`` opens the model with
+a `lora.Adapter` attached, and `read` returns each adapted tensor with the adapter merged in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
+from moe_upcycle.checkpoint.lora import Adapter, reference_parts
 from moe_upcycle.checkpoint.model_refs import repo_and_revision, resolve_model
 from moe_upcycle.checkpoint.weight_files import WEIGHT_FILES, check_index, choose_weights, duplicate_problems, index_files
 
@@ -45,6 +47,8 @@ class Checkpoint:
         config: the parsed ``config.json``.
         tensors: key -> TensorInfo, in file order.
         shared_groups: groups of keys that share one storage in the input (only ``.bin`` can).
+        adapter: the LoRA adapter merged into what `read` returns (a ``model+adapter`` reference).
+        model_ref: the model part of `ref` (`ref` itself without an adapter).
     """
 
     ref: str
@@ -52,13 +56,38 @@ class Checkpoint:
     config: dict
     tensors: dict[str, TensorInfo]
     shared_groups: list[list[str]] = field(default_factory=list)
+    adapter: Optional[Adapter] = None
+    model_ref: str = ""
     _handles: dict[Any, Any] = field(default_factory=dict, repr=False)  # file -> open handle or mmap
 
     @property
     def model_type(self) -> str:
         return self.config.get("model_type", "")
 
+    def identity(self, key: str) -> tuple[str, str]:
+        """Which bytes `read(key)` returns: (model reference, key); tensors an adapter changes keep `ref`.
+
+        The same model under two adapters reads the same bytes for every tensor neither adapts, so
+        those slots may share one tensor.
+        """
+        if self.adapter is not None and not self.adapter.changes(key):
+            return (self.model_ref or self.ref, key)
+        return (self.ref, key)
+
     def read(self, key: str) -> torch.Tensor:
+        """Read one tensor (with the LoRA adapter merged in, when there is one and it adapts `key`)."""
+        tensor = self._read(key)
+        if self.adapter is not None and self.adapter.changes(key) and self.path is not None:
+            try:
+                return self.adapter.merge(key, tensor)
+            except SourceError:
+                raise
+            except Exception as exc:  # a damaged adapter file
+                raise SourceError(f"{self.adapter.file}: cannot merge LoRA weights for {key!r} ({exc}); the adapter "
+                                  f"file is damaged — save it again") from None
+        return tensor
+
+    def _read(self, key: str) -> torch.Tensor:
         """Read one tensor from disk as a memory-mapped view of the file's own bytes (no copy).
 
         safetensors files are mapped copy-on-write (``MAP_PRIVATE``): the view reads the page cache
@@ -160,6 +189,12 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
 
 
 def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
+    model_ref, adapter_ref = reference_parts(ref, field_name)
+    if adapter_ref is not None:
+        model = _open_checkpoint(model_ref, field_name)
+        model.adapter = Adapter.open(adapter_ref, field_name, model.tensors, model_ref)
+        model.ref, model.model_ref = ref, model_ref
+        return model
     path = resolve_model(ref, field_name)
     config = read_config(path, field_name)
     damaged = side_file_problems(path)

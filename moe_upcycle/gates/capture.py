@@ -22,6 +22,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
 from moe_upcycle.errors import ConfigError, DependencyError, SourceError, UpcycleWarning
 from moe_upcycle.inputs.text import check_texts, check_token_ids
 from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW
@@ -108,7 +109,7 @@ QUANTIZE_4BIT_WARNING = (
 
 
 def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
-              quantize: Optional[str] = None) -> LoadedModel:
+              quantize: Optional[str] = None, adapter: Optional[Adapter] = None) -> LoadedModel:
     """Load the whole base model and its tokenizer once, for router-input capture.
 
     Args:
@@ -116,6 +117,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
         device: ``auto``, ``cpu``, ``cuda`` (all GPUs, CPU offload beyond them) or ``cuda:N``.
         dtype: compute dtype; default bfloat16 on GPU, float32 on CPU.
         quantize: ``4bit`` or ``8bit`` through bitsandbytes (GPU only).
+        adapter: a LoRA adapter (``model+lora`` base) merged into the loaded model.
 
     Returns:
         The model in eval mode, its tokenizer (pad token set in memory only) and its norms.
@@ -153,6 +155,9 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+        merge_into_model(model, adapter)
+    except SourceError:
+        raise
     except Exception as exc:
         raise SourceError(f"base_model: loading {path} with transformers for hidden-state gates failed "
                           f"({type(exc).__name__}: {exc}); use gate_mode: random or cheap_embed, or fix the model "

@@ -44,6 +44,7 @@ from moe_upcycle.recipe.calibration import kmeans_sample_budget, read_documents
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode, encode_windows,
                       load_base)
+from moe_upcycle.checkpoint.lora import Adapter
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
 from moe_upcycle.terminal.progress import stage
@@ -159,10 +160,12 @@ def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts
     return torch.stack(centroids), torch.stack(means), inputs.token_norm
 
 
-def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path) -> dict[int, torch.Tensor]:
+def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path,
+                         adapter: Optional[Adapter] = None) -> dict[int, torch.Tensor]:
     """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``.
 
-    Loads the whole base model (see module docstring) on `params.device`.
+    Loads the whole base model (see module docstring) on `params.device`, with `adapter` (a
+    ``model+lora`` base's LoRA) merged in.
 
     Returns:
         layer -> (num_experts, hidden) fp32 rows.
@@ -172,7 +175,7 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path) -
             prompts/calibration text are unusable.
     """
     with stage("load base model", note=str(base_path)):
-        loaded = load_base(base_path, params.device, params.dtype, params.quantize)
+        loaded = load_base(base_path, params.device, params.dtype, params.quantize, adapter)
     if len(loaded.norms) != num_layers:
         raise SourceError(f"base_model: transformers built {len(loaded.norms)} layers but config.json says {num_layers}")
     if params.mode == "kmeans":

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -44,6 +44,7 @@ from moe_upcycle.gates.capture import load_base
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.steps import Plan
+from moe_upcycle.checkpoint.lora import Adapter
 from moe_upcycle.checkpoint.source import Checkpoint
 
 MERGEKIT_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed", "random", "uniform_random")
@@ -94,12 +95,13 @@ def _unit(rows: torch.Tensor) -> torch.Tensor:
     return rows / rows.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8)
 
 
-def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers: int, base_path: Path) -> torch.Tensor:
+def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers: int, base_path: Path,
+                adapter: Optional[Adapter] = None) -> torch.Tensor:
     """(L, E, H) unit rows for ``hidden``, ``hidden_avg`` and ``hidden_last``, in the model dtype.
 
     Loads the whole base model (bfloat16 unless `gate_dtype` is set) on `params.device`.
     """
-    loaded = load_base(base_path, params.device, params.dtype or "bfloat16", params.quantize)
+    loaded = load_base(base_path, params.device, params.dtype or "bfloat16", params.quantize, adapter)
     tokenizer = mergekit_tokenizer(base_path)
     average = params.mode == "hidden_avg"
 
@@ -159,7 +161,7 @@ def compute_mergekit_gates(params: GateParams, plan: Plan, base: Checkpoint) -> 
         rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
         rows = rows * params.scale if params.scale else rows
         return {layer: rows.clone() for layer in range(plan.num_layers)}
-    stacked = hidden_rows(params, experts, plan.num_layers, base.path).float()
+    stacked = hidden_rows(params, experts, plan.num_layers, base.path, base.adapter).float()
     if params.scale:
         stacked = stacked * params.scale
     return {layer: stacked[layer].contiguous() for layer in range(plan.num_layers)}
@@ -175,5 +177,5 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
         raise ConfigError(f"shared_experts[0]: gate_source: mergekit computes a prompt gate for gate_mode hidden, "
                           f"hidden_avg, hidden_last or cheap_embed, not {params.mode}; set "
                           f"shared_expert_gate: constant")
-    rows = hidden_rows(params, shared, plan.num_layers, base.path).float()  # (L, 1, H)
+    rows = hidden_rows(params, shared, plan.num_layers, base.path, base.adapter).float()  # (L, 1, H)
     return {layer: rows[layer].contiguous() for layer in range(plan.num_layers)}

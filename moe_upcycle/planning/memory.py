@@ -160,9 +160,14 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
         info = base.tensors[names.EMBED]
         private += math.prod(info.shape) * 4 if info.dtype != torch.float32 else 0
         files += info.nbytes
+        if base.adapter is not None and base.adapter.changes(names.EMBED):  # merged: a new tensor, fp32 work
+            private += info.nbytes + 12 * math.prod(info.shape)
     if not hidden:
         return private, files, 0, notes
     model = model_bytes_in(base, gating)
+    if base.adapter is not None and base.adapter.pairs:  # `lora.merge_into_model`: one weight at a time
+        largest = max(math.prod(base.tensors[k].shape) for k in base.adapter.pairs)
+        model += 12 * largest  # fp32 copy of W, the fp32 delta and their sum
     acts = activation_bytes(plan, gating)
     files += sum(t.nbytes for t in base.tensors.values())  # transformers maps the input while loading
     dtype = gating.dtype or ("bfloat16" if gating.source == "mergekit" else "float32")
@@ -267,14 +272,21 @@ def leaf_bytes(step: Step, sources: dict[str, Checkpoint], policy: str) -> tuple
     # safetensors tensor whose offset is unknown or not a multiple of its element size
     copied = info.file.endswith(".safetensors") and (info.offset < 0 or info.offset % info.dtype.itemsize)
     read = info.nbytes if copied else 0
+    source = sources[step.source[0]]
+    # a LoRA-adapted tensor (`lora.Adapter.merge`) is a new tensor: made from an fp32 copy of W,
+    # the fp32 delta and their fp32 sum (transient), then cast to W's dtype (kept)
+    merging = source.adapter is not None and source.adapter.changes(step.source[1])
+    if merging:
+        read = info.nbytes
     cast = math.prod(info.shape) * step.dtype.itemsize if info.dtype != step.dtype else 0
     cached = read + cast  # the source tensor in the output dtype, kept until its last slot
+    merge = 12 * math.prod(info.shape) if merging else 0  # transient, before `cached` exists
     if step.transforms:
         work = transform_bytes(step, math.prod(info.shape))
-        return cached + work, step.nbytes
+        return cached + max(work, merge), step.nbytes
     if policy == "clone" and step.kind in ("expert", "shared"):
-        return cached + step.nbytes, step.nbytes
-    return cached, cached
+        return cached + max(step.nbytes, merge), step.nbytes
+    return cached + merge, cached
 
 
 def transform_bytes(step: Step, n: int) -> int:

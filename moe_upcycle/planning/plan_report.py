@@ -71,6 +71,7 @@ class PlanSummary:
     disk_needed_bytes: int = 0
     disk_free_bytes: Optional[int] = None
     runtimes: tuple[Verdict, ...] = ()  # where the output runs (`runtimes.compatibility`)
+    adapters: tuple[str, ...] = ()  # one line per ``model+adapter`` reference: the LoRA merged in
 
     @property
     def fits_on_disk(self) -> Optional[bool]:
@@ -176,7 +177,21 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
                                config.base_model), components=tuple(components(plan)),
         sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
         disk_needed_bytes=needed, disk_free_bytes=free, runtimes=tuple(compatibility(plan)),
+        adapters=tuple(adapter_lines(sources)),
     )
+
+
+def adapter_lines(sources: dict[str, Checkpoint]) -> list[str]:
+    """What each ``model+adapter`` source merges: the adapter's file and the tensors it changes."""
+    lines = []
+    for ref, source in sources.items():
+        adapter = source.adapter
+        if adapter is None:
+            continue
+        ranks = sorted({round(p.scaling, 6) for p in adapter.pairs.values()})
+        lines.append(f"{ref}: LoRA {adapter.file} merged into {len(set(adapter.pairs) | set(adapter.replaced))} tensors of {source.model_ref} "
+                     f"(scaling {', '.join(f'{r:g}' for r in ranks)})")
+    return lines
 
 
 def summary_dict(summary: PlanSummary) -> dict:
@@ -214,6 +229,8 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
                                  f"{human_bytes(m.mapped_input_bytes)} mapped from page cache (reclaimable)")
     table.add_row("memory assumes", "; ".join(m.assumptions))
     table.add_row("tensor policy", s.tensor_policy)
+    for line in s.adapters:
+        table.add_row("LoRA adapter", escape(line))
     console.print(table)
     comp = Table(title="output tensors")
     for col in ("name template", "count", "shape", "kind", "source", "params", "bytes"):

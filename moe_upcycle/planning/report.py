@@ -22,8 +22,9 @@ def sharing_report(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> l
     modified = [s for s in slots if s.transforms]
     plain = [s for s in slots if not s.transforms]
     groups: dict[tuple[str, str], list] = {}
-    for s in plain:
-        groups.setdefault(s.source, []).append(s)
+    for s in plain:  # by the bytes read (`Checkpoint.identity`): a LoRA-adapted tensor is its own
+        groups.setdefault(sources[s.source[0]].identity(s.source[1]) if s.source[0] in sources else s.source,
+                          []).append(s)
     shared = {src: g for src, g in groups.items() if len(g) > 1}
     if shared:
         n_slots = sum(len(g) for g in shared.values())

@@ -166,7 +166,7 @@ print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))
 def _public_recipe(config: UpcycleConfig, named: Sources) -> dict:
     """The recipe for the card: local folders shown by name only (the full paths are in moe_upcycle.json)."""
     data = config.model_dump(mode="json", exclude_defaults=True)
-    shown = {ref: named.hub[ref] or Path(ref).expanduser().name for ref in named.refs}
+    shown = {ref: named.shown(ref) for ref in named.refs}
     data["base_model"] = shown.get(data["base_model"], data["base_model"])
     for key in ("experts", "shared_experts"):
         for e in data.get(key, []):

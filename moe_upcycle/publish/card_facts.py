@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 
 from moe_upcycle.planning.plan_report import readable_count  # noqa: F401  (re-exported)
 from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
+from moe_upcycle.checkpoint.lora import split_ref
 from moe_upcycle.terminal.hints import is_hub_id
 
 LOCAL = "local model"
@@ -42,11 +43,18 @@ class Sources:
         refs = [config.base_model] + [e.source_model for e in config.expert_list()]
         refs += [e.source_model for e in config.shared_experts]
         self.refs = list(dict.fromkeys(refs))
-        self.hub = {ref: hub_id(ref, paths.get(ref)) for ref in self.refs}
+        # mergekit's model+adapter: named by its two parts (the model's folder is paths[ref])
+        self.lora = {ref: split_ref(ref) for ref in self.refs if split_ref(ref)[1] is not None}
+        self.hub = {ref: None if ref in self.lora else hub_id(ref, paths.get(ref)) for ref in self.refs}
+        self.part_hub = {part: hub_id(part if Path(part).expanduser().is_dir() else part.partition("@")[0],
+                                      paths.get(ref) if part == model else None)
+                         for ref, (model, adapter) in self.lora.items() for part in (model, adapter)}
 
     def base_models(self) -> list[str]:
-        """Hub ids of every source (base, experts, shared experts), each once, base first."""
-        return list(dict.fromkeys(h for h in (self.hub[r] for r in self.refs) if h))
+        """Hub ids of every source (base, experts, shared experts; a LoRA's model and adapter), each once, base first."""
+        ids = [h for r in self.refs for h in ([self.part_hub[p] for p in self.lora[r]] if r in self.lora
+                                               else [self.hub[r]])]
+        return list(dict.fromkeys(h for h in ids if h))
 
     def local(self) -> list[str]:
         """References with no hub id."""
@@ -54,10 +62,26 @@ class Sources:
 
     def name(self, ref: str) -> str:
         """Markdown for a source: ``[org/name](https://huggingface.co/org/name)`` or ``local model `ft0```."""
+        if ref in self.lora:
+            model, adapter = self.lora[ref]
+            return f"{self._part(model, True)} with LoRA {self._part(adapter, True)} merged in"
         h = self.hub.get(ref)
         if h:
             return f"[{h}](https://huggingface.co/{h})"
         return f"{LOCAL} `{Path(ref).expanduser().name or ref}`"
+
+    def shown(self, ref: str) -> str:
+        """A reference as the card's recipe writes it: hub ids as they are, local folders by name only."""
+        if ref in self.lora:
+            return "+".join(self.part_hub.get(p) or self.shown(p) for p in self.lora[ref])
+        return self.hub.get(ref) or Path(ref).expanduser().name
+
+    def _part(self, part: str, markdown: bool) -> str:
+        h = self.part_hub.get(part)
+        if h:
+            return f"[{h}](https://huggingface.co/{h})" if markdown else h
+        name = Path(part.partition("@")[0] if not Path(part).expanduser().is_dir() else part).expanduser().name
+        return f"{LOCAL} `{name or part}`" if markdown else f"{LOCAL} {name or part}"
 
     def without_paths(self, text: str, paths: Mapping[str, Optional[Path]]) -> str:
         """`text` with every local source's reference and folder replaced by its plain name."""
@@ -68,6 +92,9 @@ class Sources:
 
     def plain(self, ref: str) -> str:
         """A source without markdown: its hub id or ``local model ft0``."""
+        if ref in self.lora:
+            model, adapter = self.lora[ref]
+            return f"{self._part(model, False)} with LoRA {self._part(adapter, False)} merged in"
         return self.hub.get(ref) or f"{LOCAL} {Path(ref).expanduser().name or ref}"
 
 

@@ -94,8 +94,8 @@ def model_reference(value: Any) -> Any:
     """mergekit's mapping form of a model reference as the string form we read; other values unchanged.
 
     mergekit-moe also accepts ``{model: org/name}`` and ``{model: {path: org/name, revision: r},
-    lora: ...}`` where a reference goes. A LoRA becomes ``model+lora`` (which the model lookup
-    refuses with what to do); ``override_architecture`` cannot be honoured and is refused here.
+    lora: ...}`` where a reference goes. A LoRA becomes ``model+lora`` (the adapter is merged in as
+    the model is read, `checkpoint.lora`); ``override_architecture`` cannot be honoured and is refused here.
 
     Example:
         >>> model_reference({"model": {"path": "org/name", "revision": "v1"}})

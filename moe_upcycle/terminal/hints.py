@@ -50,13 +50,18 @@ def missing_model_hint(ref: str) -> str:
     """What to do about a model reference that is neither a folder nor in the cache (``org/name@revision`` too).
 
     mergekit's other reference forms get their own answer: ``model+lora`` (a LoRA adapter merged
-    into the model on the fly, which moe-upcycle does not do), more than one ``@``, and a hub URL.
+    into the model as it is read: each part must be a folder or cached hub id, and a second ``+``
+    is not read), more than one ``@``, and a hub URL.
     """
     if "+" in ref:
         model, _, adapter = ref.partition("+")
-        return (f"{model!r}+{adapter!r} is mergekit's model+LoRA form, and moe-upcycle does not apply LoRA adapters: "
-                f"merge the adapter into the model first (peft: PeftModel.from_pretrained(model, {adapter!r})"
-                f".merge_and_unload().save_pretrained(folder)) and give that folder")
+        if "+" in adapter:
+            return (f"{ref!r} names more than one '+': mergekit's model+LoRA form merges one adapter "
+                    f"(model+adapter); merge the others into the model with peft first "
+                    f"(PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(folder))")
+        return (f"{model!r}+{adapter!r} is mergekit's model+LoRA form (the LoRA adapter is merged into the model as it "
+                f"is read): the model and the adapter must each be a folder or a hub id in the local cache; "
+                f"{missing_model_hint(model) if not _present(model) else missing_model_hint(adapter)}")
     if ref.count("@") > 1:
         return "a model reference has at most one '@' (org/name@revision: a branch, tag or commit)"
     if ref != ref.strip():
@@ -112,3 +117,8 @@ def show_ref(ref: str) -> str:
         'D:\models\x' 'a\nb'
     """
     return f"'{ref}'" if ref.isprintable() and "'" not in ref else repr(ref)
+
+
+def _present(ref: str) -> bool:
+    """Whether a reference is a local folder (hub ids are not looked up here)."""
+    return Path(ref).expanduser().is_dir()
