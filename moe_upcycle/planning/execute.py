@@ -103,12 +103,6 @@ def iter_tensors(
         seed: seeds per-slot transforms.
         shared_gates: layer -> shared-expert gate (1, hidden), for "shared_gate" steps.
     """
-<<<<<<< HEAD
-    remaining = plan.source_uses()
-    # transforms (residual_scale, noise, expert inits) start from the source's own precision and are rounded
-    # to the output dtype once, as mergekit-moe does: a source they use keeps its raw tensor while cached
-    transformed = {s.source for s in plan.leaf_steps() if s.transforms and s.source is not None}
-=======
     # keyed by the bytes read: the same model under two LoRA adapters shares the tensors neither adapts
     def same(src: tuple[str, str]) -> tuple[str, str]:
         return sources[src[0]].identity(src[1])
@@ -116,7 +110,9 @@ def iter_tensors(
     remaining: Counter = Counter()
     for src, uses in plan.source_uses().items():
         remaining[same(src)] += uses
->>>>>>> lora
+    # transforms (residual_scale, noise, expert inits) start from the source's own precision and are rounded
+    # to the output dtype once, as mergekit-moe does: a source they use keeps its raw tensor while cached
+    transformed = {same(s.source) for s in plan.leaf_steps() if s.transforms and s.source is not None}
     cache: dict[tuple[str, str], torch.Tensor] = {}
     raws: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -128,22 +124,15 @@ def iter_tensors(
             raw = sources[src[0]].read(src[1])
             base = raw.to(step.dtype)
             watch.submit(base, raw, src[1], sources[src[0]])  # once per source tensor, no extra read
-            if src in transformed:
-                raws[src] = raw
+            if key in transformed:
+                raws[key] = raw
             del raw
-<<<<<<< HEAD
-            cache[src] = base
-        raw = raws.get(src, base)
-        remaining[src] -= 1
-        if remaining[src] == 0:
-            del cache[src]
-            raws.pop(src, None)
-=======
             cache[key] = base
+        raw = raws.get(key, base)
         remaining[key] -= 1
         if remaining[key] == 0:
             del cache[key]
->>>>>>> lora
+            raws.pop(key, None)
         if step.transforms:
             return apply_transforms(raw, step, seed).to(step.dtype)
         if policy == "clone" and step.kind in ("expert", "shared"):
