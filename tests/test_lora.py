@@ -329,12 +329,14 @@ def test_adapter_for_another_base_only_warns(tiny_llama, adapters, tmp_path, mon
     ("{model}+{model}/model.safetensors", ["(LoRA adapter): model", "is a file, not a model folder"]),
 ])
 def test_unusable_references_are_named(command, form, words, tiny_llama, tmp_path, write_yaml):
-    if command == "plan --from-config" and "adapter_config" in words[0]:
-        pytest.skip("plan --from-config reads no adapter file: only that the adapter exists")
     ref = form.format(model=tiny_llama, tmp=tmp_path)
     path = write_yaml(moe_config(str(tiny_llama), [ref, str(tiny_llama)]))
     args = command.split() + [str(path)] + (["-o", str(tmp_path / "out")] if command == "build" else [])
     result = CliRunner().invoke(app, args)
+    if command == "plan --from-config" and "adapter_config" in words[0]:
+        # plans from config.json files alone: it checks that the adapter is there, reads none of its files
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+        return
     assert result.exit_code == 1, result.output
     text = " ".join(result.output.split())
     assert "experts[0].source_model" in text and "Traceback" not in text, text
