@@ -483,3 +483,27 @@ def test_memory_estimate_counts_the_merge(mode, tiny_llama, adapters, tmp_path):
     phase = "gate_private_bytes" if mode != "random" else "build_private_bytes"
     grown = getattr(estimates["lora"], phase) - getattr(estimates["plain"], phase)
     assert grown >= 12 * largest, (phase, grown)
+
+
+def test_nan_made_by_the_adapter_names_the_adapter(tiny_llama, tmp_path):
+    """NaN from a broken adapter is blamed on the adapter file, not on the model's (finite) weights file."""
+    from moe_upcycle.errors import UpcycleWarning
+
+    ffn = {m: 4 for m in layer_modules()}
+    adapter = make_adapter(tmp_path / "broken", tiny_llama, ffn, seed=7)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    key = f"{PREFIX}model.layers.0.mlp.down_proj.lora_A.weight"
+    weights[key][0, 0] = float("nan")
+    save_file(weights, str(adapter / "adapter_model.safetensors"))
+    with pytest.warns(UpcycleWarning) as caught:
+        result = upcycle(moe_config(str(tiny_llama), [str(tiny_llama), f"{tiny_llama}+{adapter}"]), tmp_path / "moe")
+    said = [str(w.message) for w in caught if "NaN" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"{adapter / 'adapter_model.safetensors'}: the LoRA merged into tensor "
+                              f"'model.layers.0.mlp.down_proj.weight'"), said
+    assert "the model's own tensor is finite" in said[0] and "check the adapter" in said[0]
+    hidden = load_file(str(tiny_llama / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"].shape[0]
+    built = {k: v for shard in result.shards for k, v in load_file(str(result.output / shard)).items()}
+    expert = built["model.layers.0.block_sparse_moe.experts.1.w2.weight"]
+    assert int(torch.isnan(expert).sum()) == hidden  # one NaN in A's row 0 spreads down B's column: every row
+    assert torch.isfinite(built["model.layers.0.block_sparse_moe.experts.0.w2.weight"]).all()

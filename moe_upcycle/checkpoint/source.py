@@ -87,6 +87,10 @@ class Checkpoint:
                                   f"file is damaged — save it again") from None
         return tensor
 
+    def read_unmerged(self, key: str) -> torch.Tensor:
+        """The model's own tensor, without the LoRA adapter (to tell which of the two a bad value comes from)."""
+        return self._read(key)
+
     def _read(self, key: str) -> torch.Tensor:
         """Read one tensor from disk as a memory-mapped view of the file's own bytes (no copy).
 

@@ -112,6 +112,11 @@ def nonfinite_line(tensor: torch.Tensor, raw: torch.Tensor, key: str, source: Ch
         return None
     nan, inf = _count(raw, torch.isnan), _count(raw, torch.isinf)
     where = _where(source, source.tensors[key].file)
+    adapter = source.adapter if source.adapter is not None and source.adapter.changes(key) else None
+    if (nan or inf) and adapter is not None and _all_finite(source.read_unmerged(key)):
+        return (f"{adapter.file}: the LoRA merged into tensor {key!r} of {where} makes {nan} NaN and {inf} Inf "
+                f"value(s) out of {raw.numel()} (the model's own tensor is finite); they are copied into the "
+                f"output unchanged, as peft's merge_and_unload() would make them — check the adapter")
     if nan or inf:
         return (f"{where}: tensor {key!r} holds {nan} NaN and {inf} Inf value(s) out of {raw.numel()}; they are "
                 f"copied into the output unchanged — check the source checkpoint")
