@@ -153,7 +153,8 @@ def check_dense_model(dense_model: Any) -> None:
 
     Raises:
         ConfigError: `dense_model` is not a ``torch.nn.Module`` with a transformers config (a path,
-            None, a bare module), or is the decoder without its LM head (``LlamaModel``).
+            None, a bare module), is the decoder without its LM head (``LlamaModel``), or carries PEFT
+            adapter layers (a ``PeftModel``, or transformers' ``add_adapter``) whose weights are not merged.
     """
     from transformers import PretrainedConfig
 
@@ -165,6 +166,12 @@ def check_dense_model(dense_model: Any) -> None:
                 else "")
         raise ConfigError(f"dense_model: expected a loaded transformers model, not {kind}{hint}; pass e.g. "
                           f"AutoModelForCausalLM.from_pretrained(...)")
+    names = [name for name, _ in dense_model.named_parameters()]
+    adapted = next((n for n in names if ".lora_" in n), None) or next((n for n in names if ".base_layer." in n), None)
+    if adapted is not None:  # a PeftModel, or transformers' add_adapter: the weights are not where a plan looks
+        raise ConfigError(f"dense_model: a {kind} carrying PEFT adapter layers (parameter {adapted!r}); merge the "
+                          f"adapter into the weights first (peft: model = peft_model.merge_and_unload(), which "
+                          f"changes the model in place) or pass the model without it")
     head = dense_model.get_output_embeddings() if hasattr(dense_model, "get_output_embeddings") else None
     if head is None:  # LlamaModel, the decoder alone (an unsupported family with a head gets the plan's message)
         raise ConfigError(f"dense_model: a {kind} is not a causal language model (no LM head: "

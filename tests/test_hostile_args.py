@@ -61,6 +61,28 @@ def test_not_a_causal_lm_is_named(case_id, make, words, dense, stories):
     assert_unchanged(dense, before)
 
 
+@pytest.mark.parametrize("how", ["PeftModel", "add_adapter"])
+def test_model_with_unmerged_lora_layers_is_named(how, dense):
+    """A LoRA-wrapped model (peft's get_peft_model, or transformers' add_adapter) is refused with the merge to do,
+    not planned as a Llama missing its norms; the caller's model is left as it was."""
+    import copy
+
+    peft = pytest.importorskip("peft")  # in the test extra
+    model = copy.deepcopy(dense)
+    lora = peft.LoraConfig(r=2, target_modules=["gate_proj", "up_proj", "down_proj"])
+    if how == "PeftModel":
+        model = peft.get_peft_model(model, lora)
+    else:
+        model.add_adapter(lora)
+    before = snapshot(model)
+    with pytest.raises(ConfigError) as info:
+        upcycle_model(model, num_experts=2)
+    text = str(info.value)
+    assert text.startswith(f"dense_model: a {type(model).__name__} carrying PEFT adapter layers (parameter '"), text
+    assert "merge_and_unload()" in text and "lora_A" in text
+    assert_unchanged(model, before)
+
+
 def test_unsupported_causal_lm_is_named_by_family():
     """A GPT-2 has an LM head: it is refused for its family, not called "not a causal language model"."""
     from transformers import GPT2Config, GPT2LMHeadModel
