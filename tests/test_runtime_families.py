@@ -14,7 +14,6 @@ does: exact (equal logits), runs, not exact (it loads and differs), or will not 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,9 @@ import torch
 from moe_upcycle import upcycle
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from moe_upcycle.planning.runtimes import EXACT, NO_LOAD, RUNS, compatibility
+from tf4_logits import NO_TF4, TF4_PYTHON, tf4_logits, tf5_logits
 from tolerances import assert_close_rel
 
-REPO = Path(__file__).resolve().parents[1]
-TF4_PYTHON = REPO / ".venv-tf4" / "bin" / "python"  # made by .ci/run before pytest
 pytestmark = pytest.mark.filterwarnings("ignore:.*holds no tokenizer")  # logits are fed token ids
 WINDOW, SEQ = 8, 40  # every window set here is shorter than the compared text
 DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -82,22 +80,6 @@ CASES = {
     ("llama-kv-null", "qwen2_moe", "copy"): EXACT,
 }
 
-TF4_LOGITS = """
-import sys, json, torch
-from transformers import AutoModelForCausalLM
-ids = torch.tensor([json.loads(sys.argv[1])])
-out = {}
-for folder in sys.argv[2:]:
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        with torch.inference_mode():
-            out[folder] = model.eval()(ids).logits[0].tolist()
-    except Exception as e:
-        out[folder] = type(e).__name__ + ": " + str(e)
-print(json.dumps(out))
-"""
-
-
 def _ids() -> list[int]:
     return torch.randint(3, DIMS["vocab_size"], (SEQ,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -128,11 +110,7 @@ def built(tmp_path_factory) -> dict:
 
 
 def _logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([_ids()])).logits[0]
+    return tf5_logits(folder, _ids())
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=["-".join(c) for c in CASES])
@@ -164,15 +142,11 @@ def test_window_fields_as_written(built):
     assert "head_dim = hidden_size / num_attention_heads (16), not 32" in why
 
 
-@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
 def test_transformers4_does_what_the_verdict_says(built):
     """One 4.57 process loads every dense model and MoE; each MoE's verdict is checked against what happened."""
     folders = sorted({str(p) for dense, moe, _ in built.values() for p in (dense, moe)})
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_LOGITS, json.dumps(_ids()), *folders], capture_output=True,
-                         text=True, timeout=600, env=env, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = tf4_logits(_ids(), folders)
     wrong = []
     for case, (dense, moe, plan) in built.items():
         verdict = {v.runtime: v.status for v in compatibility(plan)}["transformers 4.x"]
@@ -215,14 +189,10 @@ def saved_in_memory(built, tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
 def test_upcycle_model_save_pretrained_reloads_in_transformers4(saved_in_memory):
     folders = sorted({str(p) for pair in saved_in_memory.values() for p in pair})
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_LOGITS, json.dumps(_ids()), *folders], capture_output=True,
-                         text=True, timeout=600, env=env, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = tf4_logits(_ids(), folders)
     for case, (dense, saved) in saved_in_memory.items():
         assert not isinstance(got[str(saved)], str), f"{case}: {got[str(saved)]}"
         assert_close_rel(torch.tensor(got[str(saved)]), torch.tensor(got[str(dense)]))

@@ -17,7 +17,6 @@ measured by ``scripts/check_llamacpp.py`` (cases "dynamic rope", "yarn x4", "lon
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,9 @@ import torch
 from moe_upcycle import upcycle
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from moe_upcycle.planning.runtimes import EXACT, NO_LOAD, RUNS, compatibility
+from tf4_logits import NO_TF4, TF4_PYTHON, tf4_logits, tf5_logits
 from tolerances import assert_close_rel
 
-REPO = Path(__file__).resolve().parents[1]
-TF4_PYTHON = REPO / ".venv-tf4" / "bin" / "python"  # made by .ci/run before pytest
 pytestmark = pytest.mark.filterwarnings("ignore:.*holds no tokenizer")  # logits are fed token ids
 SEQ = 40
 DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -138,11 +136,7 @@ def built(tmp_path_factory) -> dict:
 
 
 def _logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(torch.tensor([_ids()])).logits[0]
+    return tf5_logits(folder, _ids())
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=["-".join(c) for c in CASES])
@@ -187,22 +181,6 @@ def test_written_rope_fields(built, case, scaling, top_level):
     assert {k: cfg.get(k) for k in top_level} == top_level
 
 
-TF4_LOGITS = """
-import sys, json, torch
-from transformers import AutoModelForCausalLM
-ids = torch.tensor([json.loads(sys.argv[1])])
-out = {}
-for folder in sys.argv[2:]:
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        with torch.inference_mode():
-            out[folder] = model.eval()(ids).logits[0].tolist()
-    except Exception as e:
-        out[folder] = type(e).__name__ + ": " + str(e)
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def saved_in_memory(built, tmp_path_factory) -> dict:
     """upcycle_model + save_pretrained on two bases: what transformers 5 saves must keep our rope spelling."""
@@ -227,17 +205,13 @@ def test_upcycle_model_saves_one_rope_spelling(saved_in_memory):
     assert cfg["original_max_position_embeddings"] == 16 and cfg["rope_scaling"]["type"] == "longrope"
 
 
-@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
 def test_transformers4_does_what_the_verdict_says(built, saved_in_memory):
     """One 4.57 process runs every MoE; each is judged against its dense model in transformers 5 (4.57 cannot run
     some of the dense models: a longrope without a top-level original_max_position_embeddings, a config that
     transformers 5 saved)."""
     folders = [str(moe) for _, moe, _ in built.values()] + [str(p) for p in saved_in_memory.values()]
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_LOGITS, json.dumps(_ids()), *folders], capture_output=True,
-                         text=True, timeout=600, env=env, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = tf4_logits(_ids(), folders)
     wrong = []
     for case, (dense, moe, plan) in built.items():
         verdict = {v.runtime: v.status for v in compatibility(plan)}["transformers 4.x"]
