@@ -507,3 +507,31 @@ def test_nan_made_by_the_adapter_names_the_adapter(tiny_llama, tmp_path):
     expert = built["model.layers.0.block_sparse_moe.experts.1.w2.weight"]
     assert int(torch.isnan(expert).sum()) == hidden  # one NaN in A's row 0 spreads down B's column: every row
     assert torch.isfinite(built["model.layers.0.block_sparse_moe.experts.0.w2.weight"]).all()
+
+
+def test_adapter_changes_outside_the_ffn_are_named(tiny_llama, adapters, tmp_path, write_yaml):
+    """An expert gives the MoE its FFN only: what its adapter changes in attention is said to be left out
+    (plan and build), unless base_model reads the same adapted bytes."""
+    attn = adapters["attn"]  # q/v of both layers (4 tensors) and one FFN tensor
+    only_attn = tmp_path / "only-attn"
+    shutil.copytree(attn, only_attn)
+    weights = load_file(str(only_attn / "adapter_model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".mlp." not in k}, str(only_attn / "adapter_model.safetensors"))
+
+    def notes(base: str, expert: str) -> list[str]:
+        plan = upcycle(moe_config(base, [str(tiny_llama), expert]), dry_run=True).plan
+        return [n for n in plan.cautions if "its LoRA adapter changes" in n]
+
+    said = notes(str(tiny_llama), f"{tiny_llama}+{attn}")
+    assert said == [f"experts[1] ({tiny_llama}+{attn}): its LoRA adapter changes 4 tensor(s) that the MoE takes from "
+                    f"base_model, not from experts (e.g. model.layers.0.self_attn.q_proj.weight), so only the 1 FFN "
+                    f"tensor(s) it changes are in the MoE, as mergekit-moe builds it; to keep those changes, put the "
+                    f"adapter on base_model too"], said
+    said = notes(str(tiny_llama), f"{tiny_llama}+{only_attn}")
+    assert len(said) == 1 and "so the adapter changes nothing in the MoE (this expert's FFN is the model's own)" in said[0]
+    assert notes(f"{tiny_llama}+{attn}", f"{tiny_llama}+{attn}") == []  # the base reads the same adapted attention
+    assert notes(str(tiny_llama), f"{tiny_llama}+{adapters['ffn']}") == []  # an FFN-only adapter: all of it is used
+    path = write_yaml(moe_config(str(tiny_llama), [str(tiny_llama), f"{tiny_llama}+{only_attn}"]))
+    result = CliRunner().invoke(app, ["build", str(path), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "so the adapter changes nothing in the MoE" in " ".join(result.output.split())

@@ -132,12 +132,39 @@ def source_notes(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> list[
         vocab = sources[expert.source_model].config.get("vocab_size")
         if vocab != base.config.get("vocab_size") and _added_tokens(vocab, base.config.get("vocab_size")):
             differ.setdefault(expert.source_model, (path, vocab))
+    notes = _adapter_notes(used, sources, base)
     if not differ:
-        return []
+        return notes
     listed = ", ".join(f"{path} ({ref}): {vocab}" for ref, (path, vocab) in differ.items())
     return [f"vocab_size differs from base_model's {base.config.get('vocab_size')} ({listed}): tokens added in "
             f"fine-tuning; the MoE keeps base_model's embeddings and tokenizer (as mergekit-moe does), so those "
-            f"tokens are not in its vocabulary"]
+            f"tokens are not in its vocabulary"] + notes
+
+
+def _adapter_notes(used: list, sources: dict[str, Checkpoint], base: Checkpoint) -> list[str]:
+    """A note per expert whose LoRA adapter changes tensors the MoE takes from base_model (attention, norms...).
+
+    An expert gives the MoE its FFN only; what its adapter changes elsewhere is not in the MoE (as in
+    mergekit-moe) unless base_model reads the same bytes (the same adapter on it).
+    """
+    ffn = tuple(f".mlp.{p}.weight" for p in names.PROJS)
+    out = {}
+    for path, expert in used:
+        src = sources[expert.source_model]
+        if src.adapter is None or src is base or expert.source_model in out:
+            continue
+        changed = sorted(set(src.adapter.pairs) | set(src.adapter.replaced))
+        kept = [k for k in changed if k.endswith(ffn)]
+        lost = [k for k in changed if not k.endswith(ffn) and base.identity(k) != src.identity(k)]
+        if not lost:
+            continue
+        effect = (f"so only the {len(kept)} FFN tensor(s) it changes are in the MoE" if kept else
+                  "so the adapter changes nothing in the MoE (this expert's FFN is the model's own)")
+        out[expert.source_model] = (
+            f"{path} ({expert.source_model}): its LoRA adapter changes {len(lost)} tensor(s) that the MoE takes "
+            f"from base_model, not from experts (e.g. {lost[0]}), {effect}, as mergekit-moe builds it; to keep "
+            f"those changes, put the adapter on base_model too")
+    return list(out.values())
 
 
 def _attention_problems(label: str, src: Checkpoint, base: Checkpoint, base_ref: str) -> list[str]:
