@@ -241,6 +241,14 @@ BAD_ADAPTERS = {
     "dora": (lambda f: _edit_config(f, use_dora=True), ["use_dora is true", "merge_and_unload"]),
     "layer_replication": (lambda f: _edit_config(f, layer_replication=[[0, 2]]), ["layer_replication is set"]),
     "bad_r": (lambda f: _edit_config(f, r=0), ["r must be a positive number, got 0"]),
+    "infinite_alpha": (lambda f: _edit_config(f, lora_alpha=float("inf")), ["lora_alpha must be a positive number, "
+                                                                             "got inf"]),
+    "infinite_alpha_pattern": (lambda f: _edit_config(f, alpha_pattern={"up_proj": float("inf")}),
+                               ["alpha_pattern must map module names to positive numbers"]),
+    # a flag written as text: "false" is truthy, so it must not be read at all
+    "dora_as_text": (lambda f: _edit_config(f, use_dora="false"), ["use_dora must be true or false, got 'false'",
+                                                                   '(or write "use_dora": false)']),
+    "rslora_as_text": (lambda f: _edit_config(f, use_rslora="yes"), ["use_rslora must be true or false, got 'yes'"]),
     "rank_mismatch_config": (lambda f: _edit_config(f, r=8), ["has rank 4 but adapter_config.json gives r = 8"]),
     "no_config": (lambda f: (f / "adapter_config.json").unlink(), ["has no adapter_config.json"]),
     "bad_json": (lambda f: (f / "adapter_config.json").write_text("{"), ["adapter_config.json: not valid JSON"]),

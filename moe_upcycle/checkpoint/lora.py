@@ -192,6 +192,12 @@ def _adapter_hint(problem: str, ref: str) -> str:
 
 def _config_problems(cfg: dict, cfg_file: Path) -> list[str]:
     problems = []
+    for name in ("use_dora", "use_rslora", "fan_in_fan_out"):  # "false" as text would read as true
+        if cfg.get(name) is not None and not isinstance(cfg.get(name), bool):
+            problems.append(f"{cfg_file}: {name} must be true or false, got {cfg.get(name)!r}; save the adapter again "
+                            f"(or write \"{name}\": {str(str(cfg.get(name)).strip().lower() in ('true', '1', 'yes')).lower()})")
+    if problems:
+        return problems
     kind = cfg.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
         problems.append(f"{cfg_file}: peft_type is {kind!r}; only LORA adapters can be merged — merge this "
@@ -204,12 +210,12 @@ def _config_problems(cfg: dict, cfg_file: Path) -> list[str]:
                         f"model's depth and cannot be merged here — merge it with peft and give the merged folder")
     for name in ("r", "lora_alpha"):
         value = cfg.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
             problems.append(f"{cfg_file}: {name} must be a positive number, got {value!r}")
     for name in ("rank_pattern", "alpha_pattern"):
         value = cfg.get(name) or {}
-        if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                                                  for v in value.values()):
+        if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                  and 0 < v < math.inf for v in value.values()):
             problems.append(f"{cfg_file}: {name} must map module names to positive numbers, got {value!r}")
     return problems
 
