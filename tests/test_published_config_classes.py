@@ -139,6 +139,23 @@ def test_shard_size_with_an_exponent_is_read_as_written(written, size, tmp_path)
     assert load_config(path).max_shard_size == size
 
 
+def test_what_is_not_a_recipe_says_what_to_give(tiny_llama, tmp_path):
+    """A model folder, its config.json, or '-' where the recipe goes: each says what to write instead."""
+    for given, words in [
+        (tiny_llama, [f"{tiny_llama}: is a folder, not a config file (a model folder: write a recipe that names it, "
+                      f"e.g. base_model: {tiny_llama}"]),
+        (tiny_llama / "config.json", [f"{tiny_llama / 'config.json'}: this is a model's config.json (model_type "
+                                      f"'llama'), not a recipe", f"e.g. base_model: {tiny_llama}, num_experts: 4"]),
+        ("-", ["-: the recipe is read from a file, not from standard input"]),
+    ]:
+        result = CliRunner().invoke(app, ["build", str(given), str(tmp_path / "out")])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 1 and "Traceback" not in text, text
+        for word in words:
+            assert word in text, (word, text)
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_missing_model_is_reported_before_any_lint(tiny_llama, tmp_path, monkeypatch):
     """Good prompts, but an expert's folder is missing: the build says so at once (no lint advice first)."""
     import yaml

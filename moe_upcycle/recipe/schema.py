@@ -424,12 +424,17 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
         where = str(path)
         if not path.is_file():
             if path.is_dir():
-                raise ConfigError(f"{path}: is a folder, not a config file; give the YAML recipe's path")
+                model = (f" (a model folder: write a recipe that names it, e.g. base_model: {path}, num_experts: 4, "
+                         f"gate_mode: random, and give the recipe's path)" if (path / "config.json").is_file() else "")
+                raise ConfigError(f"{path}: is a folder, not a config file{model}; give the YAML recipe's path")
             if path.exists():
                 raise ConfigError(f"{path}: is not a regular file (a device or a pipe); give the YAML recipe's path")
             if path.is_symlink():
                 raise ConfigError(f"{path}: the config is a symbolic link that leads nowhere (a symlink loop or a "
                                   f"broken link); fix it")
+            if str(source) == "-":
+                raise ConfigError("-: the recipe is read from a file, not from standard input; write it to a file "
+                                  "and give its path")
             raise ConfigError(f"{path}: config file not found")
         try:
             data = load_recipe_yaml(path)  # duplicate keys and alias bombs refused here
@@ -442,6 +447,10 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...), "
                           f"got {type(data).__name__}")
+    if "base_model" not in data and ("model_type" in data or "architectures" in data):
+        raise ConfigError(f"{where}: this is a model's config.json (model_type {data.get('model_type')!r}), not a "
+                          f"recipe; write a recipe that names the model's folder, e.g. base_model: "
+                          f"{Path(where).parent if where != 'config' else 'FOLDER'}, num_experts: 4, gate_mode: random")
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     data.update(given)
     odd = _non_string_keys(data, "")
