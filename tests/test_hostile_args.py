@@ -61,6 +61,7 @@ def test_not_a_causal_lm_is_named(case_id, make, words, dense, stories):
     assert_unchanged(dense, before)
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calling transformers
 @pytest.mark.parametrize("how", ["PeftModel", "add_adapter"])
 def test_model_with_unmerged_lora_layers_is_named(how, dense):
     """A LoRA-wrapped model (peft's get_peft_model, or transformers' add_adapter) is refused with the merge to do,
