@@ -8,7 +8,7 @@ An embedding's delta is ``(B @ A).T * scaling`` (peft's ``lora_embedding_A/B``).
 ``nn.Linear`` layers (every layer this tool reads), ``fan_in_fan_out`` is not applied.
 
 `Adapter.open` reads adapter_config.json and the adapter's tensor headers and checks every key
-against the model; `LoraCheckpoint.read` merges one tensor at a time (the adapter's two small
+against the model; `Checkpoint.read` merges one tensor at a time (the adapter's two small
 matrices for it, read when needed). `merge_into_model` does the same to a model loaded whole by
 transformers (gate capture, verify's dense reference). It does not download anything.
 """
@@ -325,9 +325,10 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
 def _same_model(name: str, model_ref: str) -> bool:
     """False only when adapter_config's base model and `model_ref` are both hub ids, and different ones
     (a local folder may hold any model: its name proves nothing)."""
-    hub = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    from moe_upcycle.terminal.hints import is_hub_id
+
     a, b = name.strip().rstrip("/"), model_ref.partition("@")[0]
-    if Path(os.path.expanduser(model_ref)).is_dir() or not hub.match(a) or not hub.match(b) or Path(a).exists():
+    if Path(os.path.expanduser(model_ref)).is_dir() or not is_hub_id(a) or not is_hub_id(b) or Path(a).exists():
         return True
     return a.lower() == b.lower()
 
@@ -335,7 +336,7 @@ def _same_model(name: str, model_ref: str) -> bool:
 def merge_into_model(model: Any, adapter: Optional[Adapter]) -> None:
     """Merge `adapter` into a model loaded whole by transformers, in place (like peft's merge_and_unload).
 
-    Each adapted weight is merged at the model's stored dtype (as `LoraCheckpoint.read` writes it),
+    Each adapted weight is merged at the model's stored dtype (as `Checkpoint.read` returns it),
     then cast to the loaded dtype, so a forward pass sees the weights the built MoE holds.
 
     Raises:

@@ -174,8 +174,8 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
                       device_needed: bool = False) -> None:
     """Print `lint.quick_lint` warnings, one line each, for gate modes that route on the prompts.
 
-    A config that does not load, that the build refuses for want of prompts, or whose sources or plan
-    the build refuses (a missing model), is left to the build: it reports that before any lint runs.
+    A config that does not load, that the build refuses for want of prompts, or whose models or plan
+    (from their config.json files) the build refuses, is left to the build: it reports that before any lint runs.
 
     A missing GPU (`build.check_device`) is reported before the lint, not after it.
     """
@@ -197,14 +197,13 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
         return  # random, uniform and kmeans routers do not read the prompts: nothing to warn about
     if not all(e.positive_prompts for e in cfg.expert_list()) or cfg.same_prompts_problem():
         return  # *_prompts_from sets included; the build refuses these at once, naming each expert
-    try:  # a missing model or a plan problem is reported at once, not after seconds of lint advice
+    try:  # a missing model or a plan problem is reported at once, not after seconds of lint advice;
+        # planned from config.json files alone: the build reads the weights' headers (a .bin: its tensors) once
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UpcycleWarning)
-            _, sources, _ = prepare(cfg)
+            prepare(cfg, from_config=True)
     except UpcycleError:
         return  # the build reports it, with every problem
-    for source in sources.values():
-        source.close()
     with stage("prompt lint", note="--no-lint skips it"):
         lines = quick_lint(expert_prompts(cfg.expert_list()))
     for line in lines:

@@ -161,7 +161,7 @@ def problem(runtime: str, config: dict) -> Optional[str]:
     if kind == "yarn" and tuned and runtime in ("vLLM", "ExLlamaV2"):
         reads = "reads factor and original_max_position_embeddings only" if runtime == "ExLlamaV2" else \
             "reads attn_factor, not attention_factor (nor mscale)"
-        if runtime == "ExLlamaV2" or any(k in ("attention_factor", "mscale", "mscale_all_dim") for k in tuned):
+        if runtime == "ExLlamaV2" or scale_keys:
             return f"rope_type yarn with {', '.join(tuned)}: its yarn {reads}, so its rotation or scale differs"
     if kind == "yarn" and runtime == "ExLlamaV2" and limit and original and limit <= original:
         return (f"rope_type yarn: it applies yarn only when max_seq_len (default max_position_embeddings, {limit}) "
