@@ -576,9 +576,9 @@ def _not_a_number(value: Any, kind: str) -> str:
     whole = kind.startswith("int")
     if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+(\.\d*)?[eE][-+]?\d+\s*", value):
         number = float(value)
+        mantissa, exponent = re.split("[eE]", value.strip())
         shown = (f"{int(number)}" if whole and number.is_integer() and abs(number) < 1e18 else
-                 f"{value.strip().split('e')[0].split('E')[0]}{'' if '.' in value else '.0'}e"
-                 f"{re.split('[eE]', value.strip())[1]}")
+                 f"{mantissa}{'' if '.' in mantissa else '.0'}e{exponent}")
         return f"{short_repr(value)} is text to YAML, which reads an exponent only with a dot (1.0e3); write {shown}"
     if isinstance(value, float) and whole:
         return f"{value!r} is not a whole number; write an integer such as {max(int(value), 1)}"
