@@ -265,10 +265,19 @@ BAD_ADAPTERS = {
     "duplicate": (lambda f: _edit_weights(f, lambda s: s.update({A0.replace("lora_A.", "lora_A.default."): s[A0].clone()})),
                   ["are both lora_A of 'model.layers.0.mlp.up_proj'"]),
     "missing_b": (lambda f: _edit_weights(f, lambda s: s.pop(B0)), ["not its B matrix"]),
-    "bias": (lambda f: _edit_weights(f, lambda s: s.update({f"{PREFIX}model.layers.0.mlp.up_proj.bias": torch.ones(128)})),
-             ["bias tensors", "merge_and_unload"]),
-    "modules_to_save": (lambda f: _edit_weights(f, lambda s: s.update(
-        {f"{PREFIX}lm_head.modules_to_save.weight": torch.ones(2, 2)})), ["modules_to_save"]),
+    "bias_the_model_lacks": (lambda f: _edit_weights(f, lambda s: s.update(
+        {f"{PREFIX}model.layers.0.mlp.up_proj.bias": torch.ones(128)})),
+        ["is a bias for 'model.layers.0.mlp.up_proj', which has no bias", "bias: none"]),
+    "lora_bias": (lambda f: _edit_weights(f, lambda s: s.update({B0.replace(".weight", ".bias"): torch.ones(128)})),
+                  ["adapters with lora_bias are not merged", "merge_and_unload"]),
+    "modules_to_save_shape": (lambda f: _edit_weights(f, lambda s: s.update(
+        {f"{PREFIX}lm_head.weight": torch.ones(2, 2)})), ["'base_model.model.lm_head.weight' is [2, 2]",
+                                                          "'lm_head.weight'", "resized vocabulary"]),
+    "modules_to_save_unknown": (lambda f: _edit_weights(f, lambda s: s.update(
+        {f"{PREFIX}model.score.weight": torch.ones(2, 2)})), ["replaces 'model.score.weight'", "another model"]),
+    "replaced_twice": (lambda f: _edit_weights(f, lambda s: s.update({
+        f"{PREFIX}model.norm.weight": torch.ones(64), f"{PREFIX}model.norm.modules_to_save.default.weight": torch.ones(64)})),
+        ["both replace 'model.norm.weight'"]),
 }
 
 
@@ -304,6 +313,30 @@ def test_lm_head_adapter_on_a_tied_model_is_refused(tiny_qwen2_tied, tmp_path, w
     text = " ".join(result.output.split())
     assert "adapts 'lm_head.weight'" in text and "ties lm_head to its embedding" in text, text
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module", ["embed_tokens", "lm_head"])
+def test_trained_embedding_copy_on_a_tied_model_is_refused(module, tiny_qwen2_tied, tmp_path, write_yaml):
+    """modules_to_save with the embedding or lm_head of a tied model: peft's merge unties them (the saved folder
+    has tie_word_embeddings false, one of the two keeps the old weights), which a tied MoE cannot hold: refused,
+    named, no output. (A LoRA on the tied embedding itself stays tied in peft, and is merged: see above.)"""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_tied))
+        peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["up_proj"],
+                                                   modules_to_save=[module])).save_pretrained(str(tmp_path / "ad"))
+    path = write_yaml(moe_config(str(tiny_qwen2_tied), [f"{tiny_qwen2_tied}+{tmp_path / 'ad'}", str(tiny_qwen2_tied)]))
+    result = CliRunner().invoke(app, ["build", str(path), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    target = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
+    for words in (f"is a trained copy of '{target}' (modules_to_save)", "ties lm_head to its embedding",
+                  "peft's merge unties them", "merge_and_unload().save_pretrained(folder)"):
+        assert words in text, (words, text)
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
 
 
 def test_adapter_for_another_base_only_warns(tiny_llama, adapters, tmp_path, monkeypatch):
@@ -413,10 +446,18 @@ PEFT_CONFIGS = {
                             alpha_pattern={"up_proj": 3}),
     "embedding": dict(r=4, lora_alpha=16, target_modules=["embed_tokens", "v_proj"]),  # saves the embedding too
     "fan_in_fan_out": dict(r=4, lora_alpha=16, target_modules=["gate_proj"], fan_in_fan_out=True),
+    # whole trained copies, saved under the module's own name, loaded in place of the model's
+    "modules_to_save": dict(r=4, lora_alpha=16, target_modules=["up_proj"], modules_to_save=["embed_tokens", "lm_head",
+                                                                                              "norm"]),
+}
+QWEN2_PEFT_CONFIGS = {  # Qwen2 has q/k/v biases: peft saves trained ones as <module>[.base_layer].bias
+    "qwen2_bias_all": dict(r=4, lora_alpha=16, target_modules=["q_proj", "up_proj"], bias="all"),
+    "qwen2_bias_lora_only": dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="lora_only"),
+    "qwen2_modules_to_save_biased": dict(r=4, lora_alpha=16, target_modules=["up_proj"], modules_to_save=["k_proj"]),
 }
 
 
-@pytest.mark.parametrize("name", [*sorted(PEFT_CONFIGS), "bfloat16", "qwen2_biases"])
+@pytest.mark.parametrize("name", [*sorted(PEFT_CONFIGS), *sorted(QWEN2_PEFT_CONFIGS), "bfloat16", "qwen2_biases"])
 def test_merge_equals_peft_merge_and_unload(name, tiny_llama, tiny_qwen2, tmp_path):
     """Every tensor of X+Y, as the build reads it, equals peft's merge_and_unload() bit for bit (fp32 models;
     Qwen2's biased projections keep their bias). On a bf16 model peft adds a delta already rounded to bf16, we
@@ -429,19 +470,34 @@ def test_merge_equals_peft_merge_and_unload(name, tiny_llama, tiny_qwen2, tmp_pa
 
     if name == "bfloat16":
         tiny_llama = make_dense_model(tmp_path / "bf16", family="llama", seed=3, dtype=torch.bfloat16)
-    elif name == "qwen2_biases":
+    elif name.startswith("qwen2_"):
         tiny_llama = tiny_qwen2
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's notes (fan_in_fan_out reset for nn.Linear, embedding saving)
-        lora = PEFT_CONFIGS.get(name, dict(r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "up_proj", "down_proj"]))
-        peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora)).save_pretrained(
-            str(tmp_path / "adapter"))
+        lora = {**PEFT_CONFIGS, **QWEN2_PEFT_CONFIGS}.get(
+            name, dict(r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "up_proj", "down_proj"]))
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora))
+        with torch.no_grad():  # "trained": modules_to_save copies and biases move away from the model's own
+            for key, param in wrapped.named_parameters():
+                if param.requires_grad and ".lora_" not in key:
+                    param.add_(torch.randn_like(param) * 0.1)
+        wrapped.save_pretrained(str(tmp_path / "adapter"))
         base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype="auto")
         merged = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload().state_dict()
     checkpoint = open_checkpoint(f"{tiny_llama}+{tmp_path / 'adapter'}", "base_model")
     assert checkpoint.adapter.pairs
+    if name in QWEN2_PEFT_CONFIGS or name == "modules_to_save":
+        whole = {"qwen2_bias_all": {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in (0, 1) for p in "qkv"},
+                 "qwen2_bias_lora_only": {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in (0, 1) for p in "qv"},
+                 "qwen2_modules_to_save_biased": {f"model.layers.{i}.self_attn.k_proj.{p}" for i in (0, 1)
+                                                  for p in ("weight", "bias")},
+                 # peft matches "norm" as the end of a module's name: every norm is a trained copy
+                 "modules_to_save": {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                                     *(f"model.layers.{i}.{n}.weight" for i in (0, 1)
+                                       for n in ("input_layernorm", "post_attention_layernorm"))}}[name]
+        assert set(checkpoint.adapter.replaced) == whole
     for key in checkpoint.tensors:
         ours, theirs = checkpoint.read(key), merged[key]
         assert ours.dtype == theirs.dtype, key

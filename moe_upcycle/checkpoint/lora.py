@@ -4,7 +4,8 @@ A reference ``X+Y`` (each a folder or a hub id in the local cache, optionally ``
 as model X with the LoRA adapter Y merged in, exactly as peft's ``merge_and_unload()`` computes it:
 ``W' = W + scaling * (B @ A)`` in float32, cast back to W's dtype, with ``scaling = lora_alpha / r``
 (``lora_alpha / sqrt(r)`` with ``use_rslora``) and per-module ``rank_pattern`` / ``alpha_pattern``.
-An embedding's delta is ``(B @ A).T * scaling`` (peft's ``lora_embedding_A/B``). As peft does for
+An embedding's delta is ``(B @ A).T * scaling`` (peft's ``lora_embedding_A/B``). Whole tensors the adapter saved (``modules_to_save`` copies, trained biases,
+peft's saved embedding ``base_layer``) replace the model's before the merge. As peft does for
 ``nn.Linear`` layers (every layer this tool reads), ``fan_in_fan_out`` is not applied.
 
 `Adapter.open` reads adapter_config.json and the adapter's tensor headers and checks every key
@@ -37,8 +38,12 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # embeddings' A and B are parameters of their own: base_model.model.<module>.lora_embedding_A[.default]
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?:(?P<part>lora_A|lora_B)(?:\.[A-Za-z0-9_]+)?\.weight"
                   r"|(?P<emb>lora_embedding_A|lora_embedding_B)(?:\.[A-Za-z0-9_]+)?)$")
-# peft's save_embedding_layers: the whole (possibly resized) embedding, loaded in place of the model's
-_BASE_LAYER = re.compile(r"^base_model\.model\.(?P<module>.+)\.base_layer\.weight$")
+# whole tensors loaded in place of the model's before the merge: peft's save_embedding_layers
+# (<module>.base_layer.weight), a trained bias (bias: all / lora_only; <module>[.base_layer].bias) and
+# modules_to_save (<module>.weight, <module>.bias: peft saves the trained copy under the module's own name)
+# (older peft: <module>.modules_to_save[.<adapter name>].weight)
+_WHOLE = re.compile(r"^base_model\.model\.(?P<module>.+?)(?P<wrap>\.base_layer|\.modules_to_save(?:\.[A-Za-z0-9_]+)?)?"
+                    r"\.(?P<param>weight|bias)$")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -124,9 +129,12 @@ class Adapter:
         infos = ({k: (i.shape, i.dtype) for k, i in read_safetensors_header(file).items()}
                  if file.suffix == ".safetensors" else {k: (tuple(t.shape), t.dtype) for k, t in load_bin(file).items()})
         replaced, problems = _replacements(infos, file, model_tensors, model_ref)
-        pairs, more = _pair_up({k: v for k, v in infos.items() if k not in replaced.values()}, cfg, file,
+        pairs, more = _pair_up({k: v for k, v in infos.items() if not _is_whole(k)}, cfg, file,
                                model_tensors, model_ref)
         problems += more
+        if not pairs and not replaced and not problems:
+            problems.append(f"{file}: holds no LoRA weights (base_model.model.<module>.lora_A.weight); is this a "
+                            f"PEFT LoRA adapter?")
         if problems:
             raise SourceError(*problems)
         base_name = str(cfg.get("base_model_name_or_path") or "")
@@ -221,14 +229,27 @@ def _config_problems(cfg: dict, cfg_file: Path) -> list[str]:
 
 
 def _replacements(infos: dict, file: Path, model: dict, model_ref: str) -> tuple[dict[str, str], list[str]]:
-    """Whole weights the adapter saved (``<module>.base_layer.weight``): model key -> adapter key."""
+    """Whole tensors the adapter saved, loaded in place of the model's (see `_WHOLE`): model key -> adapter key."""
     replaced, problems = {}, []
+    tied = "lm_head.weight" not in model and any(k.endswith("embed_tokens.weight") for k in model)
     for key, (shape, dtype) in infos.items():
-        m = _BASE_LAYER.match(key)
-        if m is None:
+        if not _is_whole(key):
             continue
-        target = f"{m['module']}.weight"
-        if target not in model:
+        m = _WHOLE.match(key)
+        target = f"{m['module']}.{m['param']}"
+        if target in replaced:
+            problems.append(f"{file}: tensors {replaced[target]!r} and {key!r} both replace {target!r}; keep one "
+                            f"(save the adapter again)")
+        elif tied and (target == "lm_head.weight" or (target.endswith("embed_tokens.weight") and m["wrap"] != ".base_layer")):
+            problems.append(f"{file}: tensor {key!r} is a trained copy of {target.rsplit('.', 1)[0]!r} "
+                            f"(modules_to_save), but model {model_ref!r} ties lm_head to its embedding; peft's merge "
+                            f"unties them (one keeps the old weights), which a tied model cannot hold — merge it with "
+                            f"peft (merge_and_unload().save_pretrained(folder)) and give that folder")
+        elif target not in model and m["param"] == "bias" and f"{m['module']}.weight" in model:
+            problems.append(f"{file}: tensor {key!r} is a bias for {m['module']!r}, which has no bias in model "
+                            f"{model_ref!r} (adapter_config.json bias / lora_bias); an MoE of this family has no "
+                            f"place for it — train the adapter with bias: none")
+        elif target not in model:
             problems.append(f"{file}: tensor {key!r} replaces {target!r}, which model {model_ref!r} does not have; "
                             f"is this adapter for another model?")
         elif tuple(shape) != tuple(model[target].shape):
@@ -240,6 +261,11 @@ def _replacements(infos: dict, file: Path, model: dict, model_ref: str) -> tuple
         else:
             replaced[target] = key
     return replaced, problems
+
+
+def _is_whole(key: str) -> bool:
+    """Whether adapter tensor `key` is a whole tensor to load in place of the model's (not a LoRA matrix)."""
+    return _WHOLE.match(key) is not None and ".lora_" not in key
 
 
 def _pattern(patterns: dict, module: str, default: float) -> float:
@@ -256,11 +282,9 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
     for key in infos:
         m = _KEY.match(key)
         if m is None:
-            if ".modules_to_save." in key or key.endswith(".bias"):
-                what = ("modules_to_save (whole replaced modules)" if ".modules_to_save." in key
-                        else f"bias tensors (bias: {cfg.get('bias')!r})")
-                problems.append(f"{file}: tensor {key!r}: adapters with {what} are not merged by moe-upcycle; merge it "
-                                f"with peft (merge_and_unload().save_pretrained(folder)) and give that folder")
+            if key.endswith(".bias"):  # lora_B's own bias (lora_bias: true)
+                problems.append(f"{file}: tensor {key!r}: adapters with lora_bias are not merged by moe-upcycle; "
+                                f"merge it with peft (merge_and_unload().save_pretrained(folder)) and give that folder")
             else:
                 problems.append(f"{file}: tensor {key!r} is not a LoRA weight (base_model.model.<module>.lora_A.weight "
                                 f"or lora_B); is this a PEFT LoRA adapter?")
@@ -316,9 +340,6 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
             continue
         scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         pairs[target] = LoraPair(a_key, b_key, scaling, embedding)
-    if not found and not problems:
-        problems.append(f"{file}: holds no LoRA weights (base_model.model.<module>.lora_A.weight); is this a PEFT "
-                        f"LoRA adapter?")
     return pairs, problems
 
 
