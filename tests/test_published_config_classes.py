@@ -159,6 +159,37 @@ def test_what_is_not_a_recipe_says_what_to_give(tiny_llama, tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+MERGE_CONFIGS = {  # mergekit-yaml (dense merge) configs, as model cards print them
+    "slerp": ("slices:\n  - sources:\n      - model: org/a\n        layer_range: [0, 32]\n      - model: org/b\n"
+              "        layer_range: [0, 32]\nmerge_method: slerp\nbase_model: org/a\nparameters:\n  t:\n"
+              "    - value: 0.5\ndtype: bfloat16\n", ["(merge_method: 'slerp'), with merge_method and slices but no experts:"]),
+    "dare_ties": ("models:\n  - model: org/a\n  - model: org/b\n    parameters:\n      density: 0.53\n"
+                  "merge_method: dare_ties\nbase_model: org/a\ndtype: bfloat16\n",
+                  ["(merge_method: 'dare_ties'), with merge_method and models but no experts:"]),
+    "passthrough_slices_only": ("slices:\n  - sources:\n    - model: org/a\n      layer_range: [0, 24]\n",
+                                ["this is a mergekit-yaml merge config, with slices but no experts:"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MERGE_CONFIGS))
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_mergekit_yaml_merge_config_gets_one_headline(name, allow, tmp_path):
+    """A dense-merge config (slerp, dare_ties, passthrough) given to build: one message that says what it is
+    and what to write instead — not a line per key with advice to ignore them (--allow-unknown-keys or not)."""
+    text, words = MERGE_CONFIGS[name]
+    path = tmp_path / "merge.yaml"
+    path.write_text(text, encoding="utf-8")
+    result = CliRunner().invoke(app, ["build", str(path), str(tmp_path / "out"),
+                                      *(["--allow-unknown-keys"] if allow else [])])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in out, out
+    for word in [f"{path}: this is a mergekit-yaml merge config", *words, "mergekit-yaml's job",
+                 "base_model: plus experts:", "gate_configs/mergekit_style.yaml"]:
+        assert word in out, (word, out)
+    assert "unknown key" not in out and out.count("config error") == 1, out
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_missing_model_is_reported_before_any_lint(tiny_llama, tmp_path, monkeypatch):
     """Good prompts, but an expert's folder is missing: the build says so at once (no lint advice first)."""
     import yaml

@@ -451,6 +451,13 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
         raise ConfigError(f"{where}: this is a model's config.json (model_type {data.get('model_type')!r}), not a "
                           f"recipe; write a recipe that names the model's folder, e.g. base_model: "
                           f"{Path(where).parent if where != 'config' else 'FOLDER'}, num_experts: 4, gate_mode: random")
+    merge = [key for key in ("merge_method", "slices", "models") if key in data]
+    if merge and "experts" not in data:  # a whole mergekit-yaml config: one headline, not a line per key
+        method = f" (merge_method: {short_repr(data['merge_method'])})" if "merge_method" in data else ""
+        raise ConfigError(f"{where}: this is a mergekit-yaml merge config{method}, with {' and '.join(merge)} but no "
+                          f"experts:; it merges models into one dense model, which is mergekit-yaml's job — "
+                          f"moe-upcycle builds a MoE from a mergekit-moe recipe: base_model: plus experts: "
+                          f"[{{source_model: ..., positive_prompts: [...]}}, ...] (gate_configs/mergekit_style.yaml is one)")
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     data.update(given)
     odd = _non_string_keys(data, "")
