@@ -191,3 +191,78 @@ def test_verify_on_cuda_matches_cpu(tiny_moe, prompts_file):
     cpu = verify(tiny_moe, prompts=prompts_file, max_new_tokens=2)
     assert gpu.ok and gpu.comparison.top1_agreement == 1.0
     assert gpu.perplexity_moe == pytest.approx(cpu.perplexity_moe, rel=1e-3)
+
+
+def _json_edit(name: str, edit):
+    def change(folder: Path) -> None:
+        data = json.loads((folder / name).read_text(encoding="utf-8"))
+        edit(data)
+        (folder / name).write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return change
+
+
+def _merges_as_pairs(data: dict) -> None:  # the tokenizers library's other spelling of BPE merges
+    data["model"]["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in data["model"]["merges"]]
+
+
+# A folder built elsewhere (mergekit-moe re-saves the tokenizer, writes no generation_config.json):
+# edit -> (problem words, note words). Judged by what the files say, not their bytes.
+FOREIGN_TOKENIZERS = {
+    "resaved_like_mergekit": (_json_edit("tokenizer_config.json", lambda d: d.update(
+        is_local=True, local_files_only=True, pad_token="<s>", tokenizer_class="PreTrainedTokenizerFast")),
+        [], ['tokenizer_config.json: pad_token unset in the base, "<s>" here (padding only']),
+    "no_generation_config": (lambda f: (f / "generation_config.json").unlink(),
+                             [], ["config.json carries the same token ids, so generation runs the same"]),
+    "reformatted_json": (_json_edit("tokenizer.json", _merges_as_pairs), [], []),
+    "instruct_eos_lost": (lambda f: (f / "generation_config.json").unlink(),
+                          ["generation_config.json: the base has it but the output does not, so generation loses "
+                           "eos_token_id [2, 5], temperature 0.6"], []),
+    "chat_template_changed": (_json_edit("tokenizer_config.json", lambda d: d.update(chat_template="{{ x }}")),
+                              ["tokenizer_config.json: says something other than the base's",
+                               "chat_template unset in the base, \"{{ x }}\" here", "copy the file from the base"], []),
+    "vocab_changed": (_json_edit("tokenizer.json", lambda d: d["model"]["vocab"].update(zzz=0)),
+                      ["tokenizer.json: says something other than the base's", "model "], []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOREIGN_TOKENIZERS))
+def test_tokenizer_files_of_a_folder_built_elsewhere_are_judged_by_content(case, tiny_llama, tiny_moe, tmp_path,
+                                                                           prompts_file):
+    """Without moe_upcycle.json, a JSON file that differs only in what a save adds (is_local, the class name
+    TokenizersBackend / PreTrainedTokenizerFast, merges' spelling) passes; a pad_token or a generation_config.json
+    that adds nothing to config.json is a note; anything else (chat template, vocabulary, an instruct model's
+    extra end-of-turn id) fails, named."""
+    edit, problems, notes = FOREIGN_TOKENIZERS[case]
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    if case == "instruct_eos_lost":
+        (base / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 5],
+                                                                 "temperature": 0.6, "do_sample": True}))
+    folder = tmp_path / "foreign"
+    shutil.copytree(tiny_moe, folder)
+    (folder / "moe_upcycle.json").unlink()
+    edit(folder)
+    result = verify(folder, base, prompts=prompts_file, max_new_tokens=1)
+    text = " | ".join(result.problems + result.notes)
+    assert result.ok == (not problems), text
+    for words in problems:
+        assert any(words in p for p in result.problems), (words, result.problems)
+    for words in notes:
+        assert any(words in n for n in result.notes), (words, result.notes)
+    if not problems:
+        assert not [p for p in result.problems], result.problems
+
+
+def test_tokenizer_files_of_our_own_build_must_match_byte_for_byte(tiny_llama, tiny_moe, tmp_path, prompts_file):
+    """With moe_upcycle.json the build promised a byte-for-byte copy: even a re-save that changes nothing a
+    loader reads is a problem, and a missing generation_config.json is one too."""
+    folder = tmp_path / "ours"
+    shutil.copytree(tiny_moe, folder)
+    _json_edit("tokenizer_config.json", lambda d: d.update(is_local=True))(folder)
+    (folder / "generation_config.json").unlink()
+    result = verify(folder, tiny_llama, prompts=prompts_file, max_new_tokens=1, hashes=False)
+    assert not result.ok
+    assert any(p.startswith("tokenizer_config.json: differs from the base's") and "byte for byte" in p
+               for p in result.problems), result.problems
+    assert any(p.startswith("generation_config.json: the base has it but the output does not; copy it from")
+               for p in result.problems), result.problems

@@ -44,8 +44,9 @@ import torch
 
 from moe_upcycle.check.compare import (TokenizerLoadError, compare_logits, encode_inputs, load_causal_lm, run_model,
                                         upcast_to_fp32)
+from moe_upcycle.check.tokenizer_files import tokenizer_differences
 from moe_upcycle.check.verify_report import VerifyResult
-from moe_upcycle.checkpoint.names import TOKENIZER_FILES, layout_of_config, output_layout
+from moe_upcycle.checkpoint.names import layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
 from moe_upcycle.checkpoint.lora import Adapter, split_ref
@@ -324,7 +325,9 @@ def verify(
     dense_run = None
     if base_path is not None:
         result.base = str(base if base is not None else check.base_model)
-        _check_tokenizer(base_path, folder, result)
+        problems, notes = tokenizer_differences(base_path, folder, ours=recipe is not None)
+        result.problems += problems
+        result.notes += notes
         try:
             dense = load_causal_lm(base_path, device=device, adapter=adapter)
         except SourceError:
@@ -429,16 +432,6 @@ def _resolve_base(check: Optional[CheckParams], result: VerifyResult) -> tuple[O
     except SourceError as exc:
         result.notes.append(f"dense comparison skipped: {exc.problems[0]} (pass --base DENSE)")
         return None, None
-
-
-def _check_tokenizer(base: Path, folder: Path, result: VerifyResult) -> None:
-    for name in TOKENIZER_FILES:
-        if (base / name).is_file():
-            if not (folder / name).is_file():
-                result.problems.append(f"{name}: the base has it but the output does not; copy it from {base}")
-            elif (base / name).read_bytes() != (folder / name).read_bytes():
-                result.problems.append(f"{name}: differs from the base's {base / name}; the tokenizer must be the "
-                                       f"base's, byte for byte")
 
 
 def _apply_thresholds(result: VerifyResult, max_kl: Optional[float], min_agreement: Optional[float],

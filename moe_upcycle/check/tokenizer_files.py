@@ -1,0 +1,121 @@
+"""Are the output's tokenizer files the base's? ``verify``'s check, strict for our builds, fair to others.
+
+A moe-upcycle build copies the base's tokenizer and generation files byte for byte, so for a folder
+with our ``moe_upcycle.json`` any difference is a problem. A folder built elsewhere (mergekit-moe
+re-saves the tokenizer through transformers and writes no generation_config.json) is judged by what
+the files say, not their bytes:
+
+- a JSON file is compared as data, without the keys a save adds and no loader reads
+  (`SAVE_NOISE`), with transformers 5's ``TokenizersBackend`` read as the fast tokenizer it is,
+  and with a tokenizer.json's merges in either of the tokenizers library's spellings;
+- a different ``pad_token`` is a note (it changes only how batches are padded);
+- any other difference is a problem naming the file and its first differing keys;
+- a missing generation_config.json is a note when config.json carries the same token ids and the
+  base's file sets nothing but generation's defaults, else a problem naming what generation loses (an instruct model's
+  extra end-of-turn id, its sampling defaults).
+
+It reads small files only; it runs no model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moe_upcycle.checkpoint.names import TOKENIZER_FILES
+
+# keys a save writes that no loader uses: where and how it was loaded, by which version
+SAVE_NOISE = frozenset({"is_local", "local_files_only", "name_or_path", "_commit_hash", "transformers_version",
+                        "_from_model_config"})
+# transformers 5 saves every fast tokenizer as TokenizersBackend; 4.x wrote PreTrainedTokenizerFast
+SAME_CLASS = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+PADDING_ONLY = frozenset({"pad_token", "pad_token_id", "padding_side"})
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# generation settings that say what generation does without them (transformers 4's defaults; 5 leaves them unset)
+GENERATION_DEFAULTS = {"output_attentions": False, "output_hidden_states": False, "output_scores": False,
+                       "return_dict_in_generate": False, "use_cache": True, "do_sample": False, "num_beams": 1,
+                       "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def tokenizer_differences(base: Path, folder: Path, ours: bool) -> tuple[list[str], list[str]]:
+    """(problems, notes) about the output's tokenizer and generation files against the base's.
+
+    Args:
+        base: the dense base's folder; folder: the output's.
+        ours: the folder was built by moe-upcycle (it has moe_upcycle.json): bytes must match.
+    """
+    problems: list[str] = []
+    notes: list[str] = []
+    for name in TOKENIZER_FILES:
+        mine, theirs = base / name, folder / name
+        if not mine.is_file():
+            continue
+        if not theirs.is_file():
+            if name == "generation_config.json" and not ours:
+                _missing_generation_config(mine, folder, problems, notes)
+            else:
+                problems.append(f"{name}: the base has it but the output does not; copy it from {base}")
+            continue
+        if mine.read_bytes() == theirs.read_bytes():
+            continue
+        if ours or not name.endswith(".json"):
+            problems.append(f"{name}: differs from the base's {mine}; the tokenizer must be the base's, byte for byte")
+            continue
+        a, b = _data(mine), _data(theirs)
+        if a is None or b is None:
+            problems.append(f"{name}: differs from the base's {mine}, and one of them is not valid JSON")
+            continue
+        changed = sorted(k for k in {*a, *b} if a.get(k, _ABSENT) != b.get(k, _ABSENT))
+        padding, other = [k for k in changed if k in PADDING_ONLY], [k for k in changed if k not in PADDING_ONLY]
+        if other:
+            problems.append(f"{name}: says something other than the base's {mine}: {_shown(other, a, b)}; the "
+                            f"tokenizer must be the base's — copy the file from the base")
+        if padding:
+            notes.append(f"{name}: {_shown(padding, a, b)} (padding only: single prompts tokenize and run the same)")
+    return problems, notes
+
+
+def _missing_generation_config(mine: Path, folder: Path, problems: list[str], notes: list[str]) -> None:
+    """generation_config.json is in the base only: does generation lose anything config.json does not carry?"""
+    gen = _data(mine) or {}
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    lost = [k for k in gen if not (cfg.get(k) == gen[k] if k in TOKEN_IDS else GENERATION_DEFAULTS.get(k, _ABSENT) == gen[k])]
+    if lost:
+        problems.append(f"generation_config.json: the base has it but the output does not, so generation loses "
+                        f"{_shown(lost, gen, cfg, both=False)}; copy it from {mine.parent}")
+    else:
+        notes.append("generation_config.json: the base has it, the output does not; config.json carries the same "
+                     "token ids, so generation runs the same")
+
+
+def _data(path: Path) -> Any:
+    """The file's JSON with `SAVE_NOISE` removed, class names and merges in one spelling; None if unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return {"": data}
+    data = {k: v for k, v in data.items() if k not in SAVE_NOISE}
+    if isinstance(data.get("tokenizer_class"), str):
+        data["tokenizer_class"] = SAME_CLASS.get(data["tokenizer_class"], data["tokenizer_class"])
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("merges"), list):  # "a b" or ["a", "b"]
+        data["model"] = {**model, "merges": [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]}
+    return data
+
+
+def _shown(keys: list[str], a: dict, b: dict, both: bool = True, limit: int = 3) -> str:
+    def value(d: dict, k: str) -> str:
+        text = "unset" if k not in d else json.dumps(d[k], ensure_ascii=False)
+        return text if len(text) <= 40 else text[:37] + "..."
+    parts = [f"{k} {value(a, k)} in the base, {value(b, k)} here" if both else f"{k} {value(a, k)}" for k in keys[:limit]]
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(parts) + more
+
+
+_ABSENT = object()
