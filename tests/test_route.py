@@ -100,11 +100,19 @@ def test_plot_without_matplotlib_is_a_clear_error(moe, tmp_path, monkeypatch):
     assert "pip install -e '.[plot]'" in result.output and "'moe-upcycle[plot]'" not in result.output
 
 
-def test_route_rejects_a_dense_model(stories, tmp_path):
+def test_route_rejects_a_dense_model(stories, tmp_path, monkeypatch):
+    """From its config.json, before any loading (a dense 70B would load for minutes only to be refused)."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the dense model was loaded before the refusal"))
     prompts = tmp_path / "p.txt"
     prompts.write_text("Hello\n", encoding="utf-8")
     result = runner.invoke(app, ["route", str(stories), "--prompts", str(prompts), "--device", "cpu"])
-    assert result.exit_code == 1 and "not an MoE with a router in every layer" in result.output
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in text, text
+    assert f"{stories} is a dense model (model_type 'llama', LlamaForCausalLM" in text
+    assert "not a Mixture-of-Experts, so there is nothing to route" in text
 
 
 def test_parallel_gates_are_named_with_their_layers():

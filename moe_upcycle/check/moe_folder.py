@@ -1,4 +1,4 @@
-"""Is a model folder a Mixture-of-Experts at all? (`verify` asks this first.)
+"""Is a model folder a Mixture-of-Experts at all? (`verify` and `route` ask this before loading it.)
 
 A dense folder (the base model itself, a typo'd path to it) loads fine with transformers and
 would match the dense base perfectly, so verifying it would say PASSED about a model that has no
@@ -16,7 +16,7 @@ from moe_upcycle.errors import SourceError
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def require_moe(folder: Path, option: str = "OUT") -> int:
+def require_moe(folder: Path, option: str = "OUT", command: str = "verify") -> int:
     """The folder's routed-expert count, read from its config.json.
 
     Raises:
@@ -37,4 +37,4 @@ def require_moe(folder: Path, option: str = "OUT") -> int:
     arch = ", ".join(cfg.get("architectures") or []) if isinstance(cfg.get("architectures"), list) else ""
     raise SourceError(f"{option}: {folder} is a dense model (model_type {kind!r}{', ' + arch if arch else ''}; its "
                       f"config.json has no {' / '.join(EXPERT_COUNT_KEYS[:3])}), not a Mixture-of-Experts, so there "
-                      f"is nothing to verify; give the folder that moe-upcycle build wrote")
+                      f"is nothing to {command}; give the folder that moe-upcycle build wrote")

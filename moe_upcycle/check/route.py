@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
@@ -143,6 +144,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
         raise SourceError(f"OUT: {folder} {what}; route a folder written by moe-upcycle build")
     if not prompts:
         raise ConfigError("prompts: there is no prompt to route; give at least one")
+    require_moe(folder, command="route")  # from config.json: a dense folder is refused before it is loaded
     dev = resolve_device(device)
     kwargs = {"dtype": torch.float32} if dev == "cpu" else {"dtype": torch.bfloat16, "device_map": "auto"}
     try:
