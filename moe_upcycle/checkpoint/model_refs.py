@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from moe_upcycle.checkpoint.quantized import file_given_hint
 from moe_upcycle.errors import SourceError
 from moe_upcycle.inputs.paths import resolve_or_raise
 
@@ -26,6 +27,8 @@ def resolve_model(ref: str, field_name: str) -> Path:
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         return path.resolve()
+    if path.is_file() and file_given_hint(path):
+        raise SourceError(f"{field_name}: model {ref!r} {file_given_hint(path)}")
     if path.is_file():  # e.g. the model.safetensors itself: not a hub id either
         raise SourceError(f"{field_name}: model {ref!r} is a file, not a model folder; give the folder that holds "
                           f"its config.json and weights ({resolve_or_raise(path, SourceError, field_name).parent})")

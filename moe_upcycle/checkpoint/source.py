@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from moe_upcycle.errors import SourceError
 from moe_upcycle.terminal.progress import stage
+from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_problem
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
@@ -236,6 +237,9 @@ def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     duplicates = duplicate_problems(path, found_in, files, f"{chosen}")
     if duplicates:
         raise SourceError(*duplicates)
+    quantized = quantized_problem(tensors, f"{field_name}: {path}")
+    if quantized:
+        raise SourceError(quantized)
     return Checkpoint(ref=ref, path=path, config=config, tensors=tensors, shared_groups=shared)
 
 
@@ -243,7 +247,9 @@ def read_config(path: Path, field_name: str) -> dict:
     """Read a model folder's config.json, with clear errors."""
     cfg = path / "config.json"
     if not cfg.is_file():
-        raise SourceError(f"{field_name}: {path} has no config.json; is it a Hugging Face model folder?")
+        hint = foreign_folder_hint(path)
+        raise SourceError(f"{field_name}: {path} has no config.json"
+                          + (hint if hint else "; is it a Hugging Face model folder?"))
     try:
         config = json.loads(cfg.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

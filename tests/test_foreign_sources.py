@@ -1,0 +1,152 @@
+"""Sources that are not a dense Hugging Face checkpoint, named for what they are (checkpoint/quantized.py).
+
+Published repos that people point a recipe at by mistake: a quantized release whose config.json lost
+its quantization_config (GPTQ, AWQ, bitsandbytes 4- and 8-bit, compressed-tensors), Meta's and
+Mistral's native weights, a GGUF file or a folder of them, a PEFT adapter folder or file. Each is
+refused with exit 1, no output folder, and a message that names the folder / file / tensor, says
+what it is and what to give instead — not a plan error about "biases" or missing projections.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from failure_checks import cli
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantized(kind: str):
+    """A state-dict edit that stores each projection as `kind`'s tensors (names and dtypes as saved)."""
+    def edit(state: dict) -> dict:
+        out = {}
+        for key, w in state.items():
+            module = key[: -len(".weight")]
+            if not key.endswith(".weight") or module.rsplit(".", 1)[-1] not in PROJ:
+                out[key] = w
+                continue
+            rows, cols = w.shape
+            if kind in ("gptq", "awq"):
+                out[f"{module}.qweight"] = torch.zeros(cols // 8, rows, dtype=torch.int32)
+                out[f"{module}.qzeros"] = torch.zeros(1, rows // 8, dtype=torch.int32)
+                out[f"{module}.scales"] = torch.ones(1, rows, dtype=torch.float16)
+                if kind == "gptq":
+                    out[f"{module}.g_idx"] = torch.zeros(cols, dtype=torch.int32)
+            elif kind == "bnb4":
+                out[key] = torch.zeros(w.numel() // 2, 1, dtype=torch.uint8)
+                out[f"{key}.absmax"] = torch.ones(4)
+                out[f"{key}.quant_map"] = torch.ones(16)
+                out[f"{key}.quant_state.bitsandbytes__nf4"] = torch.zeros(8, dtype=torch.uint8)
+            elif kind == "bnb8":
+                out[key] = torch.zeros(rows, cols, dtype=torch.int8)
+                out[f"{module}.SCB"] = torch.ones(rows)
+            elif kind == "compressed":
+                out[f"{module}.weight_packed"] = torch.zeros(rows, cols // 8, dtype=torch.int32)
+                out[f"{module}.weight_scale"] = torch.ones(rows, 1, dtype=torch.bfloat16)
+        return out
+    return edit
+
+
+QUANTIZED = {  # kind -> (a tensor the message names, the format it names)
+    "gptq": ("model.layers.0.mlp.down_proj.g_idx", "GPTQ"),
+    "awq": ("model.layers.0.mlp.down_proj.qweight", "GPTQ/AWQ"),
+    "bnb4": ("model.layers.0.mlp.down_proj.weight.absmax", "bitsandbytes 4-bit"),
+    "bnb8": ("model.layers.0.mlp.down_proj.SCB", "bitsandbytes 8-bit"),
+    "compressed": ("model.layers.0.mlp.down_proj.weight_packed", "compressed-tensors"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(QUANTIZED))
+@pytest.mark.parametrize("field", ["base_model", "experts[1].source_model"])
+def test_quantized_weights_without_quantization_config_are_named(kind, field, tiny_llama, tmp_path, write_yaml):
+    model = tmp_path / kind
+    shutil.copytree(tiny_llama, model)
+    state = _quantized(kind)(load_file(str(model / "model.safetensors")))
+    save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    base = str(model) if field == "base_model" else str(tiny_llama)
+    cfg = {"base_model": base, "gate_mode": "random",
+           "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(model)}]}
+    code, out = cli("build", write_yaml(cfg), "-o", tmp_path / "out")
+    text = " ".join(out.split())
+    tensor, fmt = QUANTIZED[kind]
+    assert code == 1 and "Traceback" not in text, text
+    for words in (f"{field}: {model}: tensor '{tensor}' belongs to quantized weights ({fmt}",
+                  "config.json has no quantization_config", "upcycle the model's unquantized (bf16, fp16 or fp32) "
+                                                            "release"):
+        assert words in text, (words, text)
+    assert "plan error" not in text and not (tmp_path / "out").exists()
+
+
+def _native(folder: Path) -> None:
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, str(folder / "consolidated.safetensors"))
+    (folder / "params.json").write_text(json.dumps({"dim": 4096, "n_layers": 32}))
+
+
+def _original_pth(folder: Path) -> None:
+    (folder / "original").mkdir()
+    torch.save({"tok_embeddings.weight": torch.zeros(4, 4)}, folder / "original" / "consolidated.00.pth")
+
+
+def _adapter(base_name: str):
+    def make(folder: Path) -> None:
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                                "base_model_name_or_path": base_name}))
+        save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 4)}, str(folder / "adapter_model.safetensors"))
+    return make
+
+
+FOLDERS = {  # what a folder without config.json holds -> the words that say so
+    "mistral_native": (_native, ["has no config.json — it holds Meta/Mistral's native format (consolidated.safetensors, "
+                                 "params.json)", "give the model's Hugging Face release", "convert_mistral_weights_to_hf.py"]),
+    "llama_original": (_original_pth, ["has no config.json — it holds PyTorch .pth files but no config.json"]),
+    "gguf_folder": (lambda f: (f / "model-Q4_K_M.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(24)),
+                    ["it holds GGUF file(s) (model-Q4_K_M.gguf), llama.cpp's format", "the GGUF was converted from"]),
+    "adapter_named": (_adapter("org/base-7b"), ["it holds a PEFT adapter (adapter_config.json), not a model",
+                                                "write MODEL+ADAPTER, e.g. org/base-7b+"]),
+    "adapter_unnamed": (_adapter(""), ["write MODEL+ADAPTER: the model the adapter was trained on, a plus sign"]),
+    "nothing_known": (lambda f: (f / "notes.txt").write_text("hello"), ["has no config.json; is it a Hugging Face "
+                                                                        "model folder?"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOLDERS))
+def test_a_folder_that_is_not_a_hugging_face_model_says_what_it_holds(case, tmp_path, write_yaml):
+    make, words = FOLDERS[case]
+    folder = tmp_path / case
+    folder.mkdir()
+    make(folder)
+    code, out = cli("build", write_yaml({"base_model": str(folder), "num_experts": 2, "gate_mode": "random"}),
+                    "-o", tmp_path / "out")
+    text = " ".join(out.split())
+    assert code == 1 and "Traceback" not in text, text
+    assert f"base_model: {folder} has no config.json" in text, text
+    for word in words:
+        assert word in text, (word, text)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, words", [
+    ("model.Q8_0.gguf", ["is a GGUF file (llama.cpp's format), which moe-upcycle does not read",
+                         "give the Hugging Face release it was converted from"]),
+    ("adapter_model.safetensors", ["is a PEFT adapter's file, not a model", "write MODEL+ADAPTER, e.g. org/base-7b+"]),
+    ("adapter_config.json", ["is a PEFT adapter's file, not a model"]),
+])
+def test_a_gguf_or_adapter_file_given_as_the_model_says_what_to_give(name, words, tmp_path, write_yaml):
+    folder = tmp_path / "files"
+    folder.mkdir()
+    _adapter("org/base-7b")(folder)
+    (folder / "model.Q8_0.gguf").write_bytes(b"GGUF" + bytes(28))
+    code, out = cli("build", write_yaml({"base_model": str(folder / name), "num_experts": 2, "gate_mode": "random"}),
+                    "-o", tmp_path / "out")
+    text = " ".join(out.split())
+    assert code == 1 and "Traceback" not in text, text
+    assert f"base_model: model '{folder / name}'" in text, text
+    for word in words:
+        assert word in text, (word, text)
+    assert not (tmp_path / "out").exists()
