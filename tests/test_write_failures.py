@@ -229,3 +229,78 @@ def test_leftover_swap_folder_is_restored(tmp_path):
             assert [p.name for p in target.iterdir()] == ["weights.txt"]  # restored before building
             raise RuntimeError("build failed")
     assert (target / "weights.txt").read_text() == "previous" and leftovers(target) == ["moe"]
+
+
+def _unprivileged(work) -> None:
+    """Run `work()` with an ordinary user's permissions: directly, or as root in a forked child that drops to
+    nobody first (root ignores read-only folders; the users this is for do not). Only file operations run."""
+    if os.getuid() != 0:
+        work()
+        return
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            work()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+@pytest.mark.parametrize("shape", ["read_only_folder", "read_only_files"])
+def test_force_over_a_read_only_previous_build_leaves_no_swap_folder(shape, tmp_path):
+    """--force over a previous build the user made read-only (chmod -R a-w): the swap replaces it, and the
+    previous build's files are deleted as rm -rf would (write permission given back first): no hidden
+    .<name>.old-<pid> folder is left behind (before: left silently, holding the whole old checkpoint)."""
+    import stat
+
+    import tempfile
+
+    from moe_upcycle.checkpoint.output_dir import staged_output
+
+    if os.getuid() == 0:  # a folder nobody can reach (pytest's own are root's, mode 700)
+        tmp_path = Path(tempfile.mkdtemp(prefix="moe-upcycle-test-"))
+    target = tmp_path / "moe"
+    previous_build(target, {"model.safetensors": "old weights", "config.json": "{}"})
+    for path in [*target.iterdir()]:
+        path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    if shape == "read_only_folder":
+        target.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP)
+    if os.getuid() == 0:
+        for path in [tmp_path, target, *target.iterdir()]:
+            os.chown(path, 65534, 65534)
+
+    def swap() -> None:
+        with staged_output(target, force=True) as stage:
+            (stage / "model.safetensors").write_text("new weights")
+
+    try:
+        _unprivileged(swap)
+        assert (target / "model.safetensors").read_text() == "new weights"
+        assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
+        assert leftovers(target) == ["moe"], leftovers(target)
+    finally:
+        if os.getuid() == 0:
+            shutil.rmtree(tmp_path)
+
+
+def test_a_folder_of_ours_that_cannot_be_deleted_is_named(tmp_path, monkeypatch):
+    """When even that fails (a file system gone read-only), the folder is named in a warning, not kept quietly."""
+    import moe_upcycle.checkpoint.output_dir as output_dir
+    from moe_upcycle import UpcycleWarning
+
+    folder = tmp_path / ".moe.old-4242"
+    folder.mkdir()
+    (folder / "model.safetensors").write_text("x")
+    monkeypatch.setattr(output_dir.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.warns(UpcycleWarning, match=r"\.moe\.old-4242: could not delete this folder, which moe-upcycle "
+                                            r"wrote .*; delete it yourself"):
+        output_dir.remove_ours(folder)

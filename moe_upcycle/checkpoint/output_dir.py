@@ -19,10 +19,12 @@ import hashlib
 import os
 import shutil
 import signal
+import stat
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from moe_upcycle.errors import OutputError
+from moe_upcycle.errors import OutputError, UpcycleWarning
 
 # our manifest: the tool version, recipe, seed and sha256 of every file of a folder the tool wrote
 RECIPE_NAME = "moe_upcycle.json"
@@ -166,7 +168,7 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
         raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
                           f"{target}" + _space_hint(exc, target.parent)) from None
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        remove_ours(stage)
         _release_lock(lock, fd)
 
 
@@ -229,6 +231,36 @@ def _lock_owner(lock: Path) -> str:
         return ""
 
 
+def remove_ours(folder: Path) -> None:
+    """Delete a folder this tool wrote (its staging folder, a killed build's leftovers, the previous
+    build a --force swap replaced), also where folders in it were made read-only since: as ``rm -rf``
+    does, write permission is given back to each folder inside first (it is ours to delete, and
+    unlinking a file needs its folder's write permission). Symbolic links are removed, never
+    followed. Whatever still cannot be removed is named in a warning, never left behind silently.
+    """
+    if not os.path.lexists(folder):
+        return
+    if folder.is_dir() and not folder.is_symlink():
+        _owner_writable(str(folder))
+        for root, dirs, _ in os.walk(folder):  # top-down: each folder is opened up before it is listed
+            for name in dirs:
+                if not os.path.islink(os.path.join(root, name)):
+                    _owner_writable(os.path.join(root, name))
+    shutil.rmtree(folder, ignore_errors=True)
+    if os.path.lexists(folder):
+        warnings.warn(f"{folder}: could not delete this folder, which moe-upcycle wrote (a staging folder or the "
+                      f"build --force replaced); delete it yourself", UpcycleWarning, stacklevel=2)
+
+
+def _owner_writable(path: str) -> None:
+    try:
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        if mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(path, mode | stat.S_IRWXU)
+    except OSError:
+        pass
+
+
 def _recover(target: Path) -> Optional[Path]:
     """With the lock held, clear what a killed build left beside the target.
 
@@ -241,13 +273,13 @@ def _recover(target: Path) -> Optional[Path]:
     """
     restored = None
     for leftover in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.partial-*")):
-        shutil.rmtree(leftover, ignore_errors=True)
+        remove_ours(leftover)
     for old in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.old-*")):
         if not target.exists():
             os.rename(old, target)
             restored = old
         else:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_ours(old)
     return restored
 
 
@@ -300,4 +332,4 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
         except OSError:
             os.rename(old, target)  # put the previous contents back
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        remove_ours(old)
