@@ -117,6 +117,8 @@ def upcycle_model(
         >>> moe = upcycle_model(dense, num_experts=8, experts_per_token=2,
         ...                     expert_init={"method": "drop", "ratio": 0.5})  # doctest: +SKIP
     """
+    if isinstance(dense_model, torch.nn.Module) and isinstance(getattr(dense_model, "_orig_mod", None), torch.nn.Module):
+        dense_model = dense_model._orig_mod  # torch.compile's wrapper: the model itself holds the weights
     check_dense_model(dense_model)
     if not isinstance(gate, str) or gate not in GATE_MODES:
         raise ConfigError(f"gate: {gate!r} is not available in memory; use one of {', '.join(GATE_MODES)} "
@@ -145,7 +147,40 @@ def upcycle_model(
         model = empty_moe_model(cfg, plan)
         fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
         move_buffers(model, placement)
+        keep_frozen(model, plan, dense_model)
+        keep_checkpointing(model, dense_model)
         return dispatch_like(model, placement).train()
+
+
+def keep_checkpointing(model: torch.nn.Module, dense_model: torch.nn.Module) -> None:
+    """Turn activation (gradient) checkpointing on in the MoE when the dense model had it on.
+
+    transformers 5 names it activation checkpointing (the gradient_ names warn), 4.x gradient checkpointing.
+    """
+    five = hasattr(dense_model, "is_activation_checkpointing")
+    if getattr(dense_model, "is_activation_checkpointing" if five else "is_gradient_checkpointing", False):
+        getattr(model, "activation_checkpointing_enable" if five else "gradient_checkpointing_enable")()
+
+
+def keep_frozen(model: torch.nn.Module, plan: Plan, dense_model: torch.nn.Module) -> None:
+    """Freeze each MoE parameter whose every source the dense model has frozen (``requires_grad=False``).
+
+    A researcher who froze the embeddings (or attention, or the FFNs) gets them frozen in the MoE too;
+    a parameter fed by any trainable source, and every router (new), stays trainable.
+    """
+    trainable = {name: p.requires_grad for name, p in dense_model.named_parameters(remove_duplicate=False)}
+    if all(trainable.values()):
+        return
+    params = dict(model.named_parameters(remove_duplicate=False))
+    feeds: dict[str, list[bool]] = {}
+    for step in plan.steps:
+        leaves = step.parts or (step,)
+        target, _ = _place(step.name, params)
+        feeds.setdefault(target, []).extend(trainable.get(leaf.source[1], True) if leaf.source else True
+                                            for leaf in leaves)
+    for target, flags in feeds.items():
+        if not any(flags):
+            params[target].requires_grad_(False)
 
 
 def check_dense_model(dense_model: Any) -> None:
@@ -172,6 +207,13 @@ def check_dense_model(dense_model: Any) -> None:
         raise ConfigError(f"dense_model: a {kind} carrying PEFT adapter layers (parameter {adapted!r}); merge the "
                           f"adapter into the weights first (peft: model = peft_model.merge_and_unload(), which "
                           f"changes the model in place) or pass the model without it")
+    layers = getattr(getattr(dense_model, "model", None), "layers", None)
+    depth = getattr(dense_model.config, "num_hidden_layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and isinstance(depth, int) and len(layers) != depth:
+        raise ConfigError(f"dense_model: config.num_hidden_layers is {depth} but the model has {len(layers)} layers "
+                          f"(model.model.layers); after adding or removing layers set "
+                          f"model.config.num_hidden_layers = len(model.model.layers) (and layer_types, if the config "
+                          f"has it), so the MoE gets the layers the model has")
     head = dense_model.get_output_embeddings() if hasattr(dense_model, "get_output_embeddings") else None
     if head is None:  # LlamaModel, the decoder alone (an unsupported family with a head gets the plan's message)
         raise ConfigError(f"dense_model: a {kind} is not a causal language model (no LM head: "

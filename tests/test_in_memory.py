@@ -113,3 +113,69 @@ def test_errors_name_the_argument(dense_stories):
         upcycle_model(dense, num_experts=4, experts_per_token=5)
     with pytest.raises(PlanError, match="granularity: 3 does not divide intermediate_size 172"):
         upcycle_model(dense, num_experts=6, experts_per_token=3, expert_init={"method": "split", "granularity": 3})
+
+
+# ---------------------------------------------------------------- the states researchers hand it over in
+
+
+def test_frozen_parameters_stay_frozen_and_routers_train(tiny_llama):
+    """Whatever the dense model froze (requires_grad=False) is frozen in the MoE: the embedding, attention, and
+    the experts of a frozen FFN (every expert copies it); routers are new and train; a parameter fed by any
+    trainable source trains."""
+    dense, ids = load(tiny_llama)
+    dense.model.embed_tokens.weight.requires_grad_(False)
+    for p in dense.model.layers[0].self_attn.parameters():
+        p.requires_grad_(False)
+    for p in dense.model.layers[1].mlp.parameters():
+        p.requires_grad_(False)
+    moe = upcycle_model(dense, num_experts=3)
+    frozen = sorted(n for n, p in moe.named_parameters() if not p.requires_grad)
+    experts = [n for n in frozen if ".experts." in n]
+    assert "model.embed_tokens.weight" in frozen
+    assert {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} <= set(frozen)
+    assert experts and all(n.startswith("model.layers.1.") for n in experts), experts
+    assert not any("gate.weight" in n or "router" in n for n in frozen), frozen
+    assert all(p.requires_grad for n, p in moe.named_parameters() if n.startswith("model.layers.0.mlp"))
+    moe(input_ids=ids, labels=ids).loss.backward()  # trains as it stands
+    assert moe.model.embed_tokens.weight.grad is None
+
+
+def test_gradient_checkpointing_carries_over_and_trains(tiny_llama):
+    """Activation (gradient) checkpointing on in the dense model is on in the MoE (transformers 5's name for it,
+    without its deprecation warning), and a backward pass runs through it."""
+    import warnings
+
+    dense, ids = load(tiny_llama)
+    dense.activation_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        moe = upcycle_model(dense, num_experts=2)
+    assert moe.is_activation_checkpointing and moe.training
+    moe(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in moe.named_parameters() if "embed" in n)
+    plain = upcycle_model(load(tiny_llama)[0], num_experts=2)
+    assert not plain.is_activation_checkpointing
+
+
+def test_a_torch_compiled_model_is_upcycled_as_the_model_it_wraps(tiny_llama):
+    dense, ids = load(tiny_llama)
+    moe = upcycle_model(torch.compile(dense), num_experts=2)
+    assert type(moe).__name__ == "MixtralForCausalLM"
+    assert_close_rel(logits(moe.eval(), ids), logits(dense, ids))
+
+
+def test_layers_removed_without_the_config_are_named_and_work_once_it_is_set(tiny_llama):
+    """A layer-pruning experiment that cut model.model.layers but not config.num_hidden_layers: named, with the
+    line to add; once added, the MoE has the layers the model has and computes what it computes."""
+    dense, ids = load(tiny_llama)
+    dense.model.layers = dense.model.layers[:1]
+    with pytest.raises(ConfigError, match=r"dense_model: config.num_hidden_layers is 2 but the model has 1 layers "
+                                          r"\(model.model.layers\); .*set model.config.num_hidden_layers = "
+                                          r"len\(model.model.layers\)"):
+        upcycle_model(dense, num_experts=2)
+    dense.config.num_hidden_layers = 1
+    if getattr(dense.config, "layer_types", None):
+        dense.config.layer_types = dense.config.layer_types[:1]
+    moe = upcycle_model(dense, num_experts=2)
+    assert len(moe.model.layers) == 1 and moe.config.num_hidden_layers == 1
+    assert_close_rel(logits(moe.eval(), ids), logits(dense, ids))
