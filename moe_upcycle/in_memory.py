@@ -133,7 +133,7 @@ def upcycle_model(
         "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef,
         "output_router_logits": output_router_logits, "dtype": dtype,
         **({"architecture": architecture} if architecture else {}),
-    })
+    }, unknown_option=None, name="upcycle_model")
     # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
     # which autograd refuses: the model could never be trained. It is built as ordinary tensors.
     with torch.inference_mode(False):

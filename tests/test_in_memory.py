@@ -179,3 +179,17 @@ def test_layers_removed_without_the_config_are_named_and_work_once_it_is_set(tin
     moe = upcycle_model(dense, num_experts=2)
     assert len(moe.model.layers) == 1 and moe.config.num_hidden_layers == 1
     assert_close_rel(logits(moe.eval(), ids), logits(dense, ids))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(expert_init={"method": "noise", "std": 0.1}),
+     "upcycle_model: expert_init.std: unknown key — remove it; valid keys: absolute, granularity, method, ratio"),
+    (dict(num_experts=0), "upcycle_model: num_experts: 0 is too small; write at least 1"),
+])
+def test_argument_errors_name_upcycle_model_and_offer_no_cli_flag(kwargs, words, tiny_llama):
+    """upcycle_model has no --allow-unknown-keys (nor allow_unknown_keys=): its messages do not offer one, and
+    they are headed by the function, not by a "config" the caller never wrote."""
+    dense, _ = load(tiny_llama)
+    with pytest.raises(ConfigError) as caught:
+        upcycle_model(dense, **kwargs)
+    assert words in str(caught.value) and "allow-unknown-keys" not in str(caught.value), str(caught.value)

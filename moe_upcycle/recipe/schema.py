@@ -394,7 +394,8 @@ class UpcycleConfig(_Strict):
 
 
 def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] = None,
-                allow_unknown_keys: bool = False) -> UpcycleConfig:
+                allow_unknown_keys: bool = False, unknown_option: Optional[str] = "--allow-unknown-keys",
+                name: str = "config") -> UpcycleConfig:
     """Read and validate a config from a YAML file path or a dict.
 
     Args:
@@ -403,6 +404,9 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
             problem with one is reported as ``option KEY: ...``, not under the file's name.
         allow_unknown_keys: ignore genuinely unknown keys with a warning instead of refusing
             them (misspelt keys are errors either way; see `unknown_keys`).
+        unknown_option: how the caller turns that on, for the unknown-key message (the CLI flag,
+            ``allow_unknown_keys=True`` in Python); None where nothing does (`upcycle_model`).
+        name: what a mapping is called in messages ("config", or the function that built it).
 
     Returns:
         The validated config.
@@ -410,7 +414,7 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     Raises:
         ConfigError: with every problem, each prefixed by its YAML path.
     """
-    where = "config"
+    where = name
     if isinstance(source, Mapping):
         data = dict(source)
     elif not isinstance(source, (str, os.PathLike)):
@@ -472,7 +476,7 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     except ValidationError as exc:
         # a value from an option is named as the option: the user would not find it in the file
         raise ConfigError(*[f"option {line}" if re.match(r"[a-z_]*", line)[0] in given else f"{where}: {line}"
-                            for line in _format_errors(exc)]) from None
+                            for line in _format_errors(exc, unknown_option)]) from None
 
 
 def _yaml_key(key: Any) -> str:
@@ -500,8 +504,9 @@ def _non_string_keys(value: Any, where: str) -> list[tuple[str, Any]]:
     return found
 
 
-def _format_errors(exc: ValidationError) -> list[str]:
+def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allow-unknown-keys") -> list[str]:
     lines = []
+    ignore = f", or pass {unknown_option} to ignore it with a warning" if unknown_option else ""
     for err in exc.errors():
         kind = err["type"]
         # drop pydantic's own location tags ("function-after[...]"); an unknown key is the user's, kept as is
@@ -520,11 +525,10 @@ def _format_errors(exc: ValidationError) -> list[str]:
             suggestion = (f" — the code block's {label.group(1)!r} label is glued to {label.group(2)}; write "
                           f"{label.group(2)}:" if label else
                           f" — did you mean {hint}?" if hint else
-                          f" — {merge_key}; remove it, or pass --allow-unknown-keys to ignore it with a warning"
-                          if merge_key else
+                          f" — {merge_key}; remove it{ignore}" if merge_key else
                           f" — it belongs {home}; move it there" if home else
-                          f" — remove it, or pass --allow-unknown-keys to ignore it with a warning as "
-                          f"mergekit-moe does; valid keys: {', '.join(sorted(valid))}")
+                          f" — remove it{ignore}{' as mergekit-moe does' if unknown_option else ''}; valid keys: "
+                          f"{', '.join(sorted(valid))}")
             lines.append(f"{path if str(loc[-1]).strip() else _yaml_path(loc[:-1] + [repr(loc[-1])])}: "
                          f"unknown key{suggestion}")
         elif err.get("input", 0) is None and loc and not isinstance(loc[-1], int) and kind != "missing":
