@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 
 from moe_upcycle.check.drift import InitDrift, build_drift
 from moe_upcycle.checkpoint.output_dir import (  # noqa: F401 (RECIPE_NAME: public)
-    RECIPE_NAME, check_target, make_parent, staged_output, target_problem)
+    RECIPE_NAME, check_target, made_parent, staged_output, target_problem)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleWarning
@@ -215,55 +215,55 @@ def upcycle(
         if problem:  # what the build would refuse, whatever its --force
             raise OutputError(problem)
         return BuildResult(config, plan, None, sharing, summary=summary)
-    make_parent(target)
-    check_target(target, force, source_folders(sources),
-                 input_paths(recipe_source, config, ()))
-    check_free_space(target, summary.disk_needed_bytes)
-    base = sources[config.base_model]
-    no_tokenizer = missing_tokenizer_warning(base.path)
-    if no_tokenizer:
-        warnings.warn(no_tokenizer, UpcycleWarning, stacklevel=2)
-    gating, writing, checking = gate_params(config), write_params(config), check_params(config)
-    with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
-        gates = compute_gates(gating, plan, base)
-        shared_gates = shared_gate_rows(gating, plan, base)
-        st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
-    gate_warnings = parallel_experts(gates, plan.expert_names)
-    specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
-    with staged_output(target, force) as stage:
-        metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it
-        writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums, metadata)
-        try:
-            with progress_stage("write", total=plan.total_bytes, unit="bytes") as st, threads_beside_writer():
-                for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed,
-                                                 shared_gates):
-                    writer.write(step.name, tensor)
-                    on_step(step, plan)
-                    st.advance(step.nbytes, note=step.name)
-                st.update(note="sha256 and fsync of the last shard" if writing.checksums else "fsync of the last shard")
-                writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        router = router_fields(config)
-        write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits))
-        copy_tokenizer_files(base.path, stage)
-        hashes = dict(writer.sha256)
-        checked = None
-        if verify:
-            from moe_upcycle.check.verify import verify as verify_folder
-            from moe_upcycle.gates.capture import resolve_device
+    with made_parent(target):  # the parent folders it makes are removed again if the build fails
+        check_target(target, force, source_folders(sources),
+                     input_paths(recipe_source, config, ()))
+        check_free_space(target, summary.disk_needed_bytes)
+        base = sources[config.base_model]
+        no_tokenizer = missing_tokenizer_warning(base.path)
+        if no_tokenizer:
+            warnings.warn(no_tokenizer, UpcycleWarning, stacklevel=2)
+        gating, writing, checking = gate_params(config), write_params(config), check_params(config)
+        with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
+            gates = compute_gates(gating, plan, base)
+            shared_gates = shared_gate_rows(gating, plan, base)
+            st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
+        gate_warnings = parallel_experts(gates, plan.expert_names)
+        specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
+        with staged_output(target, force) as stage:
+            metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it
+            writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums, metadata)
+            try:
+                with progress_stage("write", total=plan.total_bytes, unit="bytes") as st, threads_beside_writer():
+                    for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed,
+                                                     shared_gates):
+                        writer.write(step.name, tensor)
+                        on_step(step, plan)
+                        st.advance(step.nbytes, note=step.name)
+                    st.update(note="sha256 and fsync of the last shard" if writing.checksums else "fsync of the last shard")
+                    writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            router = router_fields(config)
+            write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits))
+            copy_tokenizer_files(base.path, stage)
+            hashes = dict(writer.sha256)
+            checked = None
+            if verify:
+                from moe_upcycle.check.verify import verify as verify_folder
+                from moe_upcycle.gates.capture import resolve_device
 
-            checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
-                                    device=resolve_device(gating.device))  # the recipe's device (auto)
-        with progress_stage("init drift"):
-            drift = build_drift(checking, plan, base.path, stage, base.adapter)
-        card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
-        write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path],
-                         {ref: s.path for ref, s in sources.items()})
-        # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
-        verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
-        write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files, verification=verification)
+                checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
+                                        device=resolve_device(gating.device))  # the recipe's device (auto)
+            with progress_stage("init drift"):
+                drift = build_drift(checking, plan, base.path, stage, base.adapter)
+            card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
+            write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path],
+                             {ref: s.path for ref, s in sources.items()})
+            # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
+            verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
+            write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files, verification=verification)
     if checked:
         checked.folder = str(target)
     for ckpt in sources.values():

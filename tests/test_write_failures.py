@@ -304,3 +304,38 @@ def test_a_folder_of_ours_that_cannot_be_deleted_is_named(tmp_path, monkeypatch)
     with pytest.warns(UpcycleWarning, match=r"\.moe\.old-4242: could not delete this folder, which moe-upcycle "
                                             r"wrote .*; delete it yourself"):
         output_dir.remove_ours(folder)
+
+
+@pytest.mark.parametrize("when", ["refused_target", "gate_failure", "write_failure", "ctrl_c_while_writing"])
+def test_a_failed_build_removes_the_parent_folders_it_made(when, tiny_llama, tmp_path, monkeypatch):
+    """`out/run-7/moe` with neither folder there: the build makes them (mkdir -p), and a build that then fails —
+    refused, an error, Ctrl-C — removes them again (no output at all), leaving folders that existed alone.
+    A folder someone put a file into meanwhile is not removed."""
+    import moe_upcycle.build as build
+    import moe_upcycle.checkpoint.output_dir as output_dir
+
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    target = keep / "out" / "run-7" / "moe"
+    cfg = {"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"}
+    if when == "refused_target":  # e.g. another build holds the lock: found after the parents are made
+        monkeypatch.setattr(build, "check_target", lambda *a, **k: (_ for _ in ()).throw(
+            output_dir.OutputError("another build is writing there")))
+    elif when == "gate_failure":
+        monkeypatch.setattr(build, "compute_gates", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("gates")))
+    errors = {"refused_target": output_dir.OutputError, "gate_failure": RuntimeError,
+              "write_failure": RuntimeError, "ctrl_c_while_writing": KeyboardInterrupt}
+    step = {"write_failure": RuntimeError("disk on fire"), "ctrl_c_while_writing": KeyboardInterrupt()}.get(when)
+
+    def on_step(s, p):
+        if step is not None:
+            raise step
+    with pytest.raises(errors[when]):
+        upcycle(cfg, target, on_step=on_step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"] and list(keep.iterdir()) == []
+    # a parent that holds something else by then stays, with what it holds
+    (keep / "out").mkdir()
+    (keep / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(errors[when]):
+        upcycle(cfg, target, on_step=on_step)
+    assert [p.name for p in (keep / "out").iterdir()] == ["notes.txt"]

@@ -121,8 +121,10 @@ def _source_overlap(target: Path, sources: Sequence[Path]) -> Optional[str]:
     return None
 
 
-def make_parent(target: Path) -> None:
-    """Create the output's missing parent folders (``out/`` of ``out/my-moe``), like ``mkdir -p``.
+@contextlib.contextmanager
+def made_parent(target: Path) -> Iterator[None]:
+    """Create the output's missing parent folders (``out/`` of ``out/my-moe``), like ``mkdir -p``; if the block
+    fails (bad input found later, an error, Ctrl-C), remove again those it created that are still empty.
 
     Raises:
         OutputError: a parent cannot be created (a file is in the way, no permission).
@@ -131,11 +133,27 @@ def make_parent(target: Path) -> None:
     blocking = _file_in_the_way(target)
     if blocking:  # mkdir would only say "File exists" or "Not a directory"
         raise OutputError(blocking)
+    missing = [p for p in (parent, *parent.parents) if not p.exists()][::-1]  # outermost first
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        _remove_empty(missing)
         raise OutputError(f"cannot create the parent folder of the output, {parent}: {exc.strerror or exc}; "
                           f"create it or choose another output path") from None
+    try:
+        yield
+    except BaseException:
+        _remove_empty(missing)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """rmdir `folders` innermost first, each only while empty (anything put there since is not ours to remove)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 @contextlib.contextmanager
