@@ -221,7 +221,12 @@ FOREIGN_TOKENIZERS = {
                               ["tokenizer_config.json: says something other than the base's",
                                "chat_template unset in the base, \"{{ x }}\" here", "copy the file from the base"], []),
     "vocab_changed": (_json_edit("tokenizer.json", lambda d: d["model"]["vocab"].update(zzz=0)),
-                      ["tokenizer.json: says something other than the base's", "model "], []),
+                      ["tokenizer.json: says something other than the base's", "model.vocab.zzz unset in the base, 0 here"],
+                      []),
+    "token_added": (_json_edit("tokenizer.json", lambda d: d["added_tokens"].append(
+        {**d["added_tokens"][-1], "id": 999, "content": "<pad>"})),
+        ["tokenizer.json: says something other than the base's", "added_tokens a list of"], []),
+    "nulls_read_as_unset": (_json_edit("tokenizer_config.json", lambda d: d.update(add_prefix_space=None)), [], []),
 }
 
 

@@ -6,10 +6,11 @@ re-saves the tokenizer through transformers and writes no generation_config.json
 the files say, not their bytes:
 
 - a JSON file is compared as data, without the keys a save adds and no loader reads
-  (`SAVE_NOISE`), with transformers 5's ``TokenizersBackend`` read as the fast tokenizer it is,
+  (`SAVE_NOISE`), a top-level null read as unset (as loaders read it), with transformers 5's ``TokenizersBackend`` read as the fast tokenizer it is,
   and with a tokenizer.json's merges in either of the tokenizers library's spellings;
 - a different ``pad_token`` is a note (it changes only how batches are padded);
-- any other difference is a problem naming the file and its first differing keys;
+- any other difference is a problem naming the file and where inside it the values first differ
+  (``added_tokens[3].content``, ``model.vocab.zzz``);
 - a missing generation_config.json is a note when config.json carries the same token ids and the
   base's file sets nothing but generation's defaults, else a problem naming what generation loses (an instruct model's
   extra end-of-turn id, its sampling defaults).
@@ -69,7 +70,10 @@ def tokenizer_differences(base: Path, folder: Path, ours: bool) -> tuple[list[st
         changed = sorted(k for k in {*a, *b} if a.get(k, _ABSENT) != b.get(k, _ABSENT))
         padding, other = [k for k in changed if k in PADDING_ONLY], [k for k in changed if k not in PADDING_ONLY]
         if other:
-            problems.append(f"{name}: says something other than the base's {mine}: {_shown(other, a, b)}; the "
+            where = [_first_difference(k, a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in other]
+            shown = ", ".join(f"{path} {_value(x)} in the base, {_value(y)} here" for path, x, y in where[:3])
+            more = f" and {len(where) - 3} more" if len(where) > 3 else ""
+            problems.append(f"{name}: says something other than the base's {mine}: {shown}{more}; the "
                             f"tokenizer must be the base's — copy the file from the base")
         if padding:
             notes.append(f"{name}: {_shown(padding, a, b)} (padding only: single prompts tokenize and run the same)")
@@ -100,7 +104,7 @@ def _data(path: Path) -> Any:
         return None
     if not isinstance(data, dict):
         return {"": data}
-    data = {k: v for k, v in data.items() if k not in SAVE_NOISE}
+    data = {k: v for k, v in data.items() if k not in SAVE_NOISE and v is not None}  # null reads as unset
     if isinstance(data.get("tokenizer_class"), str):
         data["tokenizer_class"] = SAME_CLASS.get(data["tokenizer_class"], data["tokenizer_class"])
     model = data.get("model")
@@ -110,12 +114,36 @@ def _data(path: Path) -> Any:
 
 
 def _shown(keys: list[str], a: dict, b: dict, both: bool = True, limit: int = 3) -> str:
-    def value(d: dict, k: str) -> str:
-        text = "unset" if k not in d else json.dumps(d[k], ensure_ascii=False)
-        return text if len(text) <= 40 else text[:37] + "..."
-    parts = [f"{k} {value(a, k)} in the base, {value(b, k)} here" if both else f"{k} {value(a, k)}" for k in keys[:limit]]
+    parts = [f"{k} {_value(a.get(k, _ABSENT))} in the base, {_value(b.get(k, _ABSENT))} here" if both
+             else f"{k} {_value(a.get(k, _ABSENT))}" for k in keys[:limit]]
     more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(parts) + more
+
+
+def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
+    """The first place inside two JSON values where they differ: (path such as added_tokens[0].normalized, a, b)."""
+    while True:
+        if isinstance(a, dict) and isinstance(b, dict):
+            key = next((k for k in sorted({*a, *b}) if a.get(k, _ABSENT) != b.get(k, _ABSENT)), None)
+            if key is None:
+                return path, a, b
+            path, a, b = f"{path}.{key}", a.get(key, _ABSENT), b.get(key, _ABSENT)
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if i is None:
+                return path, a, b
+            path, a, b = f"{path}[{i}]", a[i], b[i]
+        else:
+            return path, a, b
+
+
+def _value(value: Any) -> str:
+    if value is _ABSENT:
+        return "unset"
+    text = json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list) and len(text) > 40:
+        return f"a list of {len(value)}"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 _ABSENT = object()
