@@ -271,3 +271,21 @@ def test_tokenizer_files_of_our_own_build_must_match_byte_for_byte(tiny_llama, t
                for p in result.problems), result.problems
     assert any(p.startswith("generation_config.json: the base has it but the output does not; copy it from")
                for p in result.problems), result.problems
+
+
+@pytest.mark.parametrize("which", ["itself", "another_moe"])
+def test_an_moe_given_as_the_dense_base_is_refused_before_loading(which, tiny_moe, tmp_path, monkeypatch):
+    """`verify OUT --base OUT` (a typo) compared the MoE with itself and PASSED; any MoE as --base is refused,
+    from its config.json, before a model is loaded, saying what to give."""
+    import moe_upcycle.check.verify as verify_module
+
+    monkeypatch.setattr(verify_module, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
+    base = tiny_moe
+    if which == "another_moe":
+        base = tmp_path / "other"
+        shutil.copytree(tiny_moe, base)
+    result = _verify_cli(tiny_moe, "--base", base)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in text, text
+    assert f"--base: {base} is itself a Mixture-of-Experts (4 experts), not a dense model" in text
+    assert "give that folder (the recipe's base_model)" in text and "PASSED" not in text
