@@ -147,3 +147,40 @@ def _refused_naming(base: Path, words: list[str], tmp_path: Path, write_yaml) ->
     for word in words:
         assert word in text, (word, text)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decoder_saved_without_its_head_reads_as_transformers_loads_it(fmt, tied, tmp_path, write_yaml):
+    """`model.model.save_pretrained(folder)` (a LlamaModel: 'layers.0...', no 'model.' prefix, no lm_head):
+    transformers loads it as a LlamaForCausalLM by adding the prefix. Tied, that is the whole model: the MoE
+    computes its logits (before: refused as "a multimodal model, or one saved inside a wrapper"). Untied,
+    transformers would make up a random head: refused, named."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import model_logits
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    dense = make_dense_model(tmp_path / "dense", family="llama", seed=5, tie_word_embeddings=tied)
+    bare = tmp_path / "bare"
+    AutoModelForCausalLM.from_pretrained(str(dense)).model.save_pretrained(str(bare))
+    for f in dense.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, bare)
+    weights = load_file(str(bare / "model.safetensors"))
+    if fmt == "bin":  # as transformers 4 saved it with safe_serialization=False
+        torch.save(weights, bare / "pytorch_model.bin")
+        (bare / "model.safetensors").unlink()
+    assert "layers.0.mlp.up_proj.weight" in weights and "lm_head.weight" not in weights
+    cfg = {"base_model": str(bare), "num_experts": 2, "gate_mode": "random"}
+    code, out = cli("build", write_yaml(cfg), "-o", tmp_path / "out")
+    text = " ".join(out.split())
+    if tied:
+        assert code == 0, text
+        torch.testing.assert_close(model_logits(tmp_path / "out"), model_logits(dense), rtol=1e-5, atol=1e-5)
+    else:
+        assert code == 1 and "Traceback" not in text, text
+        for words in (f"base_model: {bare} holds a decoder saved without its LM head", "no lm_head.weight",
+                      "transformers would give it a random output head", "give the ...ForCausalLM checkpoint"):
+            assert words in text, (words, text)
+        assert not (tmp_path / "out").exists()

@@ -114,7 +114,7 @@ class Checkpoint:
                     for name in [n for n in self._handles if isinstance(n, str) and n.endswith(".safetensors")]:
                         del self._handles[name]
                 self._handles[info.file] = handle
-            return handle.get_tensor(key) if info.file.endswith(".safetensors") else handle[key]
+            return handle.get_tensor(info.key) if info.file.endswith(".safetensors") else handle[info.key]
         except SourceError:
             raise
         except Exception as exc:  # a damaged file (or one changed since its header was read): name it
@@ -240,7 +240,33 @@ def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     quantized = quantized_problem(tensors, f"{field_name}: {path}")
     if quantized:
         raise SourceError(quantized)
+    if _saved_without_prefix(tensors):
+        tensors, shared = _as_causal_lm(tensors, shared, config, path, field_name)
     return Checkpoint(ref=ref, path=path, config=config, tensors=tensors, shared_groups=shared)
+
+
+def _saved_without_prefix(tensors: dict[str, TensorInfo]) -> bool:
+    """The weights of a bare decoder (``LlamaModel.save_pretrained``): ``layers.0...``, not ``model.layers.0...``."""
+    return (bool(tensors) and not any(k.startswith("model.") for k in tensors)
+            and "embed_tokens.weight" in tensors and any(k.startswith("layers.") for k in tensors))
+
+
+def _as_causal_lm(tensors: dict[str, TensorInfo], shared: list[list[str]], config: dict, path: Path,
+                  field_name: str) -> tuple[dict[str, TensorInfo], list[list[str]]]:
+    """The tensors under the names transformers gives them when it loads the folder as a ...ForCausalLM.
+
+    transformers adds the decoder's ``model.`` prefix, so the folder loads and computes as the causal
+    LM — when config.json ties lm_head to the embedding. Untied, it has no head to load, and
+    transformers would start one at random: refused. A `TensorInfo` keeps its key in the file.
+    """
+    if not config.get("tie_word_embeddings", False):
+        raise SourceError(f"{field_name}: {path} holds a decoder saved without its LM head (tensor names such as "
+                          f"'embed_tokens.weight', no 'model.' prefix and no lm_head.weight; architectures "
+                          f"{config.get('architectures')}) and config.json does not tie lm_head to the embedding, so "
+                          f"transformers would give it a random output head; give the ...ForCausalLM checkpoint "
+                          f"(AutoModelForCausalLM.from_pretrained(...).save_pretrained(folder))")
+    renamed = {("model." + k if not k.startswith("lm_head.") else k): info for k, info in tensors.items()}
+    return renamed, [["model." + k if not k.startswith("lm_head.") else k for k in group] for group in shared]
 
 
 def read_config(path: Path, field_name: str) -> dict:
