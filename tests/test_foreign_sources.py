@@ -184,3 +184,21 @@ def test_a_decoder_saved_without_its_head_reads_as_transformers_loads_it(fmt, ti
                       "transformers would give it a random output head", "give the ...ForCausalLM checkpoint"):
             assert words in text, (words, text)
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not __import__("tf4_logits").TF4_PYTHON.is_file(), reason=__import__("tf4_logits").NO_TF4)
+def test_the_tied_bare_decoder_loads_as_the_causal_lm_in_transformers_4_too(tmp_path):
+    """The reading above is what both loaders do: 4.57 and 5 give the bare decoder folder the dense logits."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+    from tf4_logits import tf4_logits, tf5_logits
+
+    dense = make_dense_model(tmp_path / "dense", family="llama", seed=5, tie_word_embeddings=True)
+    bare = tmp_path / "bare"
+    AutoModelForCausalLM.from_pretrained(str(dense)).model.save_pretrained(str(bare))
+    ids = [1, 5, 9, 3]
+    got = tf4_logits(ids, [str(bare), str(dense)])
+    assert not isinstance(got[str(bare)], str), got[str(bare)]
+    torch.testing.assert_close(torch.tensor(got[str(bare)]), torch.tensor(got[str(dense)]), rtol=0, atol=0)
+    torch.testing.assert_close(tf5_logits(bare, ids), tf5_logits(dense, ids), rtol=0, atol=0)

@@ -246,8 +246,10 @@ def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
 
 
 def _saved_without_prefix(tensors: dict[str, TensorInfo]) -> bool:
-    """The weights of a bare decoder (``LlamaModel.save_pretrained``): ``layers.0...``, not ``model.layers.0...``."""
-    return (bool(tensors) and not any(k.startswith("model.") for k in tensors)
+    """The weights of a bare decoder (``LlamaModel.save_pretrained``): ``layers.0...``, not ``model.layers.0...``,
+    and no head. (Prefix-less layers beside an ``lm_head.weight`` are not read: transformers 5 loads such a
+    folder, 4.57 calls its state dict corrupted.)"""
+    return (bool(tensors) and not any(k.startswith(("model.", "lm_head.")) for k in tensors)
             and "embed_tokens.weight" in tensors and any(k.startswith("layers.") for k in tensors))
 
 
@@ -265,8 +267,7 @@ def _as_causal_lm(tensors: dict[str, TensorInfo], shared: list[list[str]], confi
                           f"{config.get('architectures')}) and config.json does not tie lm_head to the embedding, so "
                           f"transformers would give it a random output head; give the ...ForCausalLM checkpoint "
                           f"(AutoModelForCausalLM.from_pretrained(...).save_pretrained(folder))")
-    renamed = {("model." + k if not k.startswith("lm_head.") else k): info for k, info in tensors.items()}
-    return renamed, [["model." + k if not k.startswith("lm_head.") else k for k in group] for group in shared]
+    return {"model." + k: info for k, info in tensors.items()}, [["model." + k for k in group] for group in shared]
 
 
 def read_config(path: Path, field_name: str) -> dict:
