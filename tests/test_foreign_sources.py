@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from failure_checks import cli
+from tf4_logits import NO_TF4, TF4_PYTHON, tf4_logits, tf5_logits
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -186,13 +187,12 @@ def test_a_decoder_saved_without_its_head_reads_as_transformers_loads_it(fmt, ti
         assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(not __import__("tf4_logits").TF4_PYTHON.is_file(), reason=__import__("tf4_logits").NO_TF4)
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
 def test_the_tied_bare_decoder_loads_as_the_causal_lm_in_transformers_4_too(tmp_path):
     """The reading above is what both loaders do: 4.57 and 5 give the bare decoder folder the dense logits."""
     from transformers import AutoModelForCausalLM
 
     from moe_upcycle.checkpoint.tiny import make_dense_model
-    from tf4_logits import tf4_logits, tf5_logits
 
     dense = make_dense_model(tmp_path / "dense", family="llama", seed=5, tie_word_embeddings=True)
     bare = tmp_path / "bare"
