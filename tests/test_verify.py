@@ -227,6 +227,9 @@ FOREIGN_TOKENIZERS = {
         {**d["added_tokens"][-1], "id": 999, "content": "<pad>"})),
         ["tokenizer.json: says something other than the base's", "added_tokens a list of"], []),
     "nulls_read_as_unset": (_json_edit("tokenizer_config.json", lambda d: d.update(add_prefix_space=None)), [], []),
+    "template_newline_only": (lambda f: (f / "chat_template.jinja").write_text("{{ messages }}\r\n\n"), [], []),
+    "template_changed": (lambda f: (f / "chat_template.jinja").write_text("{{ other }}"),
+                         ["chat_template.jinja: differs from the base's"], []),
 }
 
 
@@ -240,6 +243,8 @@ def test_tokenizer_files_of_a_folder_built_elsewhere_are_judged_by_content(case,
     edit, problems, notes = FOREIGN_TOKENIZERS[case]
     base = tmp_path / "base"
     shutil.copytree(tiny_llama, base)
+    if case.startswith("template_"):
+        (base / "chat_template.jinja").write_text("{{ messages }}")
     if case == "instruct_eos_lost":
         (base / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 5],
                                                                  "temperature": 0.6, "do_sample": True}))

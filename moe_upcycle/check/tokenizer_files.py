@@ -8,6 +8,7 @@ the files say, not their bytes:
 - a JSON file is compared as data, without the keys a save adds and no loader reads
   (`SAVE_NOISE`), a top-level null read as unset (as loaders read it), with transformers 5's ``TokenizersBackend`` read as the fast tokenizer it is,
   and with a tokenizer.json's merges in either of the tokenizers library's spellings;
+- a chat template or merges file that differs only in line endings or a final newline passes;
 - a different ``pad_token`` is a note (it changes only how batches are padded);
 - any other difference is a problem naming the file and where inside it the values first differ
   (``added_tokens[3].content``, ``model.vocab.zzz``);
@@ -60,6 +61,8 @@ def tokenizer_differences(base: Path, folder: Path, ours: bool) -> tuple[list[st
             continue
         if mine.read_bytes() == theirs.read_bytes():
             continue
+        if not ours and name.endswith((".jinja", ".txt")) and _text(mine) is not None and _text(mine) == _text(theirs):
+            continue  # a template or merges file re-saved with other line endings or a final newline
         if ours or not name.endswith(".json"):
             problems.append(f"{name}: differs from the base's {mine}; the tokenizer must be the base's, byte for byte")
             continue
@@ -94,6 +97,14 @@ def _missing_generation_config(mine: Path, folder: Path, problems: list[str], no
     else:
         notes.append("generation_config.json: the base has it, the output does not; config.json carries the same "
                      "token ids, so generation runs the same")
+
+
+def _text(path: Path) -> Any:
+    """The file's text with line endings and trailing blank space normalised; None if unreadable."""
+    try:
+        return path.read_text(encoding="utf-8").replace("\r\n", "\n").rstrip()
+    except (OSError, ValueError):
+        return None
 
 
 def _data(path: Path) -> Any:
