@@ -294,3 +294,26 @@ def test_an_moe_given_as_the_dense_base_is_refused_before_loading(which, tiny_mo
     assert result.exit_code == 1 and "Traceback" not in text, text
     assert f"--base: {base} is itself a Mixture-of-Experts (4 experts), not a dense model" in text
     assert "give that folder (the recipe's base_model)" in text and "PASSED" not in text
+
+
+@pytest.mark.parametrize("written, words", [
+    ("base_model: {base}\nexperts:\n  - source_model: {base}\n", "dense base: {base}, as mergekit_moe_config.yml names it"),
+    ("base_model: nobody/not-cached-7b\n", "dense comparison skipped: mergekit_moe_config.yml base_model: model "
+                                           "'nobody/not-cached-7b' not found"),
+    ("base_model: [oops\n", "no dense base to compare with (no recipe); pass --base DENSE"),
+])
+def test_a_mergekit_moe_output_is_compared_with_the_base_its_config_names(written, words, tiny_llama, tiny_moe,
+                                                                         tmp_path, prompts_file):
+    """mergekit-moe saves its config as mergekit_moe_config.yml beside the MoE: without --base, verify compares
+    with the base_model it names (and says so); one it cannot find or read leaves a note, as before."""
+    folder = tmp_path / "mergekit_out"
+    shutil.copytree(tiny_moe, folder)
+    (folder / "moe_upcycle.json").unlink()
+    (folder / "mergekit_moe_config.yml").write_text(written.format(base=tiny_llama), encoding="utf-8")
+    result = verify(folder, prompts=prompts_file, max_new_tokens=1)
+    assert result.ok, result.problems
+    assert any(words.format(base=tiny_llama) in n for n in result.notes), result.notes
+    compared = "names it" in words
+    assert (result.comparison is not None) == compared
+    if compared:
+        assert result.base == str(tiny_llama) and result.comparison.mean_kl < IDENTITY_MAX_KL

@@ -64,6 +64,7 @@ from moe_upcycle.terminal.progress import advance, stage, staged
 
 IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
 IDENTITY_MIN_AGREEMENT = 0.95
+MERGEKIT_RECIPE = "mergekit_moe_config.yml"  # mergekit-moe saves its config beside its output
 EDITABLE_FILES = ("README.md",)  # a publisher may edit the card (e.g. the license); not a failure
 MAX_NEW_TOKENS = 1024  # each token is a forward pass of both models (100,000 took minutes even on stories260K)
 VERIFY_STEPS = 5  # progress: files and plan, load the MoE, run it, load the dense base, run it
@@ -321,10 +322,10 @@ def verify(
     result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
     advance("verify", note="loading the dense base")
 
-    base_path, adapter = base_given or _resolve_base(check, result)
+    base_path, adapter = base_given or _resolve_base(check, result, folder)
     dense_run = None
     if base_path is not None:
-        result.base = str(base if base is not None else check.base_model)
+        result.base = str(base if base is not None else check.base_model if check is not None else base_path)
         problems, notes = tokenizer_differences(base_path, folder, ours=recipe is not None)
         result.problems += problems
         result.notes += notes
@@ -431,16 +432,36 @@ def _model_and_adapter(ref: str, field_name: str) -> tuple[Path, Optional[Adapte
     return checkpoint.path, checkpoint.adapter
 
 
-def _resolve_base(check: Optional[CheckParams], result: VerifyResult) -> tuple[Optional[Path], Optional[Adapter]]:
-    """The recipe's base_model (and its LoRA adapter), or None (with a note) when there is none to compare with."""
-    if check is None:
+def _resolve_base(check: Optional[CheckParams], result: VerifyResult,
+                  folder: Path) -> tuple[Optional[Path], Optional[Adapter]]:
+    """The recipe's base_model (and its LoRA adapter) — or, for a mergekit-moe output, the base_model its
+    ``mergekit_moe_config.yml`` names — or None (with a note) when there is none to compare with."""
+    where, base = f"{RECIPE_NAME} base_model", check.base_model if check is not None else None
+    if base is None:
+        where, base = MERGEKIT_RECIPE + " base_model", _mergekit_base(folder)
+    if base is None:
         result.notes.append("no dense base to compare with (no recipe); pass --base DENSE")
         return None, None
     try:
-        return _model_and_adapter(check.base_model, f"{RECIPE_NAME} base_model")
+        found = _model_and_adapter(base, where)
     except SourceError as exc:
         result.notes.append(f"dense comparison skipped: {exc.problems[0]} (pass --base DENSE)")
         return None, None
+    if check is None:
+        result.notes.append(f"dense base: {base}, as {MERGEKIT_RECIPE} names it (pass --base DENSE for another)")
+    return found
+
+
+def _mergekit_base(folder: Path) -> Optional[str]:
+    """base_model of the mergekit-moe config saved beside its output, or None (absent, unreadable, not a name)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((folder / MERGEKIT_RECIPE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    base = data.get("base_model") if isinstance(data, dict) else None
+    return base if isinstance(base, str) and base.strip() else None
 
 
 def _apply_thresholds(result: VerifyResult, max_kl: Optional[float], min_agreement: Optional[float],
