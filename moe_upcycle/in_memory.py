@@ -216,9 +216,10 @@ def check_dense_model(dense_model: Any) -> None:
                           f"has it), so the MoE gets the layers the model has")
     head = dense_model.get_output_embeddings() if hasattr(dense_model, "get_output_embeddings") else None
     if head is None:  # LlamaModel, the decoder alone (an unsupported family with a head gets the plan's message)
-        raise ConfigError(f"dense_model: a {kind} is not a causal language model (no LM head: "
-                          f"a ...Model is the decoder alone); pass the ...ForCausalLM, e.g. "
-                          f"AutoModelForCausalLM.from_pretrained(...)")
+        what = ("a ...Model is the decoder alone" if kind.endswith("Model") else
+                f"{kind} ends in a task head, not the language-model head an MoE needs")
+        raise ConfigError(f"dense_model: a {kind} is not a causal language model (no LM head: {what}); pass the "
+                          f"...ForCausalLM, e.g. AutoModelForCausalLM.from_pretrained(...)")
 
 
 # config.json fields transformers 4.x reads that transformers 5 does not write (see `keep_legacy_fields`)

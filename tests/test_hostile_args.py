@@ -50,8 +50,20 @@ def assert_unchanged(model: torch.nn.Module, before: dict) -> None:
     ("none", lambda d, s: None, ["dense_model: expected a loaded transformers model, not NoneType"]),
     ("bare-module", lambda d, s: torch.nn.Linear(4, 4), ["dense_model: expected a loaded transformers model, not Linear"]),
     ("decoder-without-lm-head", lambda d, s: d.model, ["dense_model: a LlamaModel is not a causal language model",
-                                                       "ForCausalLM"]),
-], ids=["path-string", "path-object", "none", "bare-module", "decoder-without-lm-head"])
+                                                       "a ...Model is the decoder alone", "ForCausalLM"]),
+    ("task-head", lambda d, s: _classifier(s), ["dense_model: a LlamaForSequenceClassification is not a causal "
+                                                "language model", "ends in a task head", "pass the ...ForCausalLM"]),
+], ids=["path-string", "path-object", "none", "bare-module", "decoder-without-lm-head", "task-head"])
+def _classifier(folder):
+    import warnings
+
+    from transformers import LlamaForSequenceClassification
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its new score head is initialised: said by transformers, not us
+        return LlamaForSequenceClassification.from_pretrained(str(folder), num_labels=2)
+
+
 def test_not_a_causal_lm_is_named(case_id, make, words, dense, stories):
     before = snapshot(dense)
     with pytest.raises(ConfigError) as info:
