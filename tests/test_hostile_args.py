@@ -43,6 +43,16 @@ def assert_unchanged(model: torch.nn.Module, before: dict) -> None:
 # upcycle_model: what is passed as the dense model
 
 
+def _classifier(folder):
+    import warnings
+
+    from transformers import LlamaForSequenceClassification
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its new score head is initialised: said by transformers, not us
+        return LlamaForSequenceClassification.from_pretrained(str(folder), num_labels=2)
+
+
 @pytest.mark.parametrize("case_id,make,words", [
     ("path-string", lambda d, s: str(s), ["dense_model: expected a loaded transformers model, not str", "AutoModelForCausalLM.from_pretrained",
                                           "moe_upcycle.upcycle"]),
@@ -54,16 +64,6 @@ def assert_unchanged(model: torch.nn.Module, before: dict) -> None:
     ("task-head", lambda d, s: _classifier(s), ["dense_model: a LlamaForSequenceClassification is not a causal "
                                                 "language model", "ends in a task head", "pass the ...ForCausalLM"]),
 ], ids=["path-string", "path-object", "none", "bare-module", "decoder-without-lm-head", "task-head"])
-def _classifier(folder):
-    import warnings
-
-    from transformers import LlamaForSequenceClassification
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # its new score head is initialised: said by transformers, not us
-        return LlamaForSequenceClassification.from_pretrained(str(folder), num_labels=2)
-
-
 def test_not_a_causal_lm_is_named(case_id, make, words, dense, stories):
     before = snapshot(dense)
     with pytest.raises(ConfigError) as info:
