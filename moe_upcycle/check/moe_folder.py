@@ -29,20 +29,13 @@ def require_moe(folder: Path, option: str = "OUT", command: str = "verify") -> i
         raise SourceError(f"{option}: {cfg_path} cannot be read as JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise SourceError(f"{option}: {cfg_path} is not a JSON object")
-    count = expert_count(cfg)
-    if count is not None:
-        return count
+    for key in EXPERT_COUNT_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
     kind = cfg.get("model_type", "unknown")
     arch = ", ".join(cfg.get("architectures") or []) if isinstance(cfg.get("architectures"), list) else ""
     raise SourceError(f"{option}: {folder} is a dense model (model_type {kind!r}{', ' + arch if arch else ''}; its "
                       f"config.json has no {' / '.join(EXPERT_COUNT_KEYS[:3])}), not a Mixture-of-Experts, so there "
                       f"is nothing to {command}; give the folder that moe-upcycle build wrote")
 
-
-def expert_count(cfg: dict) -> "int | None":
-    """The routed-expert count a config.json dict gives, or None for a dense model's."""
-    for key in EXPERT_COUNT_KEYS:
-        value = cfg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None

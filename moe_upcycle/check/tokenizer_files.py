@@ -61,7 +61,8 @@ def tokenizer_differences(base: Path, folder: Path, ours: bool) -> tuple[list[st
             continue
         if mine.read_bytes() == theirs.read_bytes():
             continue
-        if not ours and name.endswith((".jinja", ".txt")) and _text(mine) is not None and _text(mine) == _text(theirs):
+        same_text = not ours and name.endswith((".jinja", ".txt")) and _text(mine) is not None
+        if same_text and _text(mine) == _text(theirs):
             continue  # a template or merges file re-saved with other line endings or a final newline
         if ours or not name.endswith(".json"):
             problems.append(f"{name}: differs from the base's {mine}; the tokenizer must be the base's, byte for byte")
@@ -73,10 +74,7 @@ def tokenizer_differences(base: Path, folder: Path, ours: bool) -> tuple[list[st
         changed = sorted(k for k in {*a, *b} if a.get(k, _ABSENT) != b.get(k, _ABSENT))
         padding, other = [k for k in changed if k in PADDING_ONLY], [k for k in changed if k not in PADDING_ONLY]
         if other:
-            where = [_first_difference(k, a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in other]
-            shown = ", ".join(f"{path} {_value(x)} in the base, {_value(y)} here" for path, x, y in where[:3])
-            more = f" and {len(where) - 3} more" if len(where) > 3 else ""
-            problems.append(f"{name}: says something other than the base's {mine}: {shown}{more}; the "
+            problems.append(f"{name}: says something other than the base's {mine}: {_shown(other, a, b)}; the "
                             f"tokenizer must be the base's — copy the file from the base")
         if padding:
             notes.append(f"{name}: {_shown(padding, a, b)} (padding only: single prompts tokenize and run the same)")
@@ -125,8 +123,11 @@ def _data(path: Path) -> Any:
 
 
 def _shown(keys: list[str], a: dict, b: dict, both: bool = True, limit: int = 3) -> str:
-    parts = [f"{k} {_value(a.get(k, _ABSENT))} in the base, {_value(b.get(k, _ABSENT))} here" if both
-             else f"{k} {_value(a.get(k, _ABSENT))}" for k in keys[:limit]]
+    """Each key where the values first differ inside it, with the base's (`a`) and, with `both`, the output's value."""
+    parts = []
+    for key in keys[:limit]:
+        path, x, y = _first_difference(key, a.get(key, _ABSENT), b.get(key, _ABSENT)) if both else (key, a[key], None)
+        parts.append(f"{path} {_value(x)} in the base, {_value(y)} here" if both else f"{path} {_value(x)}")
     more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(parts) + more
 

@@ -59,7 +59,7 @@ from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.values import device_problem
 from moe_upcycle.inputs.text import read_capped
-from moe_upcycle.check.moe_folder import expert_count, require_moe
+from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.terminal.progress import advance, stage, staged
 
 IDENTITY_MAX_KL = 1e-3  # nats per position; bf16 output of stories260K measures 1.4e-4, a corrupted expert > 0.1
@@ -413,10 +413,9 @@ def _explicit_base(base) -> Optional[tuple[Path, Optional[Adapter]]]:
     if not (path / "config.json").is_file():
         raise SourceError(f"--base: {path} is not a model folder (no config.json); give the dense model's folder")
     try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        cfg = None  # the load reports it
-    count = expert_count(cfg) if isinstance(cfg, dict) else None
+        count = require_moe(path, "--base")
+    except SourceError:  # dense, as it should be (or an unreadable config.json, which the load reports)
+        count = None
     if count is not None:  # an MoE as the reference: the MoE itself (a typo) would PASS against its own logits
         raise SourceError(f"--base: {path} is itself a Mixture-of-Experts ({count} experts), not a dense model; "
                           f"verify compares the MoE with the dense model it was built from — give that folder "

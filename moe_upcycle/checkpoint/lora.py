@@ -4,9 +4,10 @@ A reference ``X+Y`` (each a folder or a hub id in the local cache, optionally ``
 as model X with the LoRA adapter Y merged in, exactly as peft's ``merge_and_unload()`` computes it:
 ``W' = W + scaling * (B @ A)`` in float32, cast back to W's dtype, with ``scaling = lora_alpha / r``
 (``lora_alpha / sqrt(r)`` with ``use_rslora``) and per-module ``rank_pattern`` / ``alpha_pattern``.
-An embedding's delta is ``(B @ A).T * scaling`` (peft's ``lora_embedding_A/B``). Whole tensors the adapter saved (``modules_to_save`` copies, trained biases,
-peft's saved embedding ``base_layer``) replace the model's before the merge. As peft does for
-``nn.Linear`` layers (every layer this tool reads), ``fan_in_fan_out`` is not applied.
+An embedding's delta is ``(B @ A).T * scaling`` (peft's ``lora_embedding_A/B``). Whole tensors the
+adapter saved (``modules_to_save`` copies, trained biases, peft's saved embedding ``base_layer``)
+replace the model's before the merge. As peft does for ``nn.Linear`` layers (every layer this tool
+reads), ``fan_in_fan_out`` is not applied.
 
 `Adapter.open` reads adapter_config.json and the adapter's tensor headers and checks every key
 against the model; `Checkpoint.read` merges one tensor at a time (the adapter's two small
@@ -231,7 +232,7 @@ def _config_problems(cfg: dict, cfg_file: Path) -> list[str]:
 def _replacements(infos: dict, file: Path, model: dict, model_ref: str) -> tuple[dict[str, str], list[str]]:
     """Whole tensors the adapter saved, loaded in place of the model's (see `_WHOLE`): model key -> adapter key."""
     replaced, problems = {}, []
-    tied = "lm_head.weight" not in model and any(k.endswith("embed_tokens.weight") for k in model)
+    tied = _ties_head(model)
     for key, (shape, dtype) in infos.items():
         if not _is_whole(key):
             continue
@@ -261,6 +262,11 @@ def _replacements(infos: dict, file: Path, model: dict, model_ref: str) -> tuple
         else:
             replaced[target] = key
     return replaced, problems
+
+
+def _ties_head(model: dict) -> bool:
+    """Whether the model's lm_head is its embedding (no lm_head tensor of its own)."""
+    return "lm_head.weight" not in model and any(k.endswith("embed_tokens.weight") for k in model)
 
 
 def _is_whole(key: str) -> bool:
@@ -306,7 +312,7 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
                             f"{'B' if a_key else 'A'} matrix; the adapter file is incomplete — save it again")
             continue
         target = f"{module}.weight"
-        if target not in model and module.endswith("lm_head") and any(k.endswith("embed_tokens.weight") for k in model):
+        if target not in model and module.endswith("lm_head") and _ties_head(model):
             problems.append(f"{file}: tensor {a_key!r} adapts {target!r}, but model {model_ref!r} ties lm_head to its "
                             f"embedding (no lm_head tensor of its own), so merging it would change the embedding "
                             f"too, which moe-upcycle does not do; merge this adapter with peft "

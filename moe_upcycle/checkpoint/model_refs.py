@@ -27,9 +27,10 @@ def resolve_model(ref: str, field_name: str) -> Path:
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         return path.resolve()
-    if path.is_file() and file_given_hint(path):
-        raise SourceError(f"{field_name}: model {ref!r} {file_given_hint(path)}")
-    if path.is_file():  # e.g. the model.safetensors itself: not a hub id either
+    if path.is_file():  # e.g. the model.safetensors itself, a GGUF, an adapter's file: not a hub id either
+        hint = file_given_hint(path)
+        if hint:
+            raise SourceError(f"{field_name}: model {ref!r} {hint}")
         raise SourceError(f"{field_name}: model {ref!r} is a file, not a model folder; give the folder that holds "
                           f"its config.json and weights ({resolve_or_raise(path, SourceError, field_name).parent})")
     looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]

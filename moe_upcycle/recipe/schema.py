@@ -454,7 +454,8 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     if "base_model" not in data and ("model_type" in data or "architectures" in data):
         raise ConfigError(f"{where}: this is a model's config.json (model_type {data.get('model_type')!r}), not a "
                           f"recipe; write a recipe that names the model's folder, e.g. base_model: "
-                          f"{Path(where).parent if where != 'config' else 'FOLDER'}, num_experts: 4, gate_mode: random")
+                          f"{'FOLDER' if isinstance(source, Mapping) else Path(where).parent}, num_experts: 4, "
+                          f"gate_mode: random")
     merge = [key for key in ("merge_method", "slices", "models") if key in data]
     if merge and "experts" not in data:  # a whole mergekit-yaml config: one headline, not a line per key
         method = f" (merge_method: {short_repr(data['merge_method'])})" if "merge_method" in data else ""
