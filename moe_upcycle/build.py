@@ -20,7 +20,7 @@ from moe_upcycle.checkpoint.output_dir import (  # noqa: F401 (RECIPE_NAME: publ
     RECIPE_NAME, check_target, made_parent, staged_output, target_problem)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
-from moe_upcycle.errors import ConfigError, OutputError, UpcycleWarning
+from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
 from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
@@ -74,6 +74,23 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     if not chosen:
         raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
     return resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
+
+
+def early_output_problem(recipe: Union[str, Path], config: UpcycleConfig, output: Union[str, Path, None],
+                         force: bool) -> Optional[str]:
+    """What the build will refuse about its output folder, found before any model is opened, so `build`
+    can say it at once instead of after seconds of prompt lint.
+
+    It may miss a problem (an output inside a source folder: the sources are not resolved here) but
+    never reports one the build would not: the build itself then says it, with the same words. (With
+    `force`, only files changed since the previous build are hashed, as the build does.)
+    """
+    try:
+        target = resolve_output(config, output)
+    except UpcycleError:
+        return None  # the build says what is wrong with it
+    full = target.parent.is_dir()  # a missing parent is made by the build
+    return target_problem(target, force, (), input_paths(recipe, config, ()), full=full)
 
 
 def check_call(output, on_step, **flags) -> None:

@@ -208,6 +208,58 @@ def test_a_missing_model_is_reported_before_any_lint(tiny_llama, tmp_path, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("where, force, words", [
+    ("file", False, ["exists and is a file; choose another output path"]),
+    ("recipe", True, ["exists and is a file"]),
+    ("nonempty", False, ["already exists and is not empty; choose another folder or pass --force"]),
+    ("project", True, ["was not written by moe-upcycle", "--force only replaces a previous moe-upcycle output"]),
+])
+def test_a_refused_output_is_reported_before_any_lint(where, force, words, tiny_llama, tmp_path, monkeypatch):
+    """Good prompts, but the build will refuse OUT: it says so at once, not after seconds of lint advice, and
+    the output (a file, the recipe itself, a user's folder) is left byte for byte."""
+    import yaml
+
+    import moe_upcycle.prompts.lint as lint
+
+    monkeypatch.setattr(lint, "quick_lint", lambda *a, **k: pytest.fail("lint ran before the refusal"))
+    experts = [{"source_model": str(tiny_llama), "positive_prompts": ["write python code"]},
+               {"source_model": str(tiny_llama), "positive_prompts": ["tell a bedtime story"]}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"base_model": str(tiny_llama), "gate_mode": "hidden", "experts": experts}))
+    out = {"file": tmp_path / "notes.txt", "recipe": path}.get(where, tmp_path / "out")
+    if where == "file":
+        out.write_text("mine")
+    elif where in ("nonempty", "project"):
+        out.mkdir()
+        (out / "train.py").write_text("print('mine')")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    result = CliRunner().invoke(app, ["build", str(path), str(out), "--no-checksums", *(["--force"] if force else [])])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in text, text
+    for word in words:
+        assert word in text, (word, text)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_the_lint_still_runs_when_force_replaces_a_previous_output(tiny_llama, tmp_path, monkeypatch):
+    """--force over our own previous output is no refusal: the lint runs, and the build replaces the folder."""
+    import yaml
+
+    import moe_upcycle.prompts.lint as lint
+
+    calls = []
+    monkeypatch.setattr(lint, "quick_lint", lambda prompts: calls.append(prompts) or ["stand-in advice"])
+    experts = [{"source_model": str(tiny_llama), "positive_prompts": ["write python code"]},
+               {"source_model": str(tiny_llama), "positive_prompts": ["tell a bedtime story"]}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"base_model": str(tiny_llama), "gate_mode": "hidden", "experts": experts}))
+    args = ["build", str(path), str(tmp_path / "out"), "--no-checksums"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    result = CliRunner().invoke(app, [*args, "--force"])
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 2 and "lint: stand-in advice" in result.output, result.output
+
+
 @pytest.mark.parametrize("text, words", [
     # a key glued to its value: YAML reads 'key:value' as text (mergekit-moe fails on it too)
     ("base_model:org/x\ngate_mode: random\n", [":2:10: YAML syntax error",

@@ -66,7 +66,8 @@ def build(
     if not no_lint:
         options = {} if dry_run else dict(tensor_policy=policy, max_shard_size=max_shard_size, device=device,
                                           batch_size=batch_size, checksums=checksums, gate_source=gate_source)
-        _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify)
+        _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify,
+                          output=target, force=force)
     if dry_run:
         print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
                            allow_unknown_keys=allow_unknown_keys, gate_source=gate_source))
@@ -171,15 +172,16 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), metavar="FOLDER",
 
 
 def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: Optional[dict] = None,
-                      device_needed: bool = False) -> None:
+                      device_needed: bool = False, output: Optional[Path] = None, force: bool = False) -> None:
     """Print `lint.quick_lint` warnings, one line each, for gate modes that route on the prompts.
 
     A config that does not load, that the build refuses for want of prompts, or whose models or plan
     (from their config.json files) the build refuses, is left to the build: it reports that before any lint runs.
 
-    A missing GPU (`build.check_device`) is reported before the lint, not after it.
+    A missing GPU (`build.check_device`) is reported before the lint, not after it, and so is an output
+    folder the build refuses (`build.early_output_problem`: a real build only, `options` given).
     """
-    from moe_upcycle.build import check_device, prepare
+    from moe_upcycle.build import check_device, early_output_problem, prepare
     from moe_upcycle.prompts.lint import quick_lint
     from moe_upcycle.recipe.params import PROMPT_MODES
     from moe_upcycle.recipe.resolve import expert_prompts
@@ -204,6 +206,8 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
             prepare(cfg, from_config=True)
     except UpcycleError:
         return  # the build reports it, with every problem
+    if options and early_output_problem(config, cfg, output, force):
+        return  # the build refuses the output folder, at once
     with stage("prompt lint", note="--no-lint skips it"):
         lines = quick_lint(expert_prompts(cfg.expert_list()))
     for line in lines:
