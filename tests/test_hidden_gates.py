@@ -183,6 +183,26 @@ def test_prompt_with_only_special_tokens_is_named(loaded):
         cap.encode(loaded.tokenizer, ["<s>"], loaded.max_length)
 
 
+@pytest.mark.parametrize("mode", ["hidden", "hidden_last", "hidden_avg"])
+def test_special_only_prompts_are_named_by_field_before_the_weights_load(mode, stories, tmp_path, monkeypatch):
+    """Every prompt the base tokenizer makes only special tokens of is named with its recipe field, all at
+    once, before the base model's weights are loaded (minutes on a real model); nothing is written."""
+    from moe_upcycle.build import upcycle
+
+    monkeypatch.setattr(cap, "load_base", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
+    config = {"base_model": str(stories), "gate_mode": mode, "experts": [
+        {"source_model": str(stories), "positive_prompts": ["write code", "</s>"]},
+        {"source_model": str(stories), "positive_prompts": ["a story"], "negative_prompts": ["<s><s>"]}]}
+    with pytest.raises(ConfigError) as info:
+        upcycle(config, tmp_path / "moe")
+    assert info.value.problems == [
+        "experts[0].positive_prompts: prompt '</s>' has no tokens besides special tokens (['<s>', '</s>'] with the base "
+        "model's tokenizer); write some text, e.g. a sentence of what this expert should see",
+        "experts[1].negative_prompts: prompt '<s><s>' has no tokens besides special tokens (['<s>', '<s>', '<s>'] "
+        "with the base model's tokenizer); write some text, e.g. a sentence of what this expert should see"]
+    assert not (tmp_path / "moe").exists() and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_gates_match_cpu(stories):

@@ -108,8 +108,26 @@ QUANTIZE_4BIT_WARNING = (
     "you publish; use quantize: 8bit, or no quantize: when the model fits")
 
 
+def load_tokenizer(path: Path):
+    """The base model's tokenizer alone (seconds before its weights would load), pad token set in memory.
+
+    Raises:
+        SourceError: it does not load.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise SourceError(f"base_model: loading the tokenizer of {path} for hidden-state gates failed "
+                          f"({type(exc).__name__}: {exc}); use gate_mode: random, or add the tokenizer files") from None
+    if tokenizer.pad_token is None:  # in memory only; the saved tokenizer is copied unmodified
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    return tokenizer
+
+
 def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
-              quantize: Optional[str] = None, adapter: Optional[Adapter] = None) -> LoadedModel:
+              quantize: Optional[str] = None, adapter: Optional[Adapter] = None, tokenizer=None) -> LoadedModel:
     """Load the whole base model and its tokenizer once, for router-input capture.
 
     Args:
@@ -118,6 +136,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
         dtype: compute dtype; default bfloat16 on GPU, float32 on CPU.
         quantize: ``4bit`` or ``8bit`` through bitsandbytes (GPU only).
         adapter: a LoRA adapter (``model+lora`` base) merged into the loaded model.
+        tokenizer: its tokenizer, when the caller loaded it already (`load_tokenizer`).
 
     Returns:
         The model in eval mode, its tokenizer (pad token set in memory only) and its norms.
@@ -153,7 +172,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=quantize == "4bit", load_in_8bit=quantize == "8bit", bnb_4bit_compute_dtype=torch_dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path)) if tokenizer is None else tokenizer
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
         merge_into_model(model, adapter)
     except SourceError:
@@ -173,24 +192,33 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
     return LoadedModel(model, tokenizer, norms, model.get_input_embeddings().weight.device, max_length)
 
 
-def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt") -> list[Encoded]:
+def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt",
+           fields: Optional[list[str]] = None) -> list[Encoded]:
     """Tokenize texts with the tokenizer's special tokens; mark real (non-special) tokens.
 
+    Args:
+        fields: the recipe field each text comes from (``experts[1].positive_prompts``), for the message.
+
     Raises:
-        ConfigError: a text has no real token (names it).
+        ConfigError: every text that has no real token, each named with its field.
     """
     check_texts(texts, where)
     special = set(tokenizer.all_special_ids)
-    out = []
-    for text in texts:
+    out, problems = [], []
+    for k, text in enumerate(texts):
         ids = tokenizer(text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
         real = tuple(i not in special for i in ids)
         if not any(real) and not text.strip():  # mergekit's empty "default expert" prompt: the BOS token alone
             ids = ids or ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else [])
             real = (True,) * len(ids)
         if not any(real):
-            raise ConfigError(f"{where} {text!r} has no tokens besides special tokens; write a longer prompt")
+            field = f"{fields[k]}: {where}" if fields else where
+            problems.append(f"{field} {text!r} has no tokens besides special tokens ({tokenizer.convert_ids_to_tokens(ids)} "
+                            f"with the base model's tokenizer); write some text, e.g. a sentence of what this expert "
+                            f"should see")
         out.append(Encoded(tuple(ids), real))
+    if problems:
+        raise ConfigError(*problems)
     return out
 
 

@@ -42,8 +42,8 @@ import torch
 
 from moe_upcycle.recipe.calibration import kmeans_sample_budget, read_documents
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
-from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode, encode_windows,
-                      load_base)
+from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode,
+                                       encode_windows, load_base, load_tokenizer)
 from moe_upcycle.checkpoint.lora import Adapter
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
@@ -98,18 +98,26 @@ def gate_rows(direction: torch.Tensor, own_means: torch.Tensor, token_norm: torc
     return unit * scales[:, None, None]
 
 
+def prompt_texts(experts: Sequence[ExpertPrompts]) -> tuple[list[str], list[int], list[str]]:
+    """Every prompt in capture order, its group (expert e's positives: e; its negatives: E + e) and its
+    recipe field (``experts[e].positive_prompts``)."""
+    texts, groups, fields, n = [], [], [], len(experts)
+    for e, expert in enumerate(experts):
+        for kind, prompts, group in (("positive", expert.positive, e), ("negative", expert.negative, n + e)):
+            texts += prompts
+            groups += [group] * len(prompts)
+            fields += [f"experts[{e}].{kind}_prompts"] * len(prompts)
+    return texts, groups, fields
+
+
 def prompt_router_inputs(loaded: LoadedModel, experts: Sequence[ExpertPrompts], reduce: Reduce,
                          batch_size: int, padding_side: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                        RouterInputs]:
     """Mean router input of each expert's positive and negative prompts: ((L, E, H), (L, E, H) or
     zeros where an expert has no negatives, the raw `RouterInputs`)."""
-    texts, groups, n = [], [], len(experts)
-    for e, expert in enumerate(experts):
-        texts += expert.positive
-        groups += [e] * len(expert.positive)
-        texts += expert.negative
-        groups += [n + e] * len(expert.negative)
-    encoded = encode(loaded.tokenizer, texts, loaded.max_length)
+    texts, groups, fields = prompt_texts(experts)
+    n = len(experts)
+    encoded = encode(loaded.tokenizer, texts, loaded.max_length, fields=fields)
     inputs = capture_router_inputs(loaded, encoded, groups, 2 * n, reduce, batch_size, padding_side)
     means = inputs.means()
     return means[:, :n], means[:, n:], inputs
@@ -174,8 +182,12 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path,
         UpcycleError: the model cannot be loaded, the device or an extra is missing, or the
             prompts/calibration text are unusable.
     """
+    tokenizer = load_tokenizer(base_path)
+    if params.mode != "kmeans":  # a prompt the tokenizer makes nothing of is said before the weights load
+        texts, _, fields = prompt_texts(params.experts)
+        encode(tokenizer, texts, 1 << 20, fields=fields)
     with stage("load base model", note=str(base_path)):
-        loaded = load_base(base_path, params.device, params.dtype, params.quantize, adapter)
+        loaded = load_base(base_path, params.device, params.dtype, params.quantize, adapter, tokenizer)
     if len(loaded.norms) != num_layers:
         raise SourceError(f"base_model: transformers built {len(loaded.norms)} layers but config.json says {num_layers}")
     if params.mode == "kmeans":

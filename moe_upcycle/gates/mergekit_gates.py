@@ -171,7 +171,7 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
     """mergekit's gate for the one shared expert: its row computed as for a routed expert, layer -> (1, H) fp32."""
     shared = params.shared_experts
     if params.mode == "cheap_embed":
-        row = cheap_embed_rows(shared, base)
+        row = cheap_embed_rows(shared, base, "shared_experts")
         return {layer: row.clone() for layer in range(plan.num_layers)}
     if params.mode not in ("hidden", "hidden_avg", "hidden_last"):
         raise ConfigError(f"shared_experts[0]: gate_source: mergekit computes a prompt gate for gate_mode hidden, "

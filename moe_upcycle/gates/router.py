@@ -104,8 +104,10 @@ def check_prompts(params: GateParams) -> None:
         raise ConfigError(*missing)
 
 
-def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torch.Tensor:
-    """Mean token embedding of each expert's prompts (positive minus negative), (E, H) fp32."""
+def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint, field: str = "experts") -> torch.Tensor:
+    """Mean token embedding of each expert's prompts (positive minus negative), (E, H) fp32.
+
+    `field` names the experts' recipe list in messages (``shared_experts`` for shared-expert gates)."""
     from transformers import AutoTokenizer
 
     try:
@@ -115,7 +117,7 @@ def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torc
                           f"{base.path} ({exc}); use gate_mode: random or add tokenizer files") from None
     embed = base.read(names.EMBED).float()  # (V, H)
 
-    def mean_embedding(prompts: Sequence[str]) -> Optional[torch.Tensor]:
+    def mean_embedding(prompts: Sequence[str], where: str) -> Optional[torch.Tensor]:
         if not prompts:
             return None
         vecs = []
@@ -124,15 +126,16 @@ def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torc
             if not ids and not prompt.strip() and tokenizer.bos_token_id is not None:
                 ids = [tokenizer.bos_token_id]  # mergekit's empty "default expert" prompt: the BOS token alone
             if not ids:
-                raise ConfigError(f"prompt {prompt!r} has no tokens")
+                raise ConfigError(f"{where}: prompt {prompt!r} has no tokens with the base model's tokenizer; write "
+                                  f"some text, e.g. a sentence of what this expert should see")
             check_token_ids(ids, embed.shape[0], tokenizer, prompt)
             vecs.append(embed[torch.tensor(ids)].mean(dim=0))  # masked mean: real tokens only
         return torch.stack(vecs).mean(dim=0)
 
     rows = []
-    for expert in experts:
-        row = mean_embedding(expert.positive)
-        negative = mean_embedding(expert.negative)
+    for i, expert in enumerate(experts):
+        row = mean_embedding(expert.positive, f"{field}[{i}].positive_prompts")
+        negative = mean_embedding(expert.negative, f"{field}[{i}].negative_prompts")
         rows.append(row - negative if negative is not None else row)
     return torch.stack(rows)
 
@@ -158,6 +161,6 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
 
         return mergekit_rows(params, plan, base)
     hidden = int(plan.base_config["hidden_size"])
-    rows = cheap_embed_rows(params.shared_experts, base)  # (n, H)
+    rows = cheap_embed_rows(params.shared_experts, base, "shared_experts")  # (n, H)
     row = normalise_rows(rows.mean(dim=0, keepdim=True), params.scale or default_gate_scale(hidden))
     return {layer: row.clone() for layer in range(plan.num_layers)}
