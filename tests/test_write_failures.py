@@ -339,3 +339,28 @@ def test_a_failed_build_removes_the_parent_folders_it_made(when, tiny_llama, tmp
     with pytest.raises(errors[when]):
         upcycle(cfg, target, on_step=on_step)
     assert [p.name for p in (keep / "out").iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full is Linux's always-full device")
+@pytest.mark.parametrize("command", ["build", "plan --json", "verify"])
+def test_results_on_a_full_disk_are_one_message(command, config, tmp_path):
+    """Standard output on a full disk (`> /dev/full`) is a one-line error on stderr and exit 1, never a traceback;
+    a build whose summary line cannot be printed is still complete (its folder loads)."""
+    import json
+
+    out = tmp_path / "out"
+    if command == "verify":
+        assert subprocess.run(module_cmd("build", config, out), env=module_env(), capture_output=True).returncode == 0
+        args = ["verify", str(out)]
+    else:
+        args = [*command.split(), str(config), *([str(out)] if command == "build" else [])]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(module_cmd(*args), env=module_env(), stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert ("error: writing the results to standard output failed (No space left on device); send them to a file "
+            "on a disk with room, or to a terminal") in " ".join(done.stderr.split()), done.stderr
+    if command != "plan --json":
+        assert json.loads((out / "config.json").read_text())["num_local_experts"] == 2
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no staging leftovers

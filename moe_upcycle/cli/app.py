@@ -1,7 +1,8 @@
 """The Typer app and what every command shares: consoles, -q/--version/--debug, progress and error handling.
 
-Commands live in `commands` and `prompt_commands`; they register themselves on `app`. Only
-`UpcycleError` is caught: it is printed and the exit code is 1. Any other exception is a bug and
+Commands live in `commands` and `prompt_commands`; they register themselves on `app`. Caught, printed
+and exit code 1: `UpcycleError`; a symlink loop in a path the user gave; a failed write to standard
+output (``> /dev/full``; a closed pipe is rich's to end, also with 1). Any other exception is a bug and
 keeps its traceback.
 """
 
@@ -73,7 +74,21 @@ def cli_errors(fn: Callable) -> Callable:
             for problem in exc.problems:
                 console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
-        except (RuntimeError, OSError) as exc:
+        except OSError as exc:
+            stream = _failed_console(exc)  # results on a full disk (`> /dev/full`): the stream, not a bug
+            if stream is None or DEBUG["on"]:
+                message = symlink_loop(exc)
+                if message is None or DEBUG["on"]:
+                    raise
+                console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+                raise typer.Exit(1)
+            if stream is out:
+                with contextlib.suppress(OSError):
+                    console.print(f"[bold red]error:[/] writing the results to standard output failed "
+                                  f"({escape(exc.strerror or str(exc))}); send them to a file on a disk with room, "
+                                  f"or to a terminal", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)  # stderr failed: nowhere left to say it
+        except RuntimeError as exc:
             message = symlink_loop(exc)  # Path.resolve() on a looping link: the user's path, not a bug
             if message is None or DEBUG["on"]:
                 raise
@@ -86,6 +101,18 @@ def cli_errors(fn: Callable) -> Callable:
             raise typer.Exit(exit_code(exc))
 
     return wrapper
+
+
+def _failed_console(exc: OSError):
+    """`out` or `console` when `exc` was raised writing to that stream (rich ends a broken pipe itself, with
+    exit 1, as Python's documentation advises); None when it came from anywhere else."""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is out or owner is console:
+            return owner
+        tb = tb.tb_next
+    return None
 
 
 @contextlib.contextmanager

@@ -117,7 +117,7 @@ def plan(
 
         from moe_upcycle.planning.plan_report import summary_dict
 
-        typer.echo(json.dumps(summary_dict(result.summary), indent=2, ensure_ascii=False))
+        out.out(json.dumps(summary_dict(result.summary), indent=2, ensure_ascii=False), highlight=False)
         return
     print_plan(result)
 
@@ -152,7 +152,7 @@ def verify_cmd(
     result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
                     hashes=hashes, max_new_tokens=max_new_tokens, device=resolve_device(device))
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+        out.out(json.dumps(result.to_dict(), indent=2, ensure_ascii=False), highlight=False)
     else:
         print_verify(result, out, console)
     if not result.ok:

@@ -68,7 +68,7 @@ def lint(
                              duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None
                              else duplicate_threshold)
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        out.out(json.dumps(report.to_dict(), indent=2), highlight=False)
     else:
         for table in lint_tables(report):
             out.print(fit(table, out, optional=("negatives", "cosine")))
