@@ -105,3 +105,22 @@ def test_no_checksums_skips_shard_hashes_but_keeps_small_files(tiny_llama, tmp_p
     for shard in on.shards:  # same bytes with or without hashing
         assert (on.output / shard).read_bytes() == (result.output / shard).read_bytes()
         assert on.sha256[shard] == hashlib.sha256((on.output / shard).read_bytes()).hexdigest()
+
+
+def test_paths_from_python_are_read_as_their_text(tiny_llama, tmp_path):
+    """`upcycle` given pathlib.Path values (models, output, prompt files) builds what the same strings build,
+    and records the strings (before, each Path was refused: "Input should be a valid string")."""
+    prompts = tmp_path / "code.txt"
+    prompts.write_text("write a python function\nfix this bug\n")
+
+    def recipe(path):
+        return {"base_model": path(tiny_llama), "gate_mode": "cheap_embed", "output": path(tmp_path / f"moe-{path.__name__}"),
+                "experts": [{"source_model": path(tiny_llama), "positive_prompts_from": path(prompts)},
+                            {"source_model": path(tiny_llama), "positive_prompts": ["tell a bedtime story"]}]}
+
+    built = {path.__name__: upcycle(recipe(path)) for path in (str, Path)}
+    assert built["Path"].output == tmp_path / "moe-Path"
+    manifests = {name: json.loads((r.output / "moe_upcycle.json").read_text()) for name, r in built.items()}
+    recorded = {name: {k: v for k, v in m["config"].items() if k != "output"} for name, m in manifests.items()}
+    assert recorded["Path"] == recorded["str"] and recorded["Path"]["base_model"] == str(tiny_llama)
+    assert built["Path"].sha256 == built["str"].sha256  # the same bytes

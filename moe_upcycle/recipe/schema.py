@@ -105,6 +105,8 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, os.PathLike):  # a pathlib.Path from Python (a model folder, a prompt file): its text
+            value = os.fspath(value)
         # YAML reads yes/no/on/off as booleans, and pydantic would turn them into 1/0
         return strict_bools_and_numbers(value, cls.model_fields[info.field_name].annotation)
 
