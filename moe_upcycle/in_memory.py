@@ -144,7 +144,7 @@ def upcycle_model(
         gates = compute_gates(gate_params(config), plan, source, device=placement.main)
         router = router_fields(config)
         cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
-        model = empty_moe_model(cfg, plan)
+        model = empty_moe_model(cfg, plan, getattr(dense_model.config, "_attn_implementation", None))
         fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
         move_buffers(model, placement)
         keep_frozen(model, plan, dense_model)
@@ -226,8 +226,12 @@ def check_dense_model(dense_model: Any) -> None:
 LEGACY_FIELDS = ("rope_theta", "rope_scaling", "original_max_position_embeddings", "num_experts")
 
 
-def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
-    """A MoE model from its config.json dict, with parameters on the meta device (buffers real)."""
+def empty_moe_model(cfg: dict, plan: Plan, attn_implementation: Optional[str] = None) -> torch.nn.Module:
+    """A MoE model from its config.json dict, with parameters on the meta device (buffers real).
+
+    `attn_implementation` is the dense model's (``eager``, ``sdpa``, ``flash_attention_2``...): the MoE
+    computes attention the way the dense model the caller loaded does (else transformers' default).
+    """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -241,6 +245,8 @@ def empty_moe_model(cfg: dict, plan: Plan) -> torch.nn.Module:
     impl = cfg.get("experts_implementation") or experts_implementation_for(cfg, plan.dtype) \
         or experts_implementation_for(cfg, torch.bfloat16)
     extra = {"experts_implementation": impl} if impl else {}
+    if attn_implementation:
+        extra["attn_implementation"] = attn_implementation
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=plan.dtype, **extra)
     if impl:

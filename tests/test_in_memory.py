@@ -193,3 +193,17 @@ def test_argument_errors_name_upcycle_model_and_offer_no_cli_flag(kwargs, words,
     with pytest.raises(ConfigError) as caught:
         upcycle_model(dense, **kwargs)
     assert words in str(caught.value) and "allow-unknown-keys" not in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("architecture", [None, "qwen2_moe"])
+def test_the_dense_models_attention_implementation_is_kept(impl, architecture, stories):
+    """A dense model loaded with attn_implementation="eager" gives an eager MoE (before: transformers'
+    default, sdpa), whatever the output architecture; the copy-init MoE still computes the dense logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float32, attn_implementation=impl).eval()
+    ids = AutoTokenizer.from_pretrained(str(stories))(PROMPT_TEXT, return_tensors="pt")["input_ids"]
+    moe = upcycle_model(dense, num_experts=2, architecture=architecture).eval()
+    assert moe.config._attn_implementation == impl
+    assert_close_rel(logits(moe, ids), logits(dense, ids), 1e-5)
