@@ -149,7 +149,20 @@ def upcycle_model(
         move_buffers(model, placement)
         keep_frozen(model, plan, dense_model)
         keep_checkpointing(model, dense_model)
+        keep_generation_config(model, dense_model)
         return dispatch_like(model, placement).train()
+
+
+def keep_generation_config(model: torch.nn.Module, dense_model: torch.nn.Module) -> None:
+    """Give the MoE a copy of the dense model's generation config (its ``generation_config.json``: the stop
+    tokens of a chat model, its sampling defaults), which ``generate`` uses and ``save_pretrained`` writes.
+
+    Without it the MoE gets one derived from config.json: a Llama-3 Instruct MoE would not stop at
+    ``<|eot_id|>`` and would forget the model's own temperature and top_p.
+    """
+    dense_generation = getattr(dense_model, "generation_config", None)
+    if dense_generation is not None and hasattr(model, "generation_config"):
+        model.generation_config = copy.deepcopy(dense_generation)
 
 
 def keep_checkpointing(model: torch.nn.Module, dense_model: torch.nn.Module) -> None:

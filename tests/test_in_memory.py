@@ -207,3 +207,22 @@ def test_the_dense_models_attention_implementation_is_kept(impl, architecture, s
     moe = upcycle_model(dense, num_experts=2, architecture=architecture).eval()
     assert moe.config._attn_implementation == impl
     assert_close_rel(logits(moe, ids), logits(dense, ids), 1e-5)
+
+
+def test_the_dense_models_generation_config_is_kept(stories, tmp_path):
+    """A chat model's stop tokens and sampling defaults (its generation_config.json) carry over to the MoE, as a
+    copy, and save_pretrained writes them; before, the MoE got defaults derived from config.json (eos 2 only)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float32)
+    dense.generation_config.eos_token_id = [2, 7]
+    dense.generation_config.do_sample, dense.generation_config.temperature = True, 0.6
+    moe = upcycle_model(dense, num_experts=2)
+    assert moe.generation_config.eos_token_id == [2, 7] and moe.generation_config.temperature == 0.6
+    moe.generation_config.temperature = 0.9
+    assert dense.generation_config.temperature == 0.6  # a copy: the dense model is left as it was
+    moe.save_pretrained(tmp_path / "moe")
+    saved = json.loads((tmp_path / "moe" / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == [2, 7] and saved["do_sample"] is True and saved["temperature"] == 0.9
