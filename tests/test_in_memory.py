@@ -226,3 +226,30 @@ def test_the_dense_models_generation_config_is_kept(stories, tmp_path):
     moe.save_pretrained(tmp_path / "moe")
     saved = json.loads((tmp_path / "moe" / "generation_config.json").read_text())
     assert saved["eos_token_id"] == [2, 7] and saved["do_sample"] is True and saved["temperature"] == 0.9
+
+
+def test_a_head_untied_in_memory_under_a_tied_config_is_refused(stories):
+    """config.tie_word_embeddings is true but lm_head was replaced by a trained copy: the MoE (tied) would compute
+    with the embedding, 5.7 logits away (measured before this check), so it is refused with both fixes; each fix
+    then gives an MoE equal to the dense model, and an equal copy needs none."""
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 20, 7, 3]])
+    dense.lm_head.weight = torch.nn.Parameter(dense.lm_head.weight.detach().clone() + 0.5)
+    with pytest.raises(ConfigError) as info:
+        upcycle_model(dense, num_experts=2)
+    assert str(info.value) == (
+        "dense_model: its config ties the output head to the embedding (tie_word_embeddings: true), but "
+        "lm_head.weight is another tensor than model.embed_tokens.weight (max |difference| 0.5), so the MoE, which "
+        "ties them, would not compute what the dense model computes. If the separate head is the model's, set "
+        "dense_model.config.tie_word_embeddings = False first; if the embedding is, call dense_model.tie_weights()")
+    dense.config.tie_word_embeddings = False  # the separate head is the model's
+    moe = upcycle_model(dense, num_experts=2).eval()
+    assert moe.lm_head.weight is not moe.model.embed_tokens.weight
+    assert_close_rel(logits(moe, ids), logits(dense, ids), 1e-5)
+    dense.config.tie_word_embeddings = True
+    dense.lm_head.weight = torch.nn.Parameter(dense.model.embed_tokens.weight.detach().clone())  # an equal copy
+    moe = upcycle_model(dense, num_experts=2).eval()
+    assert moe.lm_head.weight is moe.model.embed_tokens.weight
+    assert_close_rel(logits(moe, ids), logits(dense, ids), 1e-5)
