@@ -253,3 +253,29 @@ def test_a_head_untied_in_memory_under_a_tied_config_is_refused(stories):
     moe = upcycle_model(dense, num_experts=2).eval()
     assert moe.lm_head.weight is moe.model.embed_tokens.weight
     assert_close_rel(logits(moe, ids), logits(dense, ids), 1e-5)
+
+
+@pytest.mark.parametrize("change, words", [
+    ("embedding", ["parameter 'model.embed_tokens.weight' has shape [", "but model.config implies [",
+                   "(vocab_size, hidden_size)"]),
+    ("ffn", ["parameter 'model.layers.1.mlp.gate_proj.weight' has shape [", "(intermediate_size, hidden_size)"]),
+])
+def test_modules_replaced_without_their_config_are_named(change, words, stories):
+    """A module swapped in memory without updating model.config (a bigger embedding, a pruned FFN) is a PlanError
+    naming the parameter, its shape and what the config implies; before, a RuntimeError about tensor sizes."""
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float32)
+    hidden, inter = dense.config.hidden_size, dense.config.intermediate_size
+    if change == "embedding":
+        dense.model.embed_tokens = torch.nn.Embedding(dense.config.vocab_size + 10, hidden)
+    else:
+        mlp = dense.model.layers[1].mlp
+        mlp.gate_proj, mlp.up_proj = (torch.nn.Linear(hidden, inter // 2, bias=False) for _ in range(2))
+        mlp.down_proj = torch.nn.Linear(inter // 2, hidden, bias=False)
+    with pytest.raises(PlanError) as info:
+        upcycle_model(dense, num_experts=2)
+    text = str(info.value)
+    for word in words + ["the config does not describe the model's weights (a module replaced without updating "
+                         "model.config?) — make them agree"]:
+        assert word in text, (word, text)

@@ -50,6 +50,7 @@ class Checkpoint:
         shared_groups: groups of keys that share one storage in the input (only ``.bin`` can).
         adapter: the LoRA adapter merged into what `read` returns (a ``model+adapter`` reference).
         model_ref: the model part of `ref` (`ref` itself without an adapter).
+        from_config: the tensors were derived from config.json (`meta_checkpoint`), not read.
     """
 
     ref: str
@@ -59,6 +60,7 @@ class Checkpoint:
     shared_groups: list[list[str]] = field(default_factory=list)
     adapter: Optional[Adapter] = None
     model_ref: str = ""
+    from_config: bool = False
     _handles: dict[Any, Any] = field(default_factory=dict, repr=False)  # file -> open handle or mmap
 
     @property
@@ -304,4 +306,4 @@ def read_config(path: Path, field_name: str) -> dict:
 def meta_checkpoint(ref: str, config: dict, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Checkpoint:
     """A checkpoint with shapes only (no files), for planning huge models in tests."""
     infos = {k: TensorInfo(k, tuple(s), d, "") for k, (s, d) in tensors.items()}
-    return Checkpoint(ref=ref, path=None, config=config, tensors=infos)
+    return Checkpoint(ref=ref, path=None, config=config, tensors=infos, from_config=True)

@@ -51,8 +51,9 @@ def _expected_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def shape_problems(ckpt: Checkpoint, label: str) -> list[str]:
-    """Every tensor kind whose shape contradicts config.json (one message per kind, first key named)."""
-    if ckpt.path is None:  # meta checkpoints are made from config.json: nothing to contradict
+    """Every tensor kind whose shape contradicts config.json (one message per kind, first key named); for an
+    in-memory model (no folder), its ``model.config``."""
+    if ckpt.from_config:  # meta checkpoints are made from config.json: nothing to contradict
         return []
     expected = _expected_shapes(ckpt.config)
     wrong: dict[str, list[str]] = {}
@@ -65,9 +66,14 @@ def shape_problems(ckpt: Checkpoint, label: str) -> list[str]:
         shape, fields = expected[template]
         info = ckpt.tensors[keys[0]]
         more = f" (and {len(keys) - 1} more like it)" if len(keys) > 1 else ""
-        out.append(f"{label}: tensor {keys[0]!r} has shape {list(info.shape)}{more} but config.json implies "
-                   f"{list(shape)} ({fields}); config.json does not describe these weights — fix it or "
-                   f"re-download the model")
+        if ckpt.path is None:
+            out.append(f"{label}: parameter {keys[0]!r} has shape {list(info.shape)}{more} but model.config implies "
+                       f"{list(shape)} ({fields}); the config does not describe the model's weights (a module "
+                       f"replaced without updating model.config?) — make them agree")
+        else:
+            out.append(f"{label}: tensor {keys[0]!r} has shape {list(info.shape)}{more} but config.json implies "
+                       f"{list(shape)} ({fields}); config.json does not describe these weights — fix it or "
+                       f"re-download the model")
     return out
 
 
