@@ -240,9 +240,12 @@ ROUTE_CASES = [
     ("device-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "gpu"], ["device: 'gpu' is not a device"]),
     ("device-cuda-no-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "cuda"], ["device: 'cuda' asks for a GPU"]),
     ("prompts-empty", ["--prompts", "{tmp}/empty.txt"], ["empty.txt"]),
-    ("prompts-dir", ["--prompts", "{tmp}/a_dir"], ["a_dir"]),
+    ("prompts-dir", ["--prompts", "{tmp}/a_dir"], ["a_dir: is a folder, not a file"]),
     ("prompts-binary", ["--prompts", "{tmp}/binary.txt"], ["binary.txt"]),
-    ("prompts-missing", ["--prompts", "{tmp}/nope.txt"], ["nope.txt"]),
+    ("prompts-missing", ["--prompts", "{tmp}/nope.txt"], ["nope.txt: file not found"]),
+    ("prompts-broken-link", ["--prompts", "{tmp}/dangling.txt"], ["dangling.txt: is a symbolic link that leads nowhere"]),
+    ("labeled-missing", ["--labeled", "{tmp}/nope.txt"], ["--labeled", "nope.txt: file not found"]),
+    ("labeled-broken-link", ["--labeled", "{tmp}/dangling.txt"], ["dangling.txt: is a symbolic link that leads nowhere"]),
     ("both-inputs", ["--prompts", "{tmp}/prompts.txt", "--labeled", "{tmp}/prompts.txt"], ["exactly one of"]),
     ("label-by-unknown", ["--prompts", "{tmp}/prompts.txt", "--label-by", "magic"], ["--label-by: 'magic'"]),
     ("labeled-empty", ["--labeled", "{tmp}/empty.txt"], ["--labeled", "empty.txt: holds no prompt"]),
@@ -261,6 +264,8 @@ ROUTE_CASES = [
 def test_route_bad_option(case_id, args, words, moe_folder, files, monkeypatch):
     if case_id.startswith("plot"):
         pytest.importorskip("matplotlib")
+    if "broken-link" in case_id:
+        (files / "dangling.txt").symlink_to(files / "gone.txt")
     import moe_upcycle.check.route as route_module
 
     def no_route(*args, **kwargs):
@@ -370,6 +375,25 @@ def test_config_path_not_a_recipe(command, case_id, make, words, tmp_path):
     args = [command, cfg] + ([tmp_path / "moe"] if command == "build" else [])
     code, output = cli(*args)
     assert_clean_failure(code, output, tmp_path / "moe", [cfg.name, *words])
+
+
+@pytest.mark.parametrize("option", ["--prompts", "--labeled"])
+def test_route_reads_prompts_from_a_pipe(option, moe_folder):
+    """`route OUT --prompts <(grep ... all.txt)` reads the pipe the shell names (/dev/fd/N); before, --labeled
+    called it "file not found"."""
+    import os
+
+    read, write = os.pipe()
+    os.write(write, ("expert_0\tonce upon a time there was a cat\nexpert_1\tthe dog ran home\n" if option == "--labeled"
+                     else "once upon a time there was a cat\nthe dog ran home\n").encode())
+    os.close(write)
+    try:
+        code, output = cli("route", moe_folder, option, f"/dev/fd/{read}")
+    finally:
+        os.close(read)
+    text = " ".join(output.split())
+    assert code == 0 and "Traceback" not in text, text
+    assert "once upon a time" in text and "the dog ran" in text, text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch
 from moe_upcycle.recipe.params import ExpertPrompts
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.inputs.text import read_utf8
 
 
@@ -152,8 +153,9 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
             (file and line named).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--labeled {path}: {'is a folder, not a file' if path.is_dir() else 'file not found'}")
+    problem = not_a_readable_file(path)
+    if problem:
+        raise ConfigError(f"--labeled {path}: {problem}")
     prompts: list[str] = []
     labels: list[Optional[str]] = []
     problems = []

@@ -4,7 +4,8 @@
 ``OSError`` with ``errno.ELOOP`` in later versions and in plain file calls) when a link points
 back to itself through other links. `symlink_loop` recognises both and returns the message the
 command line prints instead of a traceback; `resolve_or_raise` is `Path.resolve` with that
-message as an `UpcycleError` of the caller's choosing.
+message as an `UpcycleError` of the caller's choosing. `not_a_readable_file` says why a path the user
+gave as an input file (prompts, a pool, labels) cannot be read as one.
 """
 
 from __future__ import annotations
@@ -40,3 +41,22 @@ def resolve_or_raise(path: Path, error: Type[UpcycleError], where: str = "") -> 
         if message is None:
             raise
         raise error(f"{where}: {message}" if where else message) from None
+
+
+def not_a_readable_file(path: Path) -> Optional[str]:
+    """Why `path`, given as an input file, cannot be read as one, or None when it can.
+
+    A pipe or device reads like a file, so ``--prompts <(grep ... all.txt)`` (``/dev/fd/63``) works;
+    before, such a path was called "file not found".
+
+    Example:
+        >>> not_a_readable_file(Path("/no/such/file")), not_a_readable_file(Path("/")), not_a_readable_file(Path("/dev/null"))
+        ('file not found', 'is a folder, not a file', None)
+    """
+    if path.is_dir():
+        return "is a folder, not a file"
+    if path.exists():
+        return None
+    if path.is_symlink():
+        return "is a symbolic link that leads nowhere (a symlink loop or a broken link)"
+    return "file not found"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.inputs.text import read_capped
 
 PoolFormat = Literal["auto", "jsonl", "paragraphs", "lines"]
@@ -63,9 +64,9 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
         Pool(prompts=['def f():\\n    return 1', 'What is 2 + 2?'], format='paragraphs')
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is a folder, not a file" if path.is_dir() else "file not found"
-        raise ConfigError(f"--pool {path}: {what}; give a text file (prompts separated by blank lines, "
+    problem = not_a_readable_file(path)
+    if problem:
+        raise ConfigError(f"--pool {path}: {problem}; give a text file (prompts separated by blank lines, "
                           f"or one per line) or JSONL with \"text\"/\"prompt\"")
     try:
         text = read_capped(path, "--pool").decode("utf-8")

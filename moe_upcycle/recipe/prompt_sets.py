@@ -21,6 +21,7 @@ from typing import Optional
 import yaml
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.recipe.yaml_load import load_yaml_text
 from moe_upcycle.inputs.text import check_texts, read_capped
 
@@ -99,6 +100,9 @@ def read_prompt_file(path: Path) -> list[str]:
     Raises:
         ConfigError: unreadable file, wrong shape, or no prompts.
     """
+    problem = not_a_readable_file(path)
+    if problem:
+        raise ConfigError(f"{path}: {problem}; give a YAML/JSON list of prompts or a text file, one per line")
     try:
         text = read_capped(path, "prompt file").decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
