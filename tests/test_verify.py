@@ -76,6 +76,18 @@ def test_verify_passes_on_copy_upcycled_tiny_model(tiny_moe, tiny_llama):
     assert (result.max_kl, result.min_agreement) == (IDENTITY_MAX_KL, 0.95)
 
 
+def test_a_base_other_than_the_recorded_one_is_said(tiny_moe, tiny_llama, tiny_mistral, tmp_path):
+    """verify --base ANOTHER measures the distance to that model: a note says so (before, nothing told a
+    PASSED against the wrong model from one against the MoE's own base); the same base spelt otherwise, none."""
+    other = verify(tiny_moe, base=tiny_mistral, max_new_tokens=1)
+    assert [n for n in other.notes if n.startswith("--base")] == [
+        f"--base {tiny_mistral} is not the base_model this MoE was built from ({tiny_llama}, as moe_upcycle.json "
+        f"records it): the comparison below measures how far the MoE is from {tiny_mistral}, not from its own base"]
+    (tmp_path / "link").symlink_to(tiny_llama)
+    same = verify(tiny_moe, base=tmp_path / "link", max_new_tokens=1)
+    assert same.ok and not [n for n in same.notes if n.startswith("--base")], same.notes
+
+
 def test_verify_cli_passes_on_stories(stories, tmp_path):
     out = tmp_path / "moe"
     upcycle({"base_model": str(stories), "num_experts": 4, "gate_mode": "random", "dtype": "bfloat16"}, out)

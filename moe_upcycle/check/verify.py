@@ -323,6 +323,8 @@ def verify(
     advance("verify", note="loading the dense base")
 
     base_path, adapter = base_given or _resolve_base(check, result, folder)
+    if base_given and check is not None:
+        _note_other_base(base, base_given, check.base_model, result)
     dense_run = None
     if base_path is not None:
         result.base = str(base if base is not None else check.base_model if check is not None else base_path)
@@ -429,6 +431,21 @@ def _model_and_adapter(ref: str, field_name: str) -> tuple[Path, Optional[Adapte
         return resolve_model(ref, field_name), None
     checkpoint = open_checkpoint(ref, field_name)  # headers only: checks the adapter against the model
     return checkpoint.path, checkpoint.adapter
+
+
+def _note_other_base(base, given: tuple[Path, Optional[Adapter]], recorded: str, result: VerifyResult) -> None:
+    """Say so when --base is not the base_model the recipe recorded: the figures then measure the distance to
+    another model (and a PASSED says nothing about the build). Silent when the recorded base cannot be found."""
+    try:
+        path, adapter = _model_and_adapter(recorded, f"{RECIPE_NAME} base_model")
+    except UpcycleError:
+        return
+    same_adapter = (adapter is None) == (given[1] is None) and (adapter is None or
+                                                                 adapter.path.resolve() == given[1].path.resolve())
+    if path.resolve() != given[0].resolve() or not same_adapter:
+        result.notes.append(f"--base {base} is not the base_model this MoE was built from ({recorded}, as "
+                            f"{RECIPE_NAME} records it): the comparison below measures how far the MoE is from "
+                            f"{base}, not from its own base")
 
 
 def _resolve_base(check: Optional[CheckParams], result: VerifyResult,
