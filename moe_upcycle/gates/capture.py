@@ -145,7 +145,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
         DependencyError: bitsandbytes missing for `quantize`, or the device is not available.
         SourceError: the model or tokenizer cannot be loaded, or has no post_attention_layernorm.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if quantize == "4bit":
         warnings.warn(QUANTIZE_4BIT_WARNING, UpcycleWarning, stacklevel=2)
@@ -171,8 +171,8 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=quantize == "4bit", load_in_8bit=quantize == "8bit", bnb_4bit_compute_dtype=torch_dtype)
+    tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path)) if tokenizer is None else tokenizer
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
         merge_into_model(model, adapter)
     except SourceError:
@@ -181,8 +181,6 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
         raise SourceError(f"base_model: loading {path} with transformers for hidden-state gates failed "
                           f"({type(exc).__name__}: {exc}); use gate_mode: random or cheap_embed, or fix the model "
                           f"folder") from None
-    if tokenizer.pad_token is None:  # in memory only; the saved tokenizer is copied unmodified
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
     layers = getattr(model.base_model, "layers", None)
     norms = [getattr(layer, ROUTER_INPUT, None) for layer in (layers or [])]
     if not norms or any(n is None for n in norms):
