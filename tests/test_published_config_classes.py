@@ -393,6 +393,27 @@ def test_experts_with_added_tokens_build_on_the_base_vocabulary(added, tiny_llam
     assert torch.isfinite(model_logits(result.output)).all()
 
 
+def test_a_base_with_added_tokens_is_said_to_keep_them(tiny_llama, tmp_path):
+    """The other way round: the base is the chat model with 2 added tokens, the experts have the original 300.
+    The note says the MoE keeps all the base's tokens (before, it said the added tokens were not in its vocabulary,
+    which was backwards)."""
+    import json
+
+    from moe_upcycle.build import upcycle
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    chatml = make_dense_model(tmp_path / "chatml", family="llama", seed=11, vocab_size=vocab + 2)
+    result = upcycle({"base_model": str(chatml), "gate_mode": "random",
+                      "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(tiny_llama)}]},
+                     tmp_path / "out", checksums=False)
+    said = [n for n in result.plan.notes if n.startswith("vocab_size differs")]
+    assert said == [f"vocab_size differs from base_model's {vocab + 2} (experts[0] ({tiny_llama}): {vocab}): "
+                    f"base_model has tokens these experts were not trained with; the MoE keeps base_model's embeddings "
+                    f"and tokenizer (as mergekit-moe does), all {vocab + 2} tokens"]
+    assert json.loads((result.output / "config.json").read_text())["vocab_size"] == vocab + 2
+
+
 def test_an_expert_from_another_pretraining_is_refused(tiny_llama, tmp_path):
     from moe_upcycle.build import upcycle
     from moe_upcycle.checkpoint.tiny import make_dense_model

@@ -135,10 +135,15 @@ def source_notes(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> list[
     notes = _adapter_notes(used, sources, base)
     if not differ:
         return notes
+    base_vocab = base.config.get("vocab_size")
     listed = ", ".join(f"{path} ({ref}): {vocab}" for ref, (path, vocab) in differ.items())
-    return [f"vocab_size differs from base_model's {base.config.get('vocab_size')} ({listed}): tokens added in "
-            f"fine-tuning; the MoE keeps base_model's embeddings and tokenizer (as mergekit-moe does), so those "
-            f"tokens are not in its vocabulary"] + notes
+    if any(vocab > base_vocab for _, vocab in differ.values()):
+        what = ("tokens added in fine-tuning; the MoE keeps base_model's embeddings and tokenizer (as mergekit-moe "
+                "does), so the tokens an expert added are not in its vocabulary")
+    else:  # the base added tokens the experts never had: nothing is lost
+        what = (f"base_model has tokens these experts were not trained with; the MoE keeps base_model's embeddings "
+                f"and tokenizer (as mergekit-moe does), all {base_vocab} tokens")
+    return [f"vocab_size differs from base_model's {base_vocab} ({listed}): {what}"] + notes
 
 
 def _adapter_notes(used: list, sources: dict[str, Checkpoint], base: Checkpoint) -> list[str]:
