@@ -234,6 +234,13 @@ def check_dense_model(dense_model: Any) -> None:
     from transformers import PretrainedConfig
 
     kind = type(dense_model).__name__
+    wrapped = getattr(dense_model, "module", None)
+    if isinstance(dense_model, torch.nn.Module) and isinstance(getattr(wrapped, "config", None), PretrainedConfig):
+        # DistributedDataParallel, DataParallel (and accelerate's wrapping of them): unwrapping here would hand
+        # back a bare MoE that a distributed script might train without gradient sync
+        raise ConfigError(f"dense_model: a {kind} wrapper; pass the model it wraps (model.module, or accelerate's "
+                          f"accelerator.unwrap_model(model)), then wrap the returned MoE again and make the optimizer "
+                          f"for its parameters: the MoE's parameters are all new")
     if not isinstance(dense_model, torch.nn.Module) or not isinstance(getattr(dense_model, "config", None),
                                                                        PretrainedConfig):
         hint = (" (a path: load it first with AutoModelForCausalLM.from_pretrained, or build files with "

@@ -98,6 +98,24 @@ def test_model_with_unmerged_lora_layers_is_named(how, dense):
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("wrapper", ["DataParallel", "DeepSpeedEngine"])
+def test_a_training_wrapper_is_refused_with_the_model_to_pass(wrapper, dense):
+    """A model inside DataParallel / DistributedDataParallel / a DeepSpeed engine (each keeps it as .module) is
+    refused, saying to pass .module and to wrap the MoE again: unwrapping silently would hand a distributed script a
+    bare MoE that trains without gradient sync. Before, "expected a loaded transformers model, not DataParallel"."""
+    if wrapper == "DataParallel":
+        wrapped = torch.nn.DataParallel(dense)
+    else:
+        wrapped = type("DeepSpeedEngine", (torch.nn.Module,), {})()
+        wrapped.module = dense
+    with pytest.raises(ConfigError) as info:
+        upcycle_model(wrapped, num_experts=2)
+    assert str(info.value) == (
+        f"dense_model: a {wrapper} wrapper; pass the model it wraps (model.module, or accelerate's "
+        f"accelerator.unwrap_model(model)), then wrap the returned MoE again and make the optimizer for its "
+        f"parameters: the MoE's parameters are all new")
+
+
 def test_unsupported_causal_lm_is_named_by_family():
     """A GPT-2 has an LM head: it is refused for its family, not called "not a causal language model"."""
     from transformers import GPT2Config, GPT2LMHeadModel
