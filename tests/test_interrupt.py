@@ -205,3 +205,22 @@ def test_sighup_ignored_by_parent_stays_ignored(big_config, tmp_path):
     assert proc.returncode == 0, f"rc {proc.returncode}\n{out}\n{err}"
     index = json.loads((target / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == N_SHARDS and leftovers(target) == ["moe"]
+
+
+@pytest.mark.parametrize("command, said", [("build", "interrupted (SIGINT): nothing was written under the output name"),
+                                           ("route", "interrupted (SIGINT)")])
+def test_the_interrupt_line_speaks_of_an_output_only_for_commands_that_write_one(command, said, capsys):
+    """Ctrl-C in `route` / `verify` / `plan` / `lint` (which write no output folder) says only that it was
+    interrupted; before, every command said "nothing was written under the output name"."""
+    import typer
+
+    from moe_upcycle.cli.app import cli_errors
+
+    def body():
+        raise KeyboardInterrupt
+
+    body.__name__ = command
+    with pytest.raises(typer.Exit) as info:
+        cli_errors(body)()
+    assert info.value.exit_code == 130
+    assert " ".join(capsys.readouterr().err.split()) == said

@@ -95,12 +95,16 @@ def cli_errors(fn: Callable) -> Callable:
             console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
         except KeyboardInterrupt as exc:
+            said = ": nothing was written under the output name" if fn.__name__ in _WRITERS else ""
             with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-                console.print(f"[bold red]interrupted ({signal_name(exc)}):[/] nothing was written under the "
-                              f"output name")
+                console.print(f"[bold red]interrupted ({signal_name(exc)})[/]{said}", highlight=False)
             raise typer.Exit(exit_code(exc))
 
     return wrapper
+
+
+# the commands that write an output (staged, then renamed into place): an interrupt leaves nothing under its name
+_WRITERS = frozenset({"build", "demo", "grow"})
 
 
 def _failed_console(exc: OSError):
