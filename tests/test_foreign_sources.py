@@ -202,3 +202,46 @@ def test_the_tied_bare_decoder_loads_as_the_causal_lm_in_transformers_4_too(tmp_
     assert not isinstance(got[str(bare)], str), got[str(bare)]
     torch.testing.assert_close(torch.tensor(got[str(bare)]), torch.tensor(got[str(dense)]), rtol=0, atol=0)
     torch.testing.assert_close(tf5_logits(bare, ids), tf5_logits(dense, ids), rtol=0, atol=0)
+
+
+LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4d7a214614ab2935c943f9e0ff69f22eadbb8f32b1258daaa5e2ca24d17e2393\nsize {size}\n")
+
+
+WEIGHT_LAYOUTS = ["model.safetensors", "a shard of two", "pytorch_model.bin"]
+
+
+@pytest.mark.parametrize("layout, role", [(layout, role) for layout in WEIGHT_LAYOUTS for role in ("base_model", "expert")]
+                         + [("tokenizer.model", "base_model"), ("tokenizer.json", "base_model")])  # the MoE's tokenizer
+def test_a_repository_cloned_without_git_lfs_is_named(layout, role, tiny_llama, tmp_path):
+    """A hub repo cloned with plain git holds ~130-byte Git LFS pointers where the weights and tokenizer files
+    should be. Each is named as such, with the size it stands for and how to fetch the real file; before, a
+    safetensors header "claiming 2336927755350992246 bytes", a refused pickle, or (tokenizer.model) a pointer
+    copied into the MoE, whose tokenizer would not load. Exit 1, nothing written."""
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    folder = tmp_path / "cloned"
+    if layout == "a shard of two":
+        make_dense_model(folder, seed=0, max_shard_size="60KB")
+        victim = sorted(folder.glob("model-*.safetensors"))[-1]
+    elif layout == "pytorch_model.bin":
+        make_dense_model(folder, seed=0, fmt="bin")
+        victim = folder / "pytorch_model.bin"
+    else:
+        shutil.copytree(tiny_llama, folder)
+        victim = folder / layout
+    size = victim.stat().st_size if victim.exists() else 499723
+    victim.write_text(LFS_POINTER.format(size=size))
+    expected = [f"{victim}: is a Git LFS pointer (", f"bytes) to a {size:,}-byte file, not the file itself; "
+                f"the repository was cloned without Git LFS. Fetch the real files: `git lfs install && git lfs "
+                f"pull` in {folder}"]
+    recipe = tmp_path / "moe.yaml"
+    base, expert = (folder, tiny_llama) if role == "base_model" else (tiny_llama, folder)
+    recipe.write_text(f"base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {expert}\n"
+                      f"  - source_model: {tiny_llama}\n")
+    code, output = cli("build", recipe, tmp_path / "out")
+    flat = " ".join(output.split())
+    assert code == 1 and "Traceback" not in flat, flat
+    for words in expected:
+        assert words in flat, (words, flat)
+    assert not (tmp_path / "out").exists()

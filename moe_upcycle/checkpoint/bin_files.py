@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
 from moe_upcycle.errors import SourceError
 
 
@@ -24,6 +25,9 @@ def load_bin(file: Path) -> dict[str, torch.Tensor]:
     """
     if not file.is_file():
         raise SourceError(f"{file}: shard file is missing")
+    pointer = lfs_pointer_problem(file)
+    if pointer:
+        raise SourceError(pointer)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
     except pickle.UnpicklingError as exc:

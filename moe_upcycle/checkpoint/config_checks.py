@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES
 
 # largest sane values: far above any released model, far below what makes the planner hang
@@ -120,6 +121,10 @@ def side_file_problems(folder: Path) -> list[str]:
     for name in TOKENIZER_FILES:
         file = folder / name
         if not file.is_file():
+            continue
+        pointer = lfs_pointer_problem(file)  # copied unchanged: a pointer would ship a tokenizer that cannot load
+        if pointer:
+            out.append(pointer)
             continue
         try:
             raw = file.read_bytes() if name in SIDE_JSON_FILES else None

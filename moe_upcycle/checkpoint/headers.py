@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
 from moe_upcycle.errors import SourceError
 
 SAFETENSORS_DTYPES = {
@@ -46,7 +47,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
                 raise SourceError(f"{file}: empty or truncated safetensors file ({size} bytes)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise SourceError(f"{file}: safetensors header claims {n} bytes but the file has {size}; "
+                raise SourceError(lfs_pointer_problem(file) or f"{file}: safetensors header claims {n} bytes but the file has {size}; "
                                   f"the file is truncated or not safetensors")
             raw = fh.read(n)
     except OSError as exc:  # permissions, I/O error
