@@ -84,3 +84,52 @@ def test_cli_says_which_pool_format_it_used(tiny_llama, tmp_path):
     assert result.exit_code == 0 and "read as lines (one prompt per line)" in result.stdout
     bad = runner.invoke(app, ["prompts", "grow", str(src), "--pool", str(pool), "--pool-format", "csv"])
     assert bad.exit_code == 1 and "--pool-format: 'csv' is not a format" in bad.stderr
+
+
+HOSTILE_PROMPTS = ["How do I sort by two columns?", "a, b", "[x]", "{y}", "key: value", "# not a comment", "*star",
+                   "&anchor", "!tag", "%pct", "@at", "`tick", "'single'", '"double"', "trailing space ", " leading",
+                   "yes", "No", "ON", "null", "~", "0x10", "12:30", "2024-01-01", "1_000", "-dash", "? q", "colon:",
+                   "ends with #", "a ] b", "x #y", "<<", "|pipe", ">gt", "tab\there", "C:\\path\\file", "\u00a0nbsp",
+                   "don't stop", "What is 7 squared?", "写一首诗 🙂", "", "def f(x):\n    return x\n", " indented\ncode",
+                   "a\n\n\nb"]
+LIST_STYLES = {
+    "flow": "experts:\n  - source_model: m\n    positive_prompts: [\"a\"]\n",
+    "block": "experts:\n  - source_model: m\n    positive_prompts:\n      - a\n",
+    "block flush with its key": "experts:\n- source_model: m\n  positive_prompts:\n  - a\n",
+    "one prompt as a string": "experts:\n- source_model: m\n  positive_prompts: a\n",
+    "no list yet": "experts:\n- source_model: m\n",
+}
+
+
+def test_added_prompts_read_back_exactly_in_every_list_style():
+    """Every added prompt is read back (by PyYAML, which reads recipes) as exactly the text picked, whatever the
+    list's style. Before: in a flow list [...] 'How do I sort by two columns?' made the YAML unparsable (a
+    traceback from `prompts grow`), and in any list 'yes' / 'No' / 'ON' came back as booleans and '? q' as a
+    mapping: ruamel writes YAML 1.2, where those are plain text."""
+    import yaml
+
+    from moe_upcycle.recipe.yaml_write import add_prompts
+
+    for style, text in LIST_STYLES.items():
+        out = add_prompts(text, {0: HOSTILE_PROMPTS})
+        before = [] if style == "no list yet" else ["a"]
+        assert yaml.safe_load(out)["experts"][0]["positive_prompts"] == before + HOSTILE_PROMPTS, (style, out)
+    flow = add_prompts(LIST_STYLES["flow"], {0: ["plain words", "How do I sort by two columns?", "yes"]})
+    assert 'positive_prompts: ["a", plain words, "How do I sort by two columns?", "yes"]' in flow  # bare where safe
+
+
+def test_grow_on_a_flow_style_recipe_writes_what_it_picked(tiny_llama, tmp_path):
+    """`prompts grow` on a recipe whose prompts are flow lists (positive_prompts: ["..."]) with the shipped pool,
+    whose prompts end in '?': exit 0, and the grown recipe loads with the picks appended (before: a YAML
+    ParserError traceback, nothing written)."""
+    src = tmp_path / "flow.yaml"
+    src.write_text(f"base_model: {tiny_llama}\ngate_mode: cheap_embed\nexperts:\n"
+                   f"  - source_model: {tiny_llama}\n    positive_prompts: [\"write a python function that sorts a list\"]\n"
+                   f"  - source_model: {tiny_llama}\n    positive_prompts: [\"tell me a bedtime story about a dragon\"]\n")
+    result = runner.invoke(app, ["prompts", "grow", str(src), "--pool", str(POOL)])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    grown = load_config(tmp_path / "flow.grown.yaml").expert_list()
+    pool = set(read_pool_file(POOL).prompts)
+    added = [p for e in grown for p in e.positive_prompts[1:]]
+    assert added and set(added) <= pool, added
+    assert any(p.endswith("?") for p in added), added  # the shipped pool's questions, the case that broke

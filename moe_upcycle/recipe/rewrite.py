@@ -93,6 +93,7 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     added = {i: list(picks.get(expert.name, []))
              for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
     text = add_prompts(original, added)  # comments and layout kept
+    _check_written(text, data, added, target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UpcycleWarning)
         load_config(dict(yaml.safe_load(text)), allow_unknown_keys=allow_unknown_keys)  # still a valid config
@@ -105,3 +106,25 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     finally:
         tmp.unlink(missing_ok=True)  # gone after the replace; a leftover only after a failure
     return target
+
+
+def _check_written(text: str, data: dict, added: dict[int, list[str]], target: Path) -> None:
+    """Refuse to write a grown recipe that the loader would not read back as the user's prompts plus the new
+    ones, each exactly as picked (a prompt turned into a boolean or a mapping, or YAML that does not parse).
+
+    Raises:
+        OutputError: what differs; nothing is written.
+    """
+    try:
+        grown = yaml.safe_load(text)
+        experts = grown.get("experts") or []
+    except (yaml.YAMLError, AttributeError) as exc:
+        raise OutputError(f"-o {target}: the grown recipe would not read back as YAML ({str(exc).splitlines()[0]}); "
+                          f"nothing was written — please report this with the prompts") from None
+    for i, extra in added.items():
+        before = (data["experts"][i] or {}).get("positive_prompts") or []
+        before = [before] if isinstance(before, str) else list(before)
+        after = experts[i].get("positive_prompts") if i < len(experts) and isinstance(experts[i], dict) else None
+        if after != before + list(extra):
+            raise OutputError(f"-o {target}: experts[{i}].positive_prompts would not read back as written (the new "
+                              f"prompts {extra!r}); nothing was written — please report this with the prompts")

@@ -2,8 +2,9 @@
 
 A round trip through ruamel.yaml keeps comments, key order, quoting and indentation of the
 input; only the ``positive_prompts`` lists of the experts that grew change. Prompts that span
-lines are written as literal blocks (``|``), so code stays readable. It validates nothing:
-`grow.write_grown_config` checks the result with `config.load_config`.
+lines are written as literal blocks (``|``), so code stays readable; the others bare where PyYAML
+reads them back as the same text in that list's style (block or ``[...]``), else double-quoted. It
+validates nothing: `rewrite.write_grown_config` checks that the result reads back as written.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import io
 from typing import Mapping
 
+import yaml
+
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.scalarstring import LiteralScalarString
+from ruamel.yaml.scalarstring import DoubleQuotedScalarString, LiteralScalarString
 
 
 def _yaml() -> YAML:
@@ -24,8 +27,18 @@ def _yaml() -> YAML:
     return y
 
 
-def _scalar(text: str):
-    return LiteralScalarString(text) if "\n" in text else text
+def _scalar(text: str, flow: bool = False):
+    """How one added prompt is written: a literal block when it spans lines, bare when PyYAML (which reads the
+    recipe) reads it back as the same text in this list's style, else double-quoted. ruamel (which writes it)
+    follows YAML 1.2, so on its own it writes ``yes`` bare (PyYAML: True) and, inside ``[...]``, ``two columns?``
+    bare (PyYAML: a syntax error)."""
+    if "\n" in text:
+        return LiteralScalarString(text)
+    try:
+        bare = yaml.safe_load(f"[{text}]" if flow else f"- {text}") == [text]
+    except yaml.YAMLError:
+        bare = False
+    return text if bare and text == text.strip() else DoubleQuotedScalarString(text)
 
 
 def add_prompts(text: str, added: Mapping[int, list[str]]) -> str:
@@ -56,14 +69,17 @@ def add_prompts(text: str, added: Mapping[int, list[str]]) -> str:
         if not isinstance(expert, CommentedMap):
             continue
         current = expert.get("positive_prompts")
+        if isinstance(current, str):  # one prompt written as a string: now a list of it and the new ones
+            current = expert["positive_prompts"] = CommentedSeq([current])
         if current is None:
             seq = CommentedSeq()
             after = list(expert).index("positive_prompts_from") + 1 if "positive_prompts_from" in expert \
                 else len(expert)
             expert.insert(after, "positive_prompts", seq)
             current = seq
+        flow = bool(getattr(getattr(current, "fa", None), "flow_style", lambda: False)())
         for p in prompts:
-            current.append(_scalar(p))
+            current.append(_scalar(p, flow))
     buf = io.StringIO()
     y.dump(data, buf)
     return buf.getvalue()
