@@ -133,3 +133,19 @@ def test_grow_on_a_flow_style_recipe_writes_what_it_picked(tiny_llama, tmp_path)
     added = [p for e in grown for p in e.positive_prompts[1:]]
     assert added and set(added) <= pool, added
     assert any(p.endswith("?") for p in added), added  # the shipped pool's questions, the case that broke
+
+
+def test_a_grown_list_shared_through_an_alias_grows_only_where_grown(tiny_llama, tmp_path):
+    """Expert 0's positive prompts are anchored (&code) and reused as expert 1's negative prompts (*code): the
+    picks for expert 0 are added to expert 0 only. Before, they also became expert 1's negatives, silently."""
+    src = tmp_path / "alias.yaml"
+    src.write_text(f"base_model: {tiny_llama}\ngate_mode: cheap_embed\nexperts:\n"
+                   f"  - source_model: {tiny_llama}\n    name: code\n    positive_prompts: &code\n"
+                   f"      - write a python function that sorts a list\n"
+                   f"  - source_model: {tiny_llama}\n    name: story\n    positive_prompts: [a bedtime story]\n"
+                   f"    negative_prompts: *code\n")
+    out = write_grown_config(src, {"code": ["Fix this loop.", "yes"], "story": ["Tell me about dragons?"]})
+    experts = {e.name: e for e in load_config(out).expert_list()}
+    assert experts["code"].positive_prompts == ["write a python function that sorts a list", "Fix this loop.", "yes"]
+    assert experts["story"].negative_prompts == ["write a python function that sorts a list"]
+    assert experts["story"].positive_prompts == ["a bedtime story", "Tell me about dragons?"]

@@ -7,6 +7,7 @@ it is written atomically.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -109,22 +110,28 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
 
 
 def _check_written(text: str, data: dict, added: dict[int, list[str]], target: Path) -> None:
-    """Refuse to write a grown recipe that the loader would not read back as the user's prompts plus the new
-    ones, each exactly as picked (a prompt turned into a boolean or a mapping, or YAML that does not parse).
+    """Refuse to write a grown recipe that the loader would not read back as the user's recipe with only the new
+    prompts appended, each exactly as picked (a prompt turned into a boolean or a mapping, YAML that does not
+    parse, or new prompts that also landed elsewhere through an alias).
 
     Raises:
         OutputError: what differs; nothing is written.
     """
+    def plain(value):  # aliases become copies, so each list is compared where it is used
+        return json.loads(json.dumps(value, default=str))
+
     try:
         grown = yaml.safe_load(text)
-        experts = grown.get("experts") or []
-    except (yaml.YAMLError, AttributeError) as exc:
+    except yaml.YAMLError as exc:
         raise OutputError(f"-o {target}: the grown recipe would not read back as YAML ({str(exc).splitlines()[0]}); "
                           f"nothing was written — please report this with the prompts") from None
+    expected = plain(data)
     for i, extra in added.items():
-        before = (data["experts"][i] or {}).get("positive_prompts") or []
-        before = [before] if isinstance(before, str) else list(before)
-        after = experts[i].get("positive_prompts") if i < len(experts) and isinstance(experts[i], dict) else None
-        if after != before + list(extra):
-            raise OutputError(f"-o {target}: experts[{i}].positive_prompts would not read back as written (the new "
-                              f"prompts {extra!r}); nothing was written — please report this with the prompts")
+        if extra:
+            expert = expected["experts"][i]
+            before = expert.get("positive_prompts") or []
+            expert["positive_prompts"] = ([before] if isinstance(before, str) else before) + list(extra)
+    if plain(grown) != expected:
+        raise OutputError(f"-o {target}: the grown recipe would not read back as the recipe plus the new prompts "
+                          f"(an alias, or a prompt YAML reads as something else); nothing was written — please report "
+                          f"this with the recipe")

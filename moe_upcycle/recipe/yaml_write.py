@@ -71,6 +71,13 @@ def add_prompts(text: str, added: Mapping[int, list[str]]) -> str:
         current = expert.get("positive_prompts")
         if isinstance(current, str):  # one prompt written as a string: now a list of it and the new ones
             current = expert["positive_prompts"] = CommentedSeq([current])
+        elif isinstance(current, CommentedSeq) and current.anchor.value is not None:
+            # an anchored list (&code) that an alias (*code) reuses elsewhere, e.g. as another expert's
+            # negative_prompts: grow this expert's own copy, or the new prompts would land there too
+            copy = CommentedSeq(current)
+            if current.fa.flow_style():
+                copy.fa.set_flow_style()
+            current = expert["positive_prompts"] = copy
         if current is None:
             seq = CommentedSeq()
             after = list(expert).index("positive_prompts_from") + 1 if "positive_prompts_from" in expert \
