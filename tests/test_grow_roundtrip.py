@@ -149,3 +149,19 @@ def test_a_grown_list_shared_through_an_alias_grows_only_where_grown(tiny_llama,
     assert experts["code"].positive_prompts == ["write a python function that sorts a list", "Fix this loop.", "yes"]
     assert experts["story"].negative_prompts == ["write a python function that sorts a list"]
     assert experts["story"].positive_prompts == ["a bedtime story", "Tell me about dragons?"]
+
+
+def test_a_windows_recipe_stays_crlf_with_its_byte_order_mark(tiny_llama, tmp_path):
+    """A recipe saved by Notepad (BOM, CRLF) is written back with both, every line CRLF, and loads with the picks;
+    before, the grown file was LF without the BOM."""
+    src = tmp_path / "win.yaml"
+    text = (f"base_model: {tiny_llama}\ngate_mode: cheap_embed\nexperts:\n  - source_model: {tiny_llama}\n"
+            f"    name: code\n    positive_prompts:\n      - write code\n  - source_model: {tiny_llama}\n"
+            f"    name: story\n    positive_prompts: [a story]\n")
+    src.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    out = write_grown_config(src, {"code": ["def f():\n    return 1"], "story": ["Once upon a time?"]})
+    raw = out.read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbf") and raw.count(b"\n") == raw.count(b"\r\n") > 10
+    experts = {e.name: e for e in load_config(out).expert_list()}
+    assert experts["code"].positive_prompts == ["write code", "def f():\n    return 1"]
+    assert experts["story"].positive_prompts == ["a story", "Once upon a time?"]

@@ -82,7 +82,10 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     """
     src = Path(config_path)
     target = grown_target(src, output, in_place, force, inputs)
-    original = src.read_text(encoding="utf-8")
+    raw = src.read_bytes()
+    original = raw.decode("utf-8-sig").replace("\r\n", "\n")
+    # written back with the input's byte-order mark and line endings (a recipe saved on Windows stays CRLF)
+    encoding, newline = ("utf-8-sig" if raw.startswith(b"\xef\xbb\xbf") else "utf-8"), ("\r\n" if b"\r\n" in raw else "\n")
     data = yaml.safe_load(original)
     with warnings.catch_warnings():  # the command already warned about unknown keys, once
         warnings.simplefilter("ignore", UpcycleWarning)
@@ -100,7 +103,7 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         load_config(dict(yaml.safe_load(text)), allow_unknown_keys=allow_unknown_keys)  # still a valid config
     tmp = target.with_name(f".{target.name}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_text(text, encoding=encoding, newline=newline)
         os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
     except OSError as exc:
         raise OutputError(f"-o {target}: cannot write it ({exc.strerror or exc}); nothing was changed") from None
