@@ -165,3 +165,18 @@ def test_a_windows_recipe_stays_crlf_with_its_byte_order_mark(tiny_llama, tmp_pa
     experts = {e.name: e for e in load_config(out).expert_list()}
     assert experts["code"].positive_prompts == ["write code", "def f():\n    return 1"]
     assert experts["story"].positive_prompts == ["a story", "Once upon a time?"]
+
+
+def test_in_place_through_a_symlink_updates_the_recipe_and_keeps_the_link(tiny_llama, tmp_path):
+    """`grow current.yaml --in-place`, current.yaml a link to v3.yaml: v3.yaml gets the picks and the link stays
+    a link (before, the link was replaced by a regular file and v3.yaml was left as it was)."""
+    real = tmp_path / "v3.yaml"
+    real.write_text(f"base_model: {tiny_llama}\ngate_mode: cheap_embed\nexperts:\n  - source_model: {tiny_llama}\n"
+                    f"    name: code\n    positive_prompts: [write code]\n  - source_model: {tiny_llama}\n"
+                    f"    name: story\n    positive_prompts: [a story]\n")
+    link = tmp_path / "current.yaml"
+    link.symlink_to(real.name)
+    out = write_grown_config(link, {"code": ["Fix this bug."]}, in_place=True)
+    assert out == real and link.is_symlink() and link.resolve() == real
+    assert load_config(real).expert_list()[0].positive_prompts == ["write code", "Fix this bug."]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current.yaml", "v3.yaml"]  # no temporary file left
