@@ -180,3 +180,16 @@ def test_in_place_through_a_symlink_updates_the_recipe_and_keeps_the_link(tiny_l
     assert out == real and link.is_symlink() and link.resolve() == real
     assert load_config(real).expert_list()[0].positive_prompts == ["write code", "Fix this bug."]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current.yaml", "v3.yaml"]  # no temporary file left
+
+
+def test_in_place_keeps_the_recipes_permissions(tiny_llama, tmp_path):
+    """A private (0600) or group-writable (0664) recipe keeps its mode when grown in place (before: the new file
+    got the umask's default, 0644)."""
+    src = tmp_path / "private.yaml"
+    src.write_text(f"base_model: {tiny_llama}\ngate_mode: cheap_embed\nexperts:\n  - source_model: {tiny_llama}\n"
+                   f"    name: code\n    positive_prompts: [write code]\n  - source_model: {tiny_llama}\n"
+                   f"    name: story\n    positive_prompts: [a story]\n")
+    for mode in (0o600, 0o664):
+        src.chmod(mode)
+        write_grown_config(src, {"code": [f"Fix bug {mode}."]}, in_place=True)
+        assert src.stat().st_mode & 0o777 == mode

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -104,6 +105,8 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     tmp = target.with_name(f".{target.name}.tmp")
     try:
         tmp.write_text(text, encoding=encoding, newline=newline)
+        if target.exists():  # the file replaced keeps its permissions (a 0600 recipe stays private)
+            shutil.copymode(target, tmp)
         os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
     except OSError as exc:
         raise OutputError(f"-o {target}: cannot write it ({exc.strerror or exc}); nothing was changed") from None
