@@ -453,6 +453,19 @@ def test_grow_bad_input(case_id, args, words, stories, files):
     assert "load embedder" not in output
 
 
+@pytest.mark.parametrize("recipe", ["num_experts: 4\ngate_mode: random\n",
+                                    "gate_mode: random\nexperts:\n  - source_model: {base}\n  - source_model: {base}\n"])
+def test_grow_without_prompts_is_refused_before_the_embedder(recipe, stories, files):
+    """Nothing to grow from (copies, or experts without prompts): refused at once, not after loading the sentence
+    embedder (seconds)."""
+    cfg = files / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\n" + recipe.format(base=stories))
+    code, output = cli("prompts", "grow", cfg, "--pool", files / "prompts.txt")
+    assert_clean_failure(code, output, files / "cfg.grown.yaml",
+                         ["experts: no expert has positive_prompts, so there is nothing to grow from"])
+    assert "load embedder" not in output
+
+
 @pytest.mark.parametrize("kwargs,words", [
     ({"per_expert": 0}, ["--per-expert: 0 is not a count"]),
     ({"per_expert": 2.5}, ["--per-expert: 2.5"]),

@@ -108,7 +108,7 @@ def grow(
     """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
     from moe_upcycle.errors import ConfigError
     from moe_upcycle.prompts.embed import load_embedder
-    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, check_limits, grow_prompts
+    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, check_growable, check_limits, grow_prompts
     from moe_upcycle.prompts.pool import read_pool_file
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.rewrite import grown_target, write_grown_config
@@ -119,6 +119,7 @@ def grow(
     cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     check_limits(per_expert, MIN_SIMILARITY if min_similarity is None else min_similarity,
                  MARGIN if margin is None else margin)
+    check_growable(expert_prompts(cfg.expert_list()))
     grown_target(config, output, in_place, force, inputs=[pool])  # a wrong -o fails before the embedder loads
     read = read_pool_file(pool, pool_format)  # type: ignore[arg-type]
     candidates = read.prompts

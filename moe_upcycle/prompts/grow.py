@@ -77,6 +77,17 @@ def check_limits(per_expert: int, min_similarity: float, margin: float) -> None:
         raise ConfigError(*problems)
 
 
+def check_growable(experts: Sequence[ExpertPrompts]) -> None:
+    """Refuse experts none of which has positive prompts (`prompts grow` asks before the embedder loads).
+
+    Raises:
+        ConfigError: nothing to grow from.
+    """
+    if not any(e.positive for e in experts):
+        raise ConfigError("experts: no expert has positive_prompts, so there is nothing to grow from; "
+                          "list experts with a few positive_prompts each")
+
+
 def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Optional[Embedder] = None, *,
                  per_expert: int = 10, min_similarity: float = MIN_SIMILARITY, margin: float = MARGIN,
                  duplicate_threshold: float = DUPLICATE_THRESHOLD) -> dict[str, list[Pick]]:
@@ -98,11 +109,9 @@ def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Op
         ConfigError: no expert has positive prompts, or a limit is out of its range (NaN included).
     """
     check_limits(per_expert, min_similarity, margin)
+    check_growable(experts)
     known = {p for e in experts for p in e.positive + e.negative}
     experts = [e for e in experts if e.positive]
-    if not experts:
-        raise ConfigError("experts: no expert has positive_prompts, so there is nothing to grow from; "
-                          "list experts with a few positive_prompts each")
     pool = [p for p in dict.fromkeys(pool) if p not in known]
     picks: dict[str, list[Pick]] = {e.name: [] for e in experts}
     if not pool:
