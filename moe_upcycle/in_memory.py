@@ -291,14 +291,16 @@ def empty_moe_model(cfg: dict, plan: Plan, attn_implementation: Optional[str] = 
     # Checked for 2-byte dtypes too: fp32 master weights are often cast to bf16 before save_pretrained
     impl = cfg.get("experts_implementation") or experts_implementation_for(cfg, plan.dtype) \
         or experts_implementation_for(cfg, torch.bfloat16)
-    extra = {"experts_implementation": impl} if impl else {}
+    # transformers 4.x has per-expert Linear layers and no such option (its from_config refuses the keyword)
+    extra = {"experts_implementation": impl} if impl and hasattr(hf_config, "_experts_implementation") else {}
     if attn_implementation:
         extra["attn_implementation"] = attn_implementation
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=plan.dtype, **extra)
     if impl:
         # a plain config attribute is written by save_pretrained (the private one is not), and
-        # from_pretrained reads it back: the reloaded model runs the kernel this one runs
+        # from_pretrained reads it back: the reloaded model runs the kernel this one runs (in transformers 4.x
+        # a field it ignores; a folder saved there and loaded in 5 still runs)
         model.config.experts_implementation = impl
     keep_legacy_fields(model.config, cfg)
     return model
