@@ -231,3 +231,16 @@ def test_hidden_avg_is_an_alias_of_hidden(stories):
              for mode in ("hidden", "hidden_avg")}
     for layer in range(5):
         assert torch.equal(gates["hidden"][layer], gates["hidden_avg"][layer])
+
+
+def test_a_prompt_cut_at_the_models_context_is_said(loaded):
+    """A prompt longer than max_position_embeddings is cut there, as before, and now a warning says so (naming its
+    recipe field and both lengths); a prompt that fits says nothing."""
+    long = "once upon a time there was a little cat " * 200
+    with pytest.warns(UpcycleWarning) as said:
+        encoded = cap.encode(loaded.tokenizer, [long, "a short one"], loaded.max_length,
+                             fields=["experts[0].positive_prompts", "experts[1].positive_prompts"])
+    assert len(encoded[0].ids) == loaded.max_length and len(said) == 1
+    text = str(said[0].message)
+    assert text.startswith("experts[0].positive_prompts: prompt 'once upon a time there was a little cat '... has ")
+    assert text.endswith(f"tokens; only its first {loaded.max_length} (the model's max_position_embeddings) are used")

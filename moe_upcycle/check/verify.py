@@ -54,6 +54,7 @@ from moe_upcycle.checkpoint.model_refs import resolve_model
 from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
+from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
@@ -95,6 +96,9 @@ def read_prompts(path) -> list[str]:
 
 def _read_text(path, option: str) -> str:
     path = Path(path) if isinstance(path, str) else path  # a Path or a package resource
+    problem = not_a_readable_file(path) if isinstance(path, Path) else None
+    if problem:
+        raise SourceError(f"{option}: {path}: {problem}; give a UTF-8 text file")
     try:
         return (read_capped(path, option) if isinstance(path, Path) else path.read_bytes()).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -205,6 +205,12 @@ def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt",
     out, problems = [], []
     for k, text in enumerate(texts):
         ids = tokenizer(text, add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
+        if len(ids) >= max_length:  # cut at the model's context: say so (the full count costs one more pass)
+            full = len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+            if full > max_length:
+                field = f"{fields[k]}: " if fields else ""
+                warnings.warn(f"{field}{where} {text[:40]!r}... has {full} tokens; only its first {max_length} (the "
+                              f"model's max_position_embeddings) are used", UpcycleWarning, stacklevel=2)
         real = tuple(i not in special for i in ids)
         if not any(real) and not text.strip():  # mergekit's empty "default expert" prompt: the BOS token alone
             ids = ids or ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else [])
