@@ -37,10 +37,10 @@ from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.execute import iter_tensors
 from moe_upcycle.gates.router import compute_gates
 from moe_upcycle.planning.model_config import moe_config
+from moe_upcycle.planning.guards import check_tied_head
 from moe_upcycle.planning.plan import Plan, make_plan
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
-from moe_upcycle.checkpoint.names import EMBED, LM_HEAD
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from moe_upcycle.planning.model_config import experts_implementation_for
 
@@ -142,7 +142,7 @@ def upcycle_model(
         source = state_dict_source(dense_model)
         sources = {IN_MEMORY_REF: source}
         plan = make_plan(config, sources)
-        check_head_tied_in_memory(plan, source)
+        check_tied_head(plan, source, IN_MEMORY_REF)  # a head untied in memory under a config that ties it
         gates = compute_gates(gate_params(config), plan, source, device=placement.main)
         router = router_fields(config)
         cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
@@ -165,31 +165,6 @@ def keep_generation_config(model: torch.nn.Module, dense_model: torch.nn.Module)
     dense_generation = getattr(dense_model, "generation_config", None)
     if dense_generation is not None and hasattr(model, "generation_config"):
         model.generation_config = copy.deepcopy(dense_generation)
-
-
-def check_head_tied_in_memory(plan: Plan, source: StateDictSource) -> None:
-    """Refuse a dense model whose config ties lm_head to the embedding while its lm_head is another tensor
-    with other values (a head untied and trained in memory): the MoE ties them, so it would compute with
-    the embedding and not reproduce the dense model; and the dense model's own ``save_pretrained``
-    would drop that head. Equal values in two tensors are fine.
-
-    Raises:
-        ConfigError: names both tensors, how far apart they are, and the two fixes.
-    """
-    head, embed = source.state.get(LM_HEAD), source.state.get(EMBED)
-    if not plan.tied_embeddings or head is None or embed is None:
-        return
-    if head.shape == embed.shape and head.device == embed.device and head.data_ptr() == embed.data_ptr():
-        return  # tied: one tensor under two names (state_dict() detaches each into its own object)
-    if head.shape == embed.shape and torch.equal(head.detach().to(embed.device), embed.detach()):
-        return
-    gap = (f"max |difference| {float((head.detach().float().to(embed.device) - embed.detach().float()).abs().max()):.3g}"
-           if head.shape == embed.shape else f"shapes {tuple(head.shape)} and {tuple(embed.shape)}")
-    raise ConfigError(f"dense_model: its config ties the output head to the embedding (tie_word_embeddings: true), "
-                      f"but {LM_HEAD} is another tensor than {EMBED} ({gap}), so the MoE, which ties them, would not "
-                      f"compute what the dense model computes. If the separate head is the model's, set "
-                      f"dense_model.config.tie_word_embeddings = False first; if the embedding is, call "
-                      f"dense_model.tie_weights()")
 
 
 def keep_checkpointing(model: torch.nn.Module, dense_model: torch.nn.Module) -> None:

@@ -237,7 +237,7 @@ def test_a_head_untied_in_memory_under_a_tied_config_is_refused(stories):
     dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float32).eval()
     ids = torch.tensor([[1, 5, 9, 20, 7, 3]])
     dense.lm_head.weight = torch.nn.Parameter(dense.lm_head.weight.detach().clone() + 0.5)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(PlanError) as info:
         upcycle_model(dense, num_experts=2)
     assert str(info.value) == (
         "dense_model: its config ties the output head to the embedding (tie_word_embeddings: true), but "

@@ -15,6 +15,7 @@ It computes no gate rows: `hidden_gates` does, and `route` reuses the batching h
 from __future__ import annotations
 
 import importlib.util
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,17 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
+def context_length(path: Path) -> int:
+    """How many tokens of a text the base model reads: config.json's max_position_embeddings (4096 without one),
+    known before its weights load."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 4096
+
+
 def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
               quantize: Optional[str] = None, adapter: Optional[Adapter] = None, tokenizer=None) -> LoadedModel:
     """Load the whole base model and its tokenizer once, for router-input capture.
@@ -186,8 +198,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
     if not norms or any(n is None for n in norms):
         raise SourceError(f"base_model: {path} has no {ROUTER_INPUT} in its decoder layers; hidden-state gates "
                           f"need a Llama-style model")
-    max_length = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
-    return LoadedModel(model, tokenizer, norms, model.get_input_embeddings().weight.device, max_length)
+    return LoadedModel(model, tokenizer, norms, model.get_input_embeddings().weight.device, context_length(path))
 
 
 def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt",

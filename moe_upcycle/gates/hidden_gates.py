@@ -42,8 +42,8 @@ import torch
 
 from moe_upcycle.recipe.calibration import kmeans_sample_budget, read_documents
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
-from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs, encode,
-                                       encode_windows, load_base, load_tokenizer)
+from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs,
+                                       context_length, encode, encode_windows, load_base, load_tokenizer)
 from moe_upcycle.checkpoint.lora import Adapter
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
@@ -111,13 +111,16 @@ def prompt_texts(experts: Sequence[ExpertPrompts]) -> tuple[list[str], list[int]
 
 
 def prompt_router_inputs(loaded: LoadedModel, experts: Sequence[ExpertPrompts], reduce: Reduce,
-                         batch_size: int, padding_side: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                       RouterInputs]:
+                         batch_size: int, padding_side: Optional[str] = None,
+                         encoded: Optional[list[Encoded]] = None) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
     """Mean router input of each expert's positive and negative prompts: ((L, E, H), (L, E, H) or
-    zeros where an expert has no negatives, the raw `RouterInputs`)."""
+    zeros where an expert has no negatives, the raw `RouterInputs`).
+
+    `encoded`: the prompts as `encode` tokenized them in `prompt_texts` order, when the caller did it already."""
     texts, groups, fields = prompt_texts(experts)
     n = len(experts)
-    encoded = encode(loaded.tokenizer, texts, loaded.max_length, fields=fields)
+    if encoded is None:
+        encoded = encode(loaded.tokenizer, texts, loaded.max_length, fields=fields)
     inputs = capture_router_inputs(loaded, encoded, groups, 2 * n, reduce, batch_size, padding_side)
     means = inputs.means()
     return means[:, :n], means[:, n:], inputs
@@ -182,10 +185,10 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path,
         UpcycleError: the model cannot be loaded, the device or an extra is missing, or the
             prompts/calibration text are unusable.
     """
-    tokenizer = load_tokenizer(base_path)
-    if params.mode != "kmeans":  # a prompt the tokenizer makes nothing of is said before the weights load
+    tokenizer, encoded = load_tokenizer(base_path), None
+    if params.mode != "kmeans":  # tokenized once, before the weights load: a prompt of special tokens only is said now
         texts, _, fields = prompt_texts(params.experts)
-        encode(tokenizer, texts, 1 << 20, fields=fields)
+        encoded = encode(tokenizer, texts, context_length(base_path), fields=fields)
     with stage("load base model", note=str(base_path)):
         loaded = load_base(base_path, params.device, params.dtype, params.quantize, adapter, tokenizer)
     if len(loaded.norms) != num_layers:
@@ -196,7 +199,7 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path,
     else:
         experts = params.experts
         reduce: Reduce = "last" if params.mode == "hidden_last" else "mean"
-        own, negative, inputs = prompt_router_inputs(loaded, experts, reduce, params.batch_size)
+        own, negative, inputs = prompt_router_inputs(loaded, experts, reduce, params.batch_size, encoded=encoded)
         has_negative = torch.tensor([bool(e.negative) for e in experts])
         direction = own - negative * has_negative[None, :, None]
         token_norm = inputs.token_norm

@@ -81,16 +81,30 @@ def check_tied_head(plan: Plan, base: Checkpoint, ref: str) -> None:
     dense model the MoE should reproduce is not one model, so nothing is built. Identical copies
     (a ``.bin`` saving both names, or the same bytes twice) are fine.
 
+    An in-memory model (`upcycle_model`) is checked the same way: a head untied and trained in memory
+    under a config that still ties it computes with that head, which the MoE would replace by the
+    embedding (and the dense model's own ``save_pretrained`` would drop).
+
     Raises:
-        PlanError: the stored head differs from the embedding (names the file and the fix).
+        PlanError: the stored head differs from the embedding (names the file, or the parameters, and the fix).
     """
     head, embed = base.tensors.get(LM_HEAD), base.tensors.get(EMBED)
-    if not plan.tied_embeddings or base.path is None or head is None or embed is None:
+    if not plan.tied_embeddings or base.from_config or head is None or embed is None:
         return
     if any(LM_HEAD in group and EMBED in group for group in base.shared_groups):
         return  # one storage in the .bin: the same tensor
-    if head.shape == embed.shape and torch.equal(base.read(LM_HEAD), base.read(EMBED)):
-        return
+    if head.shape == embed.shape:
+        stored, embedding = base.read(LM_HEAD), base.read(EMBED)
+        if stored.data_ptr() == embedding.data_ptr() or torch.equal(stored.to(embedding.device), embedding):
+            return  # in memory, a tied model's state_dict() gives both names the one storage
+    if base.path is None:
+        gap = (f"max |difference| {float((stored.float().to(embedding.device) - embedding.float()).abs().max()):.3g}"
+               if head.shape == embed.shape else f"shapes {list(head.shape)} and {list(embed.shape)}")
+        raise PlanError(f"dense_model: its config ties the output head to the embedding (tie_word_embeddings: "
+                        f"true), but {LM_HEAD} is another tensor than {EMBED} ({gap}), so the MoE, which ties them, "
+                        f"would not compute what the dense model computes. If the separate head is the model's, set "
+                        f"dense_model.config.tie_word_embeddings = False first; if the embedding is, call "
+                        f"dense_model.tie_weights()")
     raise PlanError(f"base_model ({ref}): config.json says tie_word_embeddings: true, but "
                     f"{_where(base, head.file)} stores an {LM_HEAD} that differs from {EMBED}. transformers 5 "
                     f"runs the stored head and transformers 4 replaces it with the embedding, so the base's output "
