@@ -47,8 +47,8 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
                 raise SourceError(f"{file}: empty or truncated safetensors file ({size} bytes)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise SourceError(lfs_pointer_problem(file) or f"{file}: safetensors header claims {n} bytes but the file has {size}; "
-                                  f"the file is truncated or not safetensors")
+                raise SourceError(lfs_pointer_problem(file) or f"{file}: safetensors header claims {n} bytes but the "
+                                  f"file has {size}; the file is truncated or not safetensors")
             raw = fh.read(n)
     except OSError as exc:  # permissions, I/O error
         raise SourceError(f"{file}: cannot read it ({exc.strerror or exc}); check that it is readable by you") from None

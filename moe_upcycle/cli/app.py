@@ -74,21 +74,15 @@ def cli_errors(fn: Callable) -> Callable:
             for problem in exc.problems:
                 console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
-        except OSError as exc:
-            stream = _failed_console(exc)  # results on a full disk (`> /dev/full`): the stream, not a bug
-            if stream is None or DEBUG["on"]:
-                message = symlink_loop(exc)
-                if message is None or DEBUG["on"]:
-                    raise
-                console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-                raise typer.Exit(1)
-            if stream is out:
-                with contextlib.suppress(OSError):
-                    console.print(f"[bold red]error:[/] writing the results to standard output failed "
-                                  f"({escape(exc.strerror or str(exc))}); send them to a file on a disk with room, "
-                                  f"or to a terminal", highlight=False, soft_wrap=True)
-            raise typer.Exit(1)  # stderr failed: nowhere left to say it
-        except RuntimeError as exc:
+        except (RuntimeError, OSError) as exc:
+            stream = _failed_console(exc) if isinstance(exc, OSError) and not DEBUG["on"] else None
+            if stream is not None:  # results on a full disk (`> /dev/full`): the stream, not a bug
+                if stream is out:
+                    with contextlib.suppress(OSError):
+                        console.print(f"[bold red]error:[/] writing the results to standard output failed "
+                                      f"({escape(exc.strerror or str(exc))}); send them to a file on a disk with "
+                                      f"room, or to a terminal", highlight=False, soft_wrap=True)
+                raise typer.Exit(1)  # stderr failed: nowhere left to say it
             message = symlink_loop(exc)  # Path.resolve() on a looping link: the user's path, not a bug
             if message is None or DEBUG["on"]:
                 raise

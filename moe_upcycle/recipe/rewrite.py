@@ -98,10 +98,10 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     added = {i: list(picks.get(expert.name, []))
              for i, expert in enumerate(config.expert_list()[:len(data.get("experts") or [])])}
     text = add_prompts(original, added)  # comments and layout kept
-    _check_written(text, data, added, target)
+    grown = _read_back(text, data, added, target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UpcycleWarning)
-        load_config(dict(yaml.safe_load(text)), allow_unknown_keys=allow_unknown_keys)  # still a valid config
+        load_config(dict(grown), allow_unknown_keys=allow_unknown_keys)  # still a valid config
     tmp = target.with_name(f".{target.name}.tmp")
     try:
         tmp.write_text(text, encoding=encoding, newline=newline)
@@ -115,10 +115,10 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     return target
 
 
-def _check_written(text: str, data: dict, added: dict[int, list[str]], target: Path) -> None:
-    """Refuse to write a grown recipe that the loader would not read back as the user's recipe with only the new
-    prompts appended, each exactly as picked (a prompt turned into a boolean or a mapping, YAML that does not
-    parse, or new prompts that also landed elsewhere through an alias).
+def _read_back(text: str, data: dict, added: dict[int, list[str]], target: Path) -> dict:
+    """The grown recipe as the loader reads it, refused unless it is the user's recipe with only the new prompts
+    appended, each exactly as picked (not a prompt turned into a boolean or a mapping, YAML that does not parse,
+    or new prompts that also landed elsewhere through an alias).
 
     Raises:
         OutputError: what differs; nothing is written.
@@ -141,3 +141,4 @@ def _check_written(text: str, data: dict, added: dict[int, list[str]], target: P
         raise OutputError(f"-o {target}: the grown recipe would not read back as the recipe plus the new prompts "
                           f"(an alias, or a prompt YAML reads as something else); nothing was written — please report "
                           f"this with the recipe")
+    return grown

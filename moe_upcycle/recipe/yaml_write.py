@@ -84,7 +84,7 @@ def add_prompts(text: str, added: Mapping[int, list[str]]) -> str:
                 else len(expert)
             expert.insert(after, "positive_prompts", seq)
             current = seq
-        flow = bool(getattr(getattr(current, "fa", None), "flow_style", lambda: False)())
+        flow = bool(current.fa.flow_style())  # [a, b] in the input
         for p in prompts:
             current.append(_scalar(p, flow))
     buf = io.StringIO()
