@@ -584,6 +584,75 @@ def test_route_plot_path_refused_before_work(where, words, routed_moe, tmp_path)
     assert not list(tmp_path.glob("*.png")) or where == "same-prompts-png"
 
 
+def test_route_plot_never_overwrites_a_file_without_force(routed_moe, tmp_path):
+    """An existing file at --plot is the user's: refused before the routing work, replaced only with --force
+    (a whole new image, with the old file's permissions), and no temporary file is left beside it."""
+    pytest.importorskip("matplotlib")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe cat sat on the mat\n")
+    plot = tmp_path / "figure.png"
+    plot.write_bytes(b"my own figure")
+    plot.chmod(0o600)
+    code, output = cli("route", routed_moe, "--prompts", prompts, "--plot", plot)
+    assert_clean_failure(code, output, tmp_path / "no-target",
+                         [f"--plot {plot}: file exists; pass --force to replace it or choose another path"])
+    assert plot.read_bytes() == b"my own figure"
+    code, output = cli("route", routed_moe, "--prompts", prompts, "--plot", plot, "--force")
+    assert code == 0, output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_mode & 0o777 == 0o600
+    svg = tmp_path / "figure.svg"  # the format follows the target's suffix, not the temporary file's
+    code, output = cli("route", routed_moe, "--prompts", prompts, "--plot", svg)
+    assert code == 0, output
+    assert b"<svg" in svg.read_bytes()[:400]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure.png", "figure.svg", "prompts.txt"]
+
+
+def test_route_plot_write_failure_leaves_nothing(routed_moe, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    plot = tmp_path / "figure.png"
+    plot.write_bytes(b"my own figure")
+
+    def full(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    code, output = cli("route", routed_moe, "--prompts", prompts, "--plot", plot, "--force")
+    assert_clean_failure(code, output, tmp_path / "no-target",
+                         [f"--plot {plot}: cannot write it (No space left on device); nothing was written"])
+    assert plot.read_bytes() == b"my own figure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure.png", "prompts.txt"]
+
+
+def test_write_file_never_takes_a_users_file_for_its_temporary(tmp_path):
+    """The old temporary name of `prompts grow` (.NAME.tmp) was a fixed name: a file of the user's with that name
+    was overwritten, then deleted. The temporary file is now a fresh one, and a target that appears meanwhile
+    is not replaced without `replace`."""
+    from moe_upcycle.checkpoint.output_file import write_file
+
+    (tmp_path / ".out.yaml.tmp").write_text("mine")
+    write_file(tmp_path / "out.yaml", lambda tmp: tmp.write_text("new"), replace=False)
+    assert (tmp_path / "out.yaml").read_text() == "new" and (tmp_path / ".out.yaml.tmp").read_text() == "mine"
+    assert oct((tmp_path / "out.yaml").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+    def late(tmp):  # a file made at the target while the command worked
+        tmp.write_text("newer")
+        (tmp_path / "out.yaml").write_text("theirs")
+    with pytest.raises(FileExistsError):
+        write_file(tmp_path / "out.yaml", late, replace=False)
+    assert (tmp_path / "out.yaml").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.yaml.tmp", "out.yaml"]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 # ---------------------------------------------------------------------------------------------
 # prompts grow -o: never another input, never a folder, no temporary file left on failure.
 

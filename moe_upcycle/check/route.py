@@ -21,6 +21,7 @@ import torch
 from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
+from moe_upcycle.checkpoint.output_file import write_file
 from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
@@ -196,18 +197,19 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k)
 
 
-def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] = ()) -> Path:
+def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] = (), force: bool = False) -> Path:
     """The heatmap's file, checked before any routing: matplotlib present, a known image suffix,
-    a folder that exists, not a folder itself, not one of the command's inputs.
+    a folder that exists, not a folder itself, not one of the command's inputs, no file there unless `force`.
 
     Args:
         path: where the heatmap goes; its suffix picks the format.
         inputs: files and folders the command reads (the prompts file, the model folder): never written.
+        force: replace a file that is already at `path` (never one of `inputs`).
 
     Raises:
         DependencyError: matplotlib (the ``plot`` extra) is not installed.
         ConfigError: the path cannot hold the image.
-        OutputError: the path is one of `inputs`.
+        OutputError: the path is one of `inputs`, or a file is there and `force` is not given.
     """
     _pyplot()
     out = Path(path).expanduser()
@@ -223,6 +225,8 @@ def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] =
         if resolved == Path(item).expanduser().resolve():
             raise OutputError(f"--plot {out}: that is an input of this command; it is never overwritten — "
                               f"choose another path")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputError(f"--plot {out}: file exists; pass --force to replace it or choose another path")
     return out
 
 
@@ -240,15 +244,19 @@ def _pyplot():
     return plt
 
 
-def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[str] = None) -> Path:
-    """Save a heatmap of prompts × experts (top-1 share) to `path` (PNG/PDF/SVG by suffix).
+def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[str] = None,
+                 force: bool = False) -> Path:
+    """Save a heatmap of prompts × experts (top-1 share) to `path` (PNG/PDF/SVG by suffix), whole or not at all.
+
+    Args:
+        force: replace a file already at `path`; without it such a file is refused, never overwritten.
 
     Raises:
         DependencyError: matplotlib (the ``plot`` extra) is not installed.
         ConfigError: see `check_plot_path`.
-        OutputError: the file cannot be written (permissions, disk full).
+        OutputError: a file is at `path` without `force`, or it cannot be written (permissions, disk full).
     """
-    out = check_plot_path(path)
+    out = check_plot_path(path, force=force)
     plt = _pyplot()
     share = result.prompt_share().numpy()
     labels = [p if len(p) <= 40 else p[:37] + "..." for p in (q.replace("\n", " ") for q in result.prompts)]
@@ -265,10 +273,12 @@ def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[
     ax.set_title(title or "top-1 share per prompt (all layers, real tokens)", fontsize=9)
     fig.colorbar(image, ax=ax, label="top-1 share")
     fig.tight_layout()
-    try:
-        fig.savefig(out, dpi=120)
+    try:  # the format from the target's suffix: the temporary file's is .partial
+        write_file(out, lambda tmp: fig.savefig(tmp, dpi=120, format=out.suffix[1:].lower()), replace=force)
+    except FileExistsError:
+        raise OutputError(f"--plot {out}: file exists; pass --force to replace it or choose another path") from None
     except OSError as exc:
-        raise OutputError(f"--plot {out}: cannot write it ({exc})") from None
+        raise OutputError(f"--plot {out}: cannot write it ({exc.strerror or exc}); nothing was written") from None
     finally:
         plt.close(fig)
     return out

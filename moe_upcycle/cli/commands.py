@@ -224,6 +224,7 @@ def route(
     label_by: Optional[str] = typer.Option(None, "--label-by", help="Label prompts that have none: 'embedding' "
                                            "(nearest expert centroid of the recorded prompts)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --plot file."),
     as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
@@ -238,7 +239,7 @@ def route(
     if (prompts is None) == (labeled is None):
         raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")
     if plot is not None:  # before the routing work, not after it
-        check_plot_path(plot, [p for p in (prompts, labeled) if p is not None])
+        check_plot_path(plot, [p for p in (prompts, labeled) if p is not None], force=force)
     if label_by not in (None, "embedding"):
         raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
     resolve_device(device)  # a wrong or missing device, before any file is read
@@ -252,7 +253,7 @@ def route(
         texts, labels = read_prompts(prompts), None
     result = route_prompts(model, texts, device=device, batch_size=batch_size)
     if plot is not None:
-        plot_routing(result, plot)
+        plot_routing(result, plot, force=force)
     score = None
     if labels is not None:
         from moe_upcycle.check.route_eval import routing_accuracy

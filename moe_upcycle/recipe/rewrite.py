@@ -8,14 +8,13 @@ it is written atomically.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import yaml
 
+from moe_upcycle.checkpoint.output_file import write_file
 from moe_upcycle.errors import OutputError, UpcycleWarning
 from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.recipe.yaml_write import add_prompts
@@ -102,16 +101,14 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UpcycleWarning)
         load_config(dict(grown), allow_unknown_keys=allow_unknown_keys)  # still a valid config
-    tmp = target.with_name(f".{target.name}.tmp")
     try:
-        tmp.write_text(text, encoding=encoding, newline=newline)
-        if target.exists():  # the file replaced keeps its permissions (a 0600 recipe stays private)
-            shutil.copymode(target, tmp)
-        os.replace(tmp, target)  # atomic: a reader sees the old file or the new one, never half
+        write_file(target, lambda tmp: tmp.write_text(text, encoding=encoding, newline=newline),
+                   replace=in_place or force)
+    except FileExistsError:
+        raise OutputError(f"-o {target}: file exists (it appeared while the prompts were chosen); pass --force to "
+                          f"replace it or choose another -o") from None
     except OSError as exc:
         raise OutputError(f"-o {target}: cannot write it ({exc.strerror or exc}); nothing was changed") from None
-    finally:
-        tmp.unlink(missing_ok=True)  # gone after the replace; a leftover only after a failure
     return target
 
 

@@ -1,0 +1,52 @@
+"""Single output files (a grown recipe, a routing heatmap), written whole or not at all.
+
+`write_file(target, write, replace)` calls ``write(tmp)`` on a fresh temporary file beside the
+target (``.<name>.<random>.partial``, created with O_EXCL, so no file of the user's is ever taken
+for it), then moves it into place: with `replace`, atomically over an existing target (which keeps
+its permissions); without, only if no file has appeared there since the caller checked (a hard
+link, which refuses an existing name). The temporary file is removed on every failure, so a full
+disk or Ctrl-C never leaves a half-written file under the target's name or beside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+
+def write_file(target: Path, write: Callable[[Path], None], replace: bool) -> None:
+    """Write `target` through ``write(tmp)``; see the module docstring.
+
+    Raises:
+        FileExistsError: `replace` is false and the target exists.
+        OSError: the temporary file cannot be created or written, or the move fails.
+    """
+    target = Path(target)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name[:200]}.", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        if replace and target.exists():
+            shutil.copymode(target, tmp)  # a 0600 file replaced stays private
+        else:  # mkstemp makes 0600; a new file gets the mode open() would give it
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)
+        if replace:
+            os.replace(tmp, target)
+            return
+        try:
+            os.link(tmp, target)  # refuses a name that exists, even one made since the caller checked
+        except FileExistsError:
+            raise
+        except OSError:  # a filesystem without hard links
+            if target.exists() or target.is_symlink():
+                raise FileExistsError(errno.EEXIST, "File exists", str(target)) from None
+            os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
