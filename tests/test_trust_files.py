@@ -735,6 +735,73 @@ def test_verify_names_an_unreadable_file(name, words, routed_moe, tmp_path, monk
 
 
 # ---------------------------------------------------------------------------------------------
+# A hand-edited or damaged moe_upcycle.json / index: named by verify, never a traceback, never a read outside
+# the folder; route falls back to expert_N names; build --force does not take the folder for ours.
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda m: [1, 2], ["moe_upcycle.json: it is a JSON list, not an object"]),
+    (lambda m: None, ["moe_upcycle.json: it is a JSON null, not an object"]),
+    (lambda m: {**m, "config": 3}, ["moe_upcycle.json: config is a JSON number, not an object"]),
+    (lambda m: {**m, "sha256": ["config.json"]}, ["moe_upcycle.json: sha256 is a JSON list"]),
+    (lambda m: {**m, "sha256": {"config.json": 5}}, ["sha256 of 'config.json' is 5, not a sha256 hex digest"]),
+    (lambda m: {**m, "sha256": {"../../etc/passwd": "0" * 64}},
+     ["sha256 names '../../etc/passwd', which is not a file name in the folder"]),
+    (lambda m: {**m, "sha256": {"/dev/zero": "0" * 64}}, ["sha256 names '/dev/zero', which is not a file name"]),
+], ids=["list", "null", "config-number", "sha256-list", "digest-number", "parent-path", "device-path"])
+def test_damaged_manifest_is_named_by_every_command(edit, words, routed_moe, tiny_llama, tmp_path):
+    folder = tmp_path / "moe"
+    shutil.copytree(routed_moe, folder)
+    manifest = folder / "moe_upcycle.json"
+    manifest.write_text(json.dumps(edit(json.loads(manifest.read_text()))))
+    before = _snapshot(folder)
+    code, output = cli("verify", folder, "--device", "cpu")
+    assert code == 1 and "Traceback" not in output, output
+    assert all(w in _flat(output) for w in words + ["rebuild the model or delete the file"]), output
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    code, output = cli("route", folder, "--prompts", prompts, "--json", "--device", "cpu")
+    assert code == 0, output
+    assert json.loads(output[output.index("{"):])["experts"] == ["expert_0", "expert_1"]
+    code, output = cli("build", _recipe(tmp_path, tiny_llama), folder, "--force")
+    assert code == 1 and "its moe_upcycle.json is not a manifest a moe-upcycle build wrote" in _flat(output), output
+    assert _snapshot(folder) == before
+
+
+def test_manifest_without_a_config_is_checked_without_the_recipe(routed_moe, tmp_path):
+    folder = tmp_path / "moe"
+    shutil.copytree(routed_moe, folder)
+    manifest = folder / "moe_upcycle.json"
+    data = json.loads(manifest.read_text())
+    del data["config"]
+    manifest.write_text(json.dumps(data))
+    code, output = cli("verify", folder, "--device", "cpu")
+    assert "moe_upcycle.json: its config is unreadable (it records no config); checks without the recipe" in _flat(
+        output), output
+    assert "Traceback" not in output and "'config'" not in output
+
+
+@pytest.mark.parametrize("index,words", [
+    ("not json", ["model.safetensors.index.json: not a valid index (needs a weight_map object)"]),
+    ("[1]", ["model.safetensors.index.json: not a valid index (needs a weight_map object)"]),
+    ('{"weight_map": [1]}', ["not a valid index (needs a weight_map object): weight_map is a list"]),
+    ('{"weight_map": {"model.norm.weight": 5}}', ["tensor 'model.norm.weight' is mapped to 5, which is not a file name"]),
+    ('{"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}',
+     ["tensor 'model.norm.weight' is mapped to '../elsewhere.safetensors', which is not a file name in the model folder"]),
+    ('{"weight_map": {"model.norm.weight": "/dev/zero"}}',
+     ["tensor 'model.norm.weight' is mapped to '/dev/zero', which is not a file name in the model folder"]),
+], ids=["not-json", "list", "weight-map-list", "file-number", "parent-path", "device-path"])
+def test_verify_reads_a_damaged_index_as_the_loaders_do(index, words, routed_moe, tmp_path):
+    folder = tmp_path / "moe"
+    shutil.copytree(routed_moe, folder)
+    (folder / "model.safetensors.index.json").write_text(index)
+    (tmp_path / "elsewhere.safetensors").write_bytes(b"\0" * 64)
+    code, output = cli("verify", folder, "--device", "cpu", "--skip-hashes")
+    assert code == 1 and "Traceback" not in output, output
+    assert all(w in _flat(output) for w in words), output
+
+
+# ---------------------------------------------------------------------------------------------
 # demo DIR rerun: the demo's own dense/ and moe/ are rewritten only while they hold only its files.
 
 

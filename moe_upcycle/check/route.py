@@ -10,7 +10,6 @@ model.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError
-from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
+from moe_upcycle.checkpoint.manifest_file import load_manifest
 from moe_upcycle.checkpoint.output_file import write_file
 from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
@@ -103,11 +102,10 @@ def read_prompts(path: Union[str, Path]) -> list[str]:
 
 def expert_names(model_dir: Path, count: int) -> list[str]:
     """Expert names recorded by the build (moe_upcycle.json), else ``expert_0..``."""
-    recipe = model_dir / RECIPE_NAME
     try:
-        experts = json.loads(recipe.read_text(encoding="utf-8"))["config"].get("experts") or []
-        names = [e.get("name") or f"expert_{i}" for i, e in enumerate(experts)]
-    except (OSError, ValueError, KeyError, AttributeError):
+        experts = ((load_manifest(model_dir) or {}).get("config") or {}).get("experts") or []
+        names = [str(e.get("name") or f"expert_{i}") for i, e in enumerate(experts)]
+    except (SourceError, AttributeError):  # no readable manifest, or experts not a list of mappings
         names = []
     return names if len(names) == count else [f"expert_{i}" for i in range(count)]
 

@@ -47,11 +47,12 @@ from moe_upcycle.check.compare import (TokenizerLoadError, compare_logits, encod
 from moe_upcycle.check.tokenizer_files import tokenizer_differences
 from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import layout_of_config, output_layout
-from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
+from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME, load_manifest
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
 from moe_upcycle.checkpoint.lora import Adapter, split_ref
 from moe_upcycle.checkpoint.model_refs import resolve_model
 from moe_upcycle.checkpoint.source import open_checkpoint
+from moe_upcycle.checkpoint.weight_files import index_files
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
 from moe_upcycle.inputs.paths import not_a_readable_file
@@ -111,26 +112,23 @@ def _listed(keys: list[str], limit: int = 5) -> str:
 
 
 def read_recipe(folder: Path) -> Optional[dict]:
-    """The recipe recorded at build time (``moe_upcycle.json``), or None when absent."""
-    path = folder / RECIPE_NAME
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read it ({exc.strerror or exc}); check that it is readable by you") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{path}: not valid JSON ({exc}); rebuild the model or delete the file") from None
+    """The recipe recorded at build time (``moe_upcycle.json``), or None when absent.
+
+    Raises:
+        SourceError: the file is there but damaged (`manifest_file.load_manifest`).
+    """
+    return load_manifest(folder)
 
 
 def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
     """Check shards against the index (every header intact); return the tensors on disk."""
     index = folder / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        by_file: dict[str, Optional[set]] = {}
-        for key, file in weight_map.items():
-            by_file.setdefault(file, set()).add(key)
+        try:  # the loaders' own reading of an index: no name outside the folder, every shard there
+            by_file: dict[str, Optional[set]] = index_files(index)
+        except (SourceError, OSError) as exc:
+            result.problems += getattr(exc, "problems", None) or [f"{index}: cannot read it ({exc})"]
+            return {}
     elif (folder / "model.safetensors").is_file():
         by_file = {"model.safetensors": None}
     else:
@@ -256,9 +254,11 @@ def verify(
     recorded: Optional[RecordedBuild] = None
     if check is None and recipe is not None:
         try:
+            if "config" not in recipe:
+                raise ConfigError("it records no config")
             recorded = recorded_build(recipe["config"])
             check = recorded.check
-        except (UpcycleError, KeyError) as exc:
+        except UpcycleError as exc:
             result.notes.append(f"{RECIPE_NAME}: its config is unreadable ({exc}); checks without the recipe")
     if recipe is None and check is None:
         result.notes.append(f"no {RECIPE_NAME} (not built by moe-upcycle?): sha256 and plan checks skipped")

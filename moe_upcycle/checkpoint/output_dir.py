@@ -26,9 +26,8 @@ from typing import Iterator, Optional, Sequence
 
 from moe_upcycle.errors import OutputError, UpcycleWarning
 
-# our manifest: the tool version, recipe, seed and sha256 of every file of a folder the tool wrote
-RECIPE_NAME = "moe_upcycle.json"
 MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
+from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # noqa: F401 (our manifest's name)
 from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 

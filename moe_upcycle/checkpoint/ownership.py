@@ -24,9 +24,9 @@ import shutil
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moe_upcycle.errors import OutputError
+from moe_upcycle.checkpoint.manifest_file import MANIFEST, load_manifest
+from moe_upcycle.errors import OutputError, SourceError
 
-MANIFEST = "moe_upcycle.json"
 INDEX = "model.safetensors.index.json"  # names the shards, which `--no-checksums` leaves out of the manifest
 DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides the manifest
 # what `tiny.make_dense_model` writes into the demo's dense/
@@ -36,14 +36,14 @@ _SHOWN = 5  # names listed when a folder is refused
 
 
 def _manifest(folder: Path) -> Optional[dict]:
-    manifest = Path(folder) / MANIFEST
-    try:
-        if manifest.is_symlink() or not manifest.is_file() or manifest.stat().st_size > 64 * 2**20:
-            return None
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+    """Our manifest in `folder`, or None: none there, a link (not a file a build wrote), damaged, or another tool's."""
+    if (Path(folder) / MANIFEST).is_symlink():
         return None
-    return data if isinstance(data, dict) and data.get("tool") == "moe-upcycle" else None
+    try:
+        data = load_manifest(folder)
+    except SourceError:
+        return None
+    return data if data is not None and data.get("tool") == "moe-upcycle" else None
 
 
 def is_ours(folder: Path) -> bool:
@@ -103,7 +103,10 @@ def replace_problem(target: Path, inputs: Sequence[Path] = ()) -> Optional[str]:
         return (f"--force never replaces {reason}; write the model to a new folder, e.g. "
                 f"{target / 'moe-model'}")
     if not is_ours(target):
-        return (f"output folder {target} was not written by moe-upcycle (it has no {MANIFEST}) and holds "
+        manifest = target / MANIFEST
+        why = (f"it has no {MANIFEST}" if not (manifest.exists() or manifest.is_symlink())
+               else f"its {MANIFEST} is not a manifest a moe-upcycle build wrote")
+        return (f"output folder {target} was not written by moe-upcycle ({why}) and holds "
                 f"{describe_contents(target)}; --force only replaces a previous moe-upcycle output. Choose "
                 f"another folder, or move these files away yourself")
     foreign = foreign_entries(target)
@@ -127,7 +130,7 @@ def foreign_entries(folder: Path) -> list[str]:
     """
     folder = Path(folder)
     manifest = _manifest(folder) or {}
-    digests = manifest.get("sha256") if isinstance(manifest.get("sha256"), dict) else {}
+    digests = manifest.get("sha256", {})
     written = set(digests) | _index_shards(folder, digests)
     try:
         since = (folder / MANIFEST).stat().st_mtime_ns

@@ -298,7 +298,7 @@ def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[
 
     recipe = read_recipe(Path(model_dir)) if label_by else None
     experts = None
-    if recipe:
+    if recipe and "config" in recipe:
         from moe_upcycle.recipe.resolve import expert_prompts
         from moe_upcycle.recipe.schema import load_config
 
