@@ -781,6 +781,29 @@ def test_manifest_without_a_config_is_checked_without_the_recipe(routed_moe, tmp
     assert "Traceback" not in output and "'config'" not in output
 
 
+@pytest.mark.parametrize("change,words", [
+    ({"num_local_experts": "two"}, ["config.json: num_local_experts is 'two', not a number of experts"]),
+    ({"num_local_experts": -2}, ["config.json: num_local_experts is -2, not a number of experts"]),
+    ({"num_experts_per_tok": 5}, ["config.json: num_experts_per_tok is 5, but each token must go to 1 to 2 experts"]),
+    ({"num_experts_per_tok": 0}, ["config.json: num_experts_per_tok is 0, but each token must go to 1 to 2 experts"]),
+    ({"num_local_experts": 0}, ["is a dense model", "gives no number of experts"]),
+], ids=["count-text", "count-negative", "top-k-above-count", "top-k-zero", "count-zero"])
+@pytest.mark.parametrize("command", ["verify", "route"])
+def test_impossible_expert_counts_in_a_built_config_are_named(command, change, words, routed_moe, tmp_path):
+    """Before, route crashed in the forward pass (RuntimeError: selected index k out of range) and both
+    commands called a folder with num_local_experts "two" dense ("has no num_local_experts")."""
+    folder = tmp_path / "moe"
+    shutil.copytree(routed_moe, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    extra = ["--prompts", prompts] if command == "route" else []
+    code, output = cli(command, folder, *extra, "--device", "cpu")
+    assert code == 1 and "Traceback" not in output, output
+    assert all(w in _flat(output) for w in words), output
+
+
 @pytest.mark.parametrize("index,words", [
     ("not json", ["model.safetensors.index.json: not a valid index (needs a weight_map object)"]),
     ("[1]", ["model.safetensors.index.json: not a valid index (needs a weight_map object)"]),
