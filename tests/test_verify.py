@@ -329,3 +329,67 @@ def test_a_mergekit_moe_output_is_compared_with_the_base_its_config_names(writte
     assert (result.comparison is not None) == compared
     if compared:
         assert result.base == str(tiny_llama) and result.comparison.mean_kl < IDENTITY_MAX_KL
+
+
+# ---------------------------------------------------------------------------------------------
+# A recipe's relative paths are read from the folder the build ran in; verify and route find them from anywhere.
+
+
+def test_verify_and_route_find_relative_sources_from_any_folder(tiny_llama, tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copytree(tiny_llama, project / "base")
+    (project / "story.txt").write_text("Once upon a time there was a cat\nThe dog ran home\n")
+    (project / "code.txt").write_text("def add(a, b): return a + b\nimport numpy as np\n")
+    (project / "r.yaml").write_text("base_model: ./base\ngate_mode: hidden\nexperts:\n"
+                                    "  - source_model: ./base\n    name: story\n    positive_prompts_from: story.txt\n"
+                                    "  - source_model: ./base\n    name: code\n    positive_prompts_from: code.txt\n")
+    monkeypatch.chdir(project)
+    result = CliRunner().invoke(app, ["build", "r.yaml", "-o", "out/moe"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((project / "out/moe/moe_upcycle.json").read_text())
+    assert manifest["paths_relative_to"] == "../.." and manifest["config"]["base_model"] == "./base"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    got = verify(project / "out/moe", device="cpu", max_new_tokens=2)
+    assert got.ok, got.problems
+    assert got.planned_tensors > 0 and not any("could not re-make the plan" in n for n in got.notes), got.notes
+    assert got.base == str(project / "base"), got.base
+    labeled = elsewhere / "labeled.jsonl"
+    labeled.write_text('{"text": "Once upon a time"}\n{"text": "def f(): pass", "expert": "code"}\n')
+    result = CliRunner().invoke(app, ["route", str(project / "out/moe"), "--labeled", str(labeled), "--label-by",
+                                      "embedding", "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["experts"] == ["story", "code"]
+
+    # a manifest written before the field existed: relative paths are read from the current folder, as then
+    del manifest["paths_relative_to"]
+    (project / "out/moe/moe_upcycle.json").write_text(json.dumps(manifest))
+    got = verify(project / "out/moe", device="cpu", max_new_tokens=2, hashes=False)
+    assert any("its config is unreadable" in n and "story.txt" in n for n in got.notes), got.notes
+
+
+def test_recorded_config_keeps_hub_ids_sets_and_absolute_paths(tmp_path):
+    from moe_upcycle.planning.replan import recorded_config
+
+    build_dir = tmp_path / "proj"
+    (build_dir / "models" / "base").mkdir(parents=True)
+    (build_dir / "models" / "lora").mkdir()
+    (build_dir / "code").write_text("a file named like the shipped set\n")
+    (build_dir / "mine.txt").write_text("a prompt\n")
+    (build_dir / "out").mkdir()
+    config = {"base_model": "models/base", "calibration_text": "mine.txt", "experts": [
+        {"source_model": "org/name", "positive_prompts_from": "code"},
+        {"source_model": "models/base+models/lora", "negative_prompts_from": "mine.txt"},
+        {"source_model": str(tmp_path / "abs"), "positive_prompts_from": "gone.txt"}]}
+    got = recorded_config({"config": config, "paths_relative_to": ".."}, build_dir / "out")
+    assert got["base_model"] == str(build_dir / "models/base")
+    assert got["calibration_text"] == str(build_dir / "mine.txt")
+    assert got["experts"] == [
+        {"source_model": "org/name", "positive_prompts_from": "code"},  # a hub id; the set wins over a file, as in build
+        {"source_model": f"{build_dir / 'models/base'}+{build_dir / 'models/lora'}",
+         "negative_prompts_from": str(build_dir / "mine.txt")},
+        {"source_model": str(tmp_path / "abs"), "positive_prompts_from": "gone.txt"}]
+    assert recorded_config({"config": config}, build_dir / "out") is config
+    assert recorded_config({}, build_dir / "out") is None

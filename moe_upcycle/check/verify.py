@@ -56,7 +56,7 @@ from moe_upcycle.checkpoint.weight_files import index_files
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
 from moe_upcycle.inputs.paths import not_a_readable_file
-from moe_upcycle.planning.replan import RecordedBuild, recorded_build
+from moe_upcycle.planning.replan import RecordedBuild, recorded_build, recorded_config
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.values import device_problem
@@ -254,9 +254,10 @@ def verify(
     recorded: Optional[RecordedBuild] = None
     if check is None and recipe is not None:
         try:
-            if "config" not in recipe:
+            config = recorded_config(recipe, folder)
+            if config is None:
                 raise ConfigError("it records no config")
-            recorded = recorded_build(recipe["config"])
+            recorded = recorded_build(config)
             check = recorded.check
         except UpcycleError as exc:
             result.notes.append(f"{RECIPE_NAME}: its config is unreadable ({exc}); checks without the recipe")

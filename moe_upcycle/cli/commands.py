@@ -295,14 +295,16 @@ def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[
     """Labels for `route --labeled`, missing ones filled by embedding from the build's recorded config."""
     from moe_upcycle.check.route_eval import labels_for
     from moe_upcycle.check.verify import read_recipe
+    from moe_upcycle.planning.replan import recorded_config
 
     recipe = read_recipe(Path(model_dir)) if label_by else None
+    config = recorded_config(recipe, Path(model_dir)) if recipe else None
     experts = None
-    if recipe and "config" in recipe:
+    if config is not None:
         from moe_upcycle.recipe.resolve import expert_prompts
         from moe_upcycle.recipe.schema import load_config
 
-        experts = expert_prompts(load_config(recipe["config"]).expert_list())
+        experts = expert_prompts(load_config(config).expert_list())
     return labels_for(texts, labels, experts, label_by or "")
 
 

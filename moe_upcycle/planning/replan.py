@@ -6,12 +6,16 @@ when they ask for it, its plan (which opens the sources' headers again).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.planning.plan import make_plan
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
+from moe_upcycle.recipe.prompt_sets import set_names
 from moe_upcycle.recipe.resolve import check_params, source_refs
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 
@@ -40,3 +44,46 @@ def recorded_build(config: dict) -> RecordedBuild:
     """
     validated = load_config(config)
     return RecordedBuild(check_params(validated), validated)
+
+
+def recorded_config(manifest: dict, folder: Path) -> Optional[dict]:
+    """The recipe a manifest records, its relative local paths read from the folder the build ran in.
+
+    A recipe's relative paths (``base_model: ./base``, ``positive_prompts_from: story.txt``) are
+    relative to the build's working folder; ``paths_relative_to`` locates that folder from the
+    output. A path that exists there is given as that path; anything else (a hub id, a shipped
+    prompt set, a source moved since) is kept as written. None when the manifest records no config.
+
+    A build run in ``proj/`` with ``-o out`` and ``base_model: ./base`` records ``..``; verify run
+    from any folder then reads ``proj/out/../base``.
+    """
+    config = manifest.get("config")
+    if not isinstance(config, dict):
+        return None
+    root = manifest.get("paths_relative_to")
+    if not isinstance(root, str) or not root:
+        return config  # written before the field existed: relative paths are read from the current folder
+    # both ends were real paths (getcwd, the resolved output), so undoing the relpath lexically is exact
+    root_dir = Path(os.path.normpath(Path(folder).resolve() / root))
+    sets = set(set_names())
+
+    def rebased(ref, prompts=False):
+        if not isinstance(ref, str) or not ref or os.path.isabs(os.path.expanduser(ref)) or ref.startswith("~"):
+            return ref
+        if prompts and ref in sets:
+            return ref
+        if not (root_dir / ref).exists() and "+" in ref:  # mergekit's MODEL+ADAPTER: each part on its own
+            model, _, adapter = ref.partition("+")
+            return f"{rebased(model)}+{rebased(adapter)}"
+        return str(root_dir / ref) if (root_dir / ref).exists() else ref
+
+    out = dict(config, base_model=rebased(config.get("base_model")))
+    if "calibration_text" in config:
+        out["calibration_text"] = rebased(config["calibration_text"])
+    for key in ("experts", "shared_experts"):
+        if isinstance(config.get(key), list):
+            out[key] = [dict(e, source_model=rebased(e.get("source_model")),
+                             **{f: rebased(e.get(f), prompts=True) for f in ("positive_prompts_from", "negative_prompts_from")
+                                if f in e})
+                        if isinstance(e, dict) else e for e in config[key]]
+    return out

@@ -1,12 +1,16 @@
 """Our manifest, ``moe_upcycle.json``: tool version, recipe, seed, verification and every file's sha256.
 
-It is also how the tool recognises a folder it wrote (`checkpoint.output_dir.RECIPE_NAME`).
+It is also how the tool recognises a folder it wrote (`checkpoint.output_dir.RECIPE_NAME`). The
+recipe's relative paths were read from the folder the build ran in; ``paths_relative_to`` records
+that folder relative to the output (``..`` for ``-o out`` in it), so `verify` and `route` find the
+same sources and prompt files from any folder (`planning.replan.recorded_config`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -33,6 +37,8 @@ def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, st
         "config": config.model_dump(mode="json"),
         "seed": config.seed,
         "sha256": dict(sorted(hashes.items())),
+        # a sibling staging folder of the output: the same path from the output itself
+        "paths_relative_to": os.path.relpath(os.getcwd(), Path(folder).resolve()),
     }
     if verification is not None:
         recipe["verify"] = verification
