@@ -209,12 +209,12 @@ VERIFY_CASES = [
     ("text-empty", ["--text", "{tmp}/empty.txt"], ["--text:", "empty.txt holds no text"]),
     ("text-blank", ["--text", "{tmp}/blank.txt"], ["--text:", "blank.txt holds no text"]),
     ("text-dir", ["--text", "{tmp}/a_dir"], ["--text:", "a_dir: is a folder, not a file"]),
-    ("text-binary", ["--text", "{tmp}/binary.txt"], ["--text: cannot read", "binary.txt", "UTF-8"]),
-    ("text-latin1", ["--text", "{tmp}/latin1.txt"], ["--text: cannot read", "latin1.txt", "UTF-8"]),
+    ("text-binary", ["--text", "{tmp}/binary.txt"], ["--text:", "binary.txt: not UTF-8 text", "re-save it as UTF-8"]),
+    ("text-latin1", ["--text", "{tmp}/latin1.txt"], ["--text:", "latin1.txt: not UTF-8 text (byte 0xe9", "re-save it as UTF-8"]),
     ("text-missing", ["--text", "{tmp}/nope.txt"], ["--text:", "nope.txt: file not found"]),
     ("prompts-empty", ["--prompts", "{tmp}/empty.txt"], ["--prompts:", "empty.txt holds no prompt"]),
     ("prompts-dir", ["--prompts", "{tmp}/a_dir"], ["--prompts:", "a_dir: is a folder, not a file"]),
-    ("prompts-binary", ["--prompts", "{tmp}/binary.txt"], ["--prompts: cannot read", "binary.txt"]),
+    ("prompts-binary", ["--prompts", "{tmp}/binary.txt"], ["--prompts:", "binary.txt: not UTF-8 text"]),
     ("base-empty-dir", ["--base", "{tmp}/a_dir"], ["--base:", "a_dir is not a model folder (no config.json)"]),
     ("base-a-file", ["--base", "{tmp}/prompts.txt"], ["--base: model", "prompts.txt", "is a file, not a model folder"]),
     ("base-missing", ["--base", "{tmp}/nowhere"], ["--base: model", "nowhere", "not found"]),
@@ -426,8 +426,8 @@ GROW_CASES = [
     ("pool-missing", ["--pool", "{tmp}/nope.txt"], ["--pool", "nope.txt: file not found"]),
     ("pool-empty", ["--pool", "{tmp}/empty.txt"], ["--pool", "empty.txt: holds no prompt"]),
     ("pool-blank", ["--pool", "{tmp}/blank.txt"], ["--pool", "blank.txt: holds no prompt"]),
-    ("pool-binary", ["--pool", "{tmp}/binary.txt"], ["--pool", "binary.txt: cannot read it as UTF-8"]),
-    ("pool-latin1", ["--pool", "{tmp}/latin1.txt"], ["--pool", "latin1.txt: cannot read it as UTF-8"]),
+    ("pool-binary", ["--pool", "{tmp}/binary.txt"], ["--pool", "binary.txt: not UTF-8 text", "re-save it as UTF-8"]),
+    ("pool-latin1", ["--pool", "{tmp}/latin1.txt"], ["--pool", "latin1.txt: not UTF-8 text (byte 0xe9", "re-save it as UTF-8"]),
     ("margin-nan", ["--pool", "{tmp}/prompts.txt", "--margin", "nan"], ["--margin: nan is not a lead", "0 to 2"]),
     ("margin-negative", ["--pool", "{tmp}/prompts.txt", "--margin", "-3"], ["--margin: -3.0"]),
     ("margin-huge", ["--pool", "{tmp}/prompts.txt", "--margin", "5"], ["--margin: 5.0"]),
@@ -559,7 +559,7 @@ def test_key_in_wrong_section_says_where_it_belongs(case_id, text, words, storie
 
 @pytest.mark.parametrize("name,words", [
     ("a_dir", ["experts[0].positive_prompts_from:", "a_dir' is a folder"]),
-    ("binary.txt", ["experts[0].positive_prompts_from:", "binary.txt: cannot read the prompt file"]),
+    ("binary.txt", ["experts[0].positive_prompts_from:", "binary.txt: not UTF-8 text", "re-save it as UTF-8"]),
     ("empty.txt", ["experts[0].positive_prompts_from:", "empty.txt: contains no prompts"]),
     ("null.yaml", ["experts[0].positive_prompts_from:", "null.yaml: expected a list of prompt strings"]),
 ], ids=["folder", "binary", "empty", "yaml-null"])
@@ -574,7 +574,7 @@ def test_prompt_file_named_with_its_field(name, words, stories, files):
 
 @pytest.mark.parametrize("name,words", [
     ("a_dir", ["calibration_text: folder", "has no .txt, .md or .jsonl files"]),
-    ("binary.txt", ["calibration_text: cannot read", "binary.txt as UTF-8 text"]),
+    ("binary.txt", ["calibration_text:", "binary.txt: not UTF-8 text", "re-save it as UTF-8"]),
     ("empty.txt", ["calibration_text:", "empty.txt contains no text"]),
     ("nope.txt", ["calibration_text:", "nope.txt does not exist"]),
     ("/dev/zero", ["calibration_text: /dev/zero is not a regular file"]),

@@ -58,16 +58,48 @@ def test_non_utf8_prompt_file(tiny_llama, tmp_path):
                                         f"  - source_model: {tiny_llama}\n")
     target = tmp_path / "moe"
     code, output = cli("build", cfg, target)
-    assert_clean_failure(code, output, target, [str(prompts), "cannot read the prompt file", "utf-8"])
+    assert_clean_failure(code, output, target, [f"{prompts}: not UTF-8 text (byte 0xe9 at position 3 is not UTF-8",
+                                                "re-save it as UTF-8"])
 
 
 def test_non_utf8_route_prompts(tiny_llama, tmp_path):
     cfg = _write(tmp_path / "cfg.yaml", f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n")
     assert cli("build", cfg, tmp_path / "moe")[0] == 0
     prompts = tmp_path / "p.txt"
-    prompts.write_bytes(b"\xff\xfe bad\n")
+    prompts.write_bytes("Once upon a time\n".encode("utf-16"))  # Notepad's "Unicode"
     code, output = cli("route", tmp_path / "moe", "--prompts", prompts)
-    assert code == 1 and "cannot read the prompt file" in output and "Traceback" not in output
+    assert code == 1 and "Traceback" not in output
+    assert "not UTF-8 text (it is UTF-16, what Windows calls 'Unicode'); re-save it as UTF-8" in " ".join(output.split())
+
+
+BOM = b"\xef\xbb\xbf"  # what Notepad writes at the start of a UTF-8 file
+
+
+@pytest.mark.parametrize("name,data", [
+    ("p.txt", BOM + b"Once upon a time\nThe cat sat\n"),
+    ("p.jsonl", BOM + b'{"text": "Once upon a time"}\n{"text": "The cat sat"}\n'),
+    ("p.json", BOM + b'["Once upon a time", "The cat sat"]'),
+    ("p.yaml", BOM + b"- Once upon a time\n- The cat sat\n"),
+])
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(name, data, tmp_path):
+    """Before, a UTF-8 text file saved with a byte-order mark gave a first prompt starting with U+FEFF, which the
+    tokenizer reads as a token of its own: the expert's router row was computed from another text."""
+    from moe_upcycle.check.route_eval import read_labeled
+    from moe_upcycle.prompts.pool import read_pool_file
+    from moe_upcycle.recipe.calibration import read_documents
+    from moe_upcycle.recipe.prompt_sets import read_prompt_file
+
+    path = tmp_path / name
+    path.write_bytes(data)
+    expected = ["Once upon a time", "The cat sat"]
+    if name != "p.jsonl":
+        assert read_prompt_file(path) == expected
+    if name in ("p.txt", "p.jsonl"):
+        assert read_pool_file(path).prompts == expected
+        assert read_documents(path) == (expected if name == "p.jsonl" else ["Once upon a time\nThe cat sat"])
+        labeled = tmp_path / "labeled.txt"
+        labeled.write_bytes(BOM + b"story\tOnce upon a time\n")
+        assert read_labeled(labeled) == (["Once upon a time"], ["story"])
 
 
 @pytest.mark.parametrize("gate_mode", ["cheap_embed", "hidden"])

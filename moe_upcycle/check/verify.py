@@ -60,7 +60,7 @@ from moe_upcycle.planning.replan import RecordedBuild, recorded_build, recorded_
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.values import device_problem
-from moe_upcycle.inputs.text import read_capped
+from moe_upcycle.inputs.text import decode_utf8, read_capped
 from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.terminal.progress import advance, stage, staged
 
@@ -101,9 +101,10 @@ def _read_text(path, option: str) -> str:
     if problem:
         raise SourceError(f"{option}: {path}: {problem}; give a UTF-8 text file")
     try:
-        return (read_capped(path, option) if isinstance(path, Path) else path.read_bytes()).decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{option}: cannot read {path} ({exc}); give a UTF-8 text file") from None
+        data = read_capped(path, option) if isinstance(path, Path) else path.read_bytes()
+    except OSError as exc:
+        raise SourceError(f"{option}: cannot read {path} ({exc.strerror or exc}); give a UTF-8 text file") from None
+    return decode_utf8(data, f"{option}: {path}", SourceError)
 
 
 def _listed(keys: list[str], limit: int = 5) -> str:

@@ -7,11 +7,12 @@
   from another model, added tokens the model was never resized for) would index out of range in
   the forward pass; it is refused naming the id, the text and the tokenizer's folder.
 - `read_utf8`: read a text file the user gave, with named errors for non-UTF-8 bytes, folders
-  and symlink loops.
+  and symlink loops; `decode_utf8` is its decoding step: a leading byte-order mark (Notepad writes
+  one) is dropped, not left at the start of the first prompt, and UTF-16 or Latin-1 bytes are named.
 - `read_capped`: the bytes of a prompts or text file, at most `MAX_INPUT_BYTES` (``/dev/zero``
   or a wrong multi-GB file would otherwise be read until memory runs out).
 
-It raises `UpcycleError`s; it never changes a text or an id.
+It raises `UpcycleError`s; it never changes a text or an id (a file's byte-order mark is not text).
 """
 
 from __future__ import annotations
@@ -86,18 +87,38 @@ def check_token_ids(ids: Union["torch.Tensor", Sequence[int]], num_embeddings: i
 
 
 def read_utf8(path: Union[str, Path], what: str) -> str:
-    """The text of a file the user named, with a named `ConfigError` for every way it can fail."""
+    """The text of a file the user gave, with a named `ConfigError` for every way it can fail."""
     path = Path(path)
     try:
         data = read_capped(path, what)
     except OSError as exc:
         reason = "a symlink loop" if exc.errno == 40 else (exc.strerror or str(exc))
         raise ConfigError(f"{what} {path}: cannot read it ({reason})") from None
+    return decode_utf8(data, f"{what} {path}")
+
+
+def decode_utf8(data: bytes, where: str, error: type = ConfigError) -> str:
+    """`data` as UTF-8 text, without a leading byte-order mark.
+
+    Raises:
+        `error` (a `ConfigError` unless given): the bytes are not UTF-8; says which encoding they look like.
+
+    Example:
+        >>> decode_utf8(b"\\xef\\xbb\\xbfOnce upon a time", "p.txt")
+        'Once upon a time'
+    """
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{what} {path}: byte {exc.start} is not UTF-8 ({data[exc.start:exc.start + 1]!r}); "
-                          f"re-save the file as UTF-8") from None
+        raise error(f"{where}: not UTF-8 text ({encoding_hint(data, exc)}); re-save it as UTF-8 "
+                    f"(in Notepad: Save as → Encoding: UTF-8)") from None
+
+
+def encoding_hint(data: bytes, exc: UnicodeDecodeError) -> str:
+    """Why `data` failed to decode as UTF-8, in the user's words."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "it is UTF-16, what Windows calls 'Unicode'"
+    return f"byte 0x{data[exc.start]:02x} at position {exc.start} is not UTF-8; it was saved in another encoding"
 
 
 def _short(text: Optional[str], limit: int = 60) -> str:

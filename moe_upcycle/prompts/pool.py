@@ -17,7 +17,7 @@ from typing import Literal, Union
 
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.inputs.paths import not_a_readable_file
-from moe_upcycle.inputs.text import read_capped
+from moe_upcycle.inputs.text import decode_utf8, read_capped
 
 PoolFormat = Literal["auto", "jsonl", "paragraphs", "lines"]
 FORMAT_WORDS = {"jsonl": "JSONL records", "paragraphs": "paragraphs (blank-line separated)",
@@ -69,10 +69,11 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
         raise ConfigError(f"--pool {path}: {problem}; give a text file (prompts separated by blank lines, "
                           f"or one per line) or JSONL with \"text\"/\"prompt\"")
     try:
-        text = read_capped(path, "--pool").decode("utf-8")
-    except (UnicodeDecodeError, OSError) as exc:
-        raise ConfigError(f"--pool {path}: cannot read it as UTF-8 text ({exc}); give a UTF-8 text or JSONL "
+        data = read_capped(path, "--pool")
+    except OSError as exc:
+        raise ConfigError(f"--pool {path}: cannot read it ({exc.strerror or exc}); give a UTF-8 text or JSONL "
                           f"file") from None
+    text = decode_utf8(data, f"--pool {path}")
     fmt = detect_format(path, text) if fmt == "auto" else fmt
     if fmt == "jsonl":
         prompts = _jsonl(path, text)

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.text import decode_utf8
 
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 KMEANS_MAX_POINTS = 16384  # calibration tokens k-means keeps per layer, at most ...
@@ -55,19 +56,13 @@ def read_documents(path: str | Path) -> list[str]:
 
 
 def _read_text(file: Path) -> list[str]:
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"calibration_text: cannot read {file} as UTF-8 text ({exc})") from None
+    text = _read(file)
     return [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
 
 
 def _read_jsonl(file: Path) -> list[str]:
     docs = []
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"calibration_text: cannot read {file} as UTF-8 text ({exc})") from None
+    lines = _read(file).splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -92,3 +87,11 @@ def kmeans_sample_budget(num_experts: int, n_layers: int, hidden: int) -> int:
         11915
     """
     return max(num_experts, min(KMEANS_MAX_POINTS, KMEANS_MAX_BYTES // (4 * n_layers * hidden)))
+
+
+def _read(file: Path) -> str:
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"calibration_text: cannot read {file} ({exc.strerror or exc})") from None
+    return decode_utf8(data, f"calibration_text: {file}")

@@ -23,7 +23,7 @@ import yaml
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.recipe.yaml_load import load_yaml_text
-from moe_upcycle.inputs.text import check_texts, read_capped
+from moe_upcycle.inputs.text import check_texts, decode_utf8, read_capped
 
 MIN_SET_PROMPTS = 20
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # moe_upcycle/
@@ -104,9 +104,10 @@ def read_prompt_file(path: Path) -> list[str]:
     if problem:
         raise ConfigError(f"{path}: {problem}; give a YAML/JSON list of prompts or a text file, one per line")
     try:
-        text = read_capped(path, "prompt file").decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the prompt file ({exc})") from None
+        data = read_capped(path, "prompt file")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the prompt file ({exc.strerror or exc})") from None
+    text = decode_utf8(data, str(path))
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         try:
             data = json.loads(text) if path.suffix.lower() == ".json" else load_yaml_text(text, str(path))

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.text import encoding_hint
 
 MAX_VALUES = 200_000  # a recipe with 1,000 experts of 100 prompts each is ~100k values
 MAX_FILE_BYTES = 16 * 2**20
@@ -56,7 +57,7 @@ def load_recipe_yaml(path: Path) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a UTF-8 text file ({_encoding_hint(data, exc)}); re-save it as UTF-8 "
+        raise ConfigError(f"{path}: not a UTF-8 text file ({encoding_hint(data, exc)}); re-save it as UTF-8 "
                           f"(in Notepad: Save as → Encoding: UTF-8)") from None
     try:
         return load_yaml_text(text, str(path))
@@ -67,12 +68,6 @@ def load_recipe_yaml(path: Path) -> Any:
         hint = _syntax_hint(text.splitlines(), mark.line, str(exc.problem or ""))
         raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {exc.problem or exc}"
                           f"{'; ' + hint if hint else ''}") from None
-
-
-def _encoding_hint(data: bytes, exc: UnicodeDecodeError) -> str:
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return "it is UTF-16, what Windows calls 'Unicode'"
-    return f"byte 0x{data[exc.start]:02x} at position {exc.start} is not UTF-8; it was saved in another encoding"
 
 
 # whitespace that looks like a space but is not one to YAML (pasted from web pages and CJK input methods)
