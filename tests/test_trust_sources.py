@@ -109,3 +109,29 @@ def test_tensor_in_two_bin_shards_refused(tiny_llama, tmp_path):
     target = tmp_path / "moe"
     code, output = cli("build", _recipe(tmp_path, base), target)
     assert_clean_failure(code, output, target, [f"tensor {keys[0]!r} is stored in 2 shards", "ambiguous"])
+
+
+def test_tensors_outside_the_layers_that_the_loader_skips_are_named(tiny_llama, tmp_path):
+    """A value head or a stray tensor beside the decoder (transformers skips it when it loads the dense model) was
+    left out without a word; the build now says which tensors it did not copy, and the MoE still equals the dense
+    model."""
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    weights = load_file(base / "model.safetensors")
+    weights["v_head.summary.weight"] = torch.ones(1, weights["model.norm.weight"].shape[0])
+    weights["lm_head.bias"] = torch.full((weights["model.embed_tokens.weight"].shape[0],), 3.0)
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {base}\nnum_experts: 2\nexperts_per_token: 2\ngate_mode: random\n")
+    code, output = cli("build", cfg, tmp_path / "moe")
+    assert code == 0, output
+    flat = " ".join(output.split())
+    assert ("base_model: 2 tensor(s) outside the decoder layers, which transformers does not load into a llama model "
+            "either, are not copied: lm_head.bias, v_head.summary.weight") in flat, output
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    dense = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    moe = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-4)

@@ -91,12 +91,15 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
 
     # Sort base tensors into top-level, per-layer allowed, MLP, and ones the output cannot hold.
     per_layer: dict[int, list[str]] = {i: [] for i in range(n_layers)}
+    extra: list[str] = []  # outside the layers and not the embedding, final norm or head
     for key in base.tensors:
         template, layer = names.split_layer(key)
         if key.endswith(IGNORED_SUFFIXES):
             notes.append(f"skipped buffer {key} (recomputed by transformers)")
             continue
         if layer is None:
+            if key not in (names.EMBED, "model.norm.weight", names.LM_HEAD):
+                extra.append(key)
             continue
         if layer >= n_layers:
             problems.append(f"base_model: tensor {key!r} is beyond num_hidden_layers={n_layers} in config.json")
@@ -113,6 +116,11 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
             continue
         per_layer[layer].append(key)
 
+    dropped = []  # a value head, a stray buffer: the dense model's loader skips them too, so the logits are unchanged
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        dropped.append(f"base_model: {len(extra)} tensor(s) outside the decoder layers, which transformers does not "
+                       f"load into a {bcfg.get('model_type')} model either, are not copied: {shown}")
     has_bias = any(f"model.layers.{layer}.{b}" in base.tensors for layer in per_layer for b in layout.bias_tensors)
     copy(names.EMBED)
     for layer in range(n_layers):
@@ -162,7 +170,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
     cautions = (arch.mergekit_choice_notes(config, base, layout) + compat.source_notes(config, sources)
-                + source_checks.expert_setting_notes(config.base_model, used, sources))
+                + source_checks.expert_setting_notes(config.base_model, used, sources) + dropped)
     notes += cautions
     if problems:
         raise PlanError(*_dedupe(problems))
