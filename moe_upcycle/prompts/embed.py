@@ -126,9 +126,13 @@ def _embedder(where: str, name: str, batch_size: int, device: str) -> Embedder:
 def _load_model(where: str, device: str):
     try:
         from sentence_transformers import SentenceTransformer
-    except ImportError:
-        raise EmbedderError("embedder: sentence-transformers is not installed; run "
-                            f"`pip install sentence-transformers {_PACKAGE}`") from None
+    except ImportError as exc:
+        if getattr(exc, "name", None) in ("sentence_transformers", None):
+            raise EmbedderError("embedder: sentence-transformers is not installed; run "
+                                f"`pip install sentence-transformers {_PACKAGE}`") from None
+        # installed, but something it imports is missing or of another version (httpx with huggingface_hub 0.x)
+        raise EmbedderError(f"embedder: sentence-transformers is installed but does not import ({type(exc).__name__}: "
+                            f"{exc}); install what it needs: `pip install -U sentence-transformers {exc.name}`") from None
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
