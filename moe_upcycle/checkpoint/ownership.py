@@ -29,9 +29,10 @@ from moe_upcycle.errors import OutputError, SourceError
 
 INDEX = "model.safetensors.index.json"  # names the shards, which `--no-checksums` leaves out of the manifest
 DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides the manifest
-# what `tiny.make_dense_model` writes into the demo's dense/
+# what `tiny.make_dense_model` writes into the demo's dense/ (transformers 4 adds special_tokens_map.json), for a
+# demo manifest from before `record_demo_dense` listed them
 DEMO_DENSE_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                              "tokenizer_config.json"})
+                              "tokenizer_config.json", "special_tokens_map.json"})
 _SHOWN = 5  # names listed when a folder is refused
 
 
@@ -209,12 +210,25 @@ def prepare_demo_folder(folder: Path) -> Path:
     return folder
 
 
+def record_demo_dense(folder: Path) -> None:
+    """Add the names of the files the demo wrote into ``dense/`` to its manifest (what a re-run may remove)."""
+    manifest = _manifest(folder)
+    if manifest is None or manifest.get("kind") != "demo":
+        return
+    manifest["dense_files"] = sorted(p.name for p in (Path(folder) / "dense").iterdir() if p.is_file())
+    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
 def _demo_part_problems(folder: Path) -> list[str]:
     """What inside a previous demo's ``dense/`` and ``moe/`` the demo did not write."""
     out = []
     dense, moe = folder / "dense", folder / "moe"
     if dense.is_dir() and not dense.is_symlink():
-        extra = sorted(p.name + ("/" if p.is_dir() else "") for p in dense.iterdir() if p.name not in DEMO_DENSE_FILES)
+        recorded = (_manifest(folder) or {}).get("dense_files")
+        written = (set(recorded) if isinstance(recorded, list) and all(isinstance(n, str) for n in recorded)
+                   else DEMO_DENSE_FILES)
+        extra = sorted(p.name + ("/" if p.is_dir() else "") for p in dense.iterdir()
+                       if p.name not in written or p.is_symlink() or not p.is_file())
         if extra:
             out.append(f"dense/ also holds {', '.join(extra[:_SHOWN])}")
     if moe.is_dir() and not moe.is_symlink() and any(moe.iterdir()):

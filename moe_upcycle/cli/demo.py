@@ -14,7 +14,7 @@ from rich.markup import escape
 from moe_upcycle.build import upcycle
 from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
 from moe_upcycle.checkpoint.tiny import make_dense_model
-from moe_upcycle.checkpoint.ownership import prepare_demo_folder
+from moe_upcycle.checkpoint.ownership import prepare_demo_folder, record_demo_dense
 
 DEMO_TEXT = "Once upon a time there was a little dragon who loved to add numbers."
 
@@ -24,6 +24,7 @@ def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4)
     console = console or Console()
     folder = prepare_demo_folder(Path(folder))  # refuses a folder the demo did not make
     dense = make_dense_model(folder / "dense", family="llama", seed=0)
+    record_demo_dense(folder)  # the files this transformers version wrote there: a re-run removes exactly those
     console.print(f"1. generated a tiny dense Llama in {escape(str(dense))}")
     result = upcycle({"base_model": str(dense), "num_experts": num_experts, "experts_per_token": 2,
                       "gate_mode": "random", "seed": 0}, folder / "moe")

@@ -27,11 +27,31 @@ Nothing here reads tensors.
 from __future__ import annotations
 
 from dataclasses import replace
+from importlib.metadata import PackageNotFoundError, version
+from typing import Optional
+
 from moe_upcycle.checkpoint import names
 from moe_upcycle.planning.steps import Step
 
 # safetensors __metadata__ of fused shards: transformers 4.x accepts only format pt/tf/flax/mlx
 SAFETENSORS_METADATA = {"format": "pt-fused-experts: needs transformers>=5"}
+
+
+def installed_transformers_problem() -> Optional[str]:
+    """Why this environment cannot check a fused build (transformers 4.x refuses the files), or None.
+
+    The build itself loads its output (the init-drift check, ``--verify``), and so would the user's
+    next step; with transformers 4 installed both fail on the files, after the work is done.
+    """
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return None
+    if int(installed.split(".")[0]) >= 5:
+        return None
+    return (f"layout: fused writes expert tensors only transformers 5 loads, and this environment has transformers "
+            f"{installed} (4.x refuses the files); use layout: per_expert (every runtime reads it), or install "
+            f"transformers>=5")
 
 
 def fuse_experts(steps: list["Step"], layout: names.OutputLayout, num_experts: int) -> list["Step"]:

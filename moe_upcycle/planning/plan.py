@@ -166,6 +166,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         notes += inits.split_notes(len(experts), config.experts_per_token, g, groups, dense_i, config.gate_mode,
                                    dtype.itemsize)
     notes += inits.describe(init_of, dense_i)
+    if config.layout == "fused" and (problem := fused.installed_transformers_problem()):
+        problems.append(problem)
     if config.layout == "fused" and not problems:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
