@@ -42,6 +42,14 @@ CASES = [
     ("rope-theta-zero", {"rope_parameters": {"rope_theta": 0, "rope_type": "default"}},
      ["rope_parameters.rope_theta must be a positive finite number, got 0"]),
     ("rope-scaling-string", {"rope_scaling": "linear"}, ["rope_scaling must be an object (or null), got 'linear'"]),
+    # transformers 4 reads the top-level rope_theta, 5 rope_parameters': before, the build took 1e4 and the MoE was
+    # max |Δlogit| 10.9 from the dense model as transformers 5 runs it
+    ("rope-theta-two-values", {"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+     ["rope_theta is given 2 times with different values (rope_theta 10000.0, rope_parameters.rope_theta 500000.0)",
+      "keep the value it was trained with in every place"]),
+    ("rope-theta-in-scaling", {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1e6}},
+     ["rope_theta is given", "rope_scaling.rope_theta 1000000.0"]),
     ("heads-not-multiple", {"num_key_value_heads": 3}, ["num_attention_heads 4 is not a multiple of num_key_value_heads 3"]),
     ("hidden-act-number", {"hidden_act": 3}, ["hidden_act must be a string"]),
     ("hidden-act-unknown", {"hidden_act": "swiglu2"}, ["hidden_act 'swiglu2' is not an activation transformers knows"]),

@@ -90,6 +90,18 @@ def value_problems(config: dict) -> list[str]:
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     if theta is not None and not (is_number(theta) and theta > 0):
         out.append(f"rope_parameters.rope_theta must be a positive finite number, got {theta!r}")
+    # one theta spelled in several places must be one value: transformers 4 reads the top-level field, 5 the one
+    # in rope_parameters, so a config where they differ computes one model in 4.x and another in 5.x
+    thetas = {where: value for where, value in (
+        ("rope_theta", config.get("rope_theta")),
+        ("rope_scaling.rope_theta", (config.get("rope_scaling") or {}).get("rope_theta")
+         if isinstance(config.get("rope_scaling"), dict) else None),
+        ("rope_parameters.rope_theta", theta)) if is_number(value)}
+    if len({float(v) for v in thetas.values()}) > 1:
+        said = ", ".join(f"{where} {value}" for where, value in thetas.items())
+        out.append(f"rope_theta is given {len(thetas)} times with different values ({said}); transformers 4 reads "
+                   f"rope_theta and transformers 5 rope_parameters, so the model computes differently in each — "
+                   f"keep the value it was trained with in every place")
     act = config.get("hidden_act")
     if act is not None and not isinstance(act, str):
         out.append(f"hidden_act must be a string such as \"silu\", got {act!r}")
