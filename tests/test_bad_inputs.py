@@ -243,6 +243,18 @@ def _no_weights(m: Path) -> None:
     (m / "model.safetensors").unlink()
 
 
+def _only_native_weights(m: Path) -> None:
+    (m / "model.safetensors").rename(m / "consolidated.safetensors")
+
+
+def _only_a_variant(m: Path) -> None:
+    (m / "model.safetensors").rename(m / "model.fp16.safetensors")
+
+
+def _only_flax_weights(m: Path) -> None:
+    (m / "model.safetensors").rename(m / "flax_model.msgpack")
+
+
 def _int_weights(m: Path) -> None:
     from safetensors.torch import load_file
 
@@ -329,6 +341,15 @@ CHECKPOINT_CASES = [
     ("config-unknown-model-type", "tiny_llama", _config_unknown_model_type, ["model_type 'gpt2' is not supported", "LlamaForCausalLM"]),
     ("no-config", "tiny_llama", _no_config, ["base_model: {m} has no config.json"]),
     ("no-weights", "tiny_llama", _no_weights, ["base_model: {m} has no model.safetensors"]),
+    # a folder with config.json whose weights transformers would not load from it: what it holds, and what to do
+    ("only-native-weights", "tiny_llama", _only_native_weights,
+     ["base_model: {m} has no model.safetensors", "it holds Meta/Mistral's native format (consolidated.safetensors)",
+      "convert_mistral_weights_to_hf.py"]),
+    ("only-a-variant", "tiny_llama", _only_a_variant,
+     ["it holds model.fp16.safetensors, a variant that transformers loads only when asked",
+      "rename the files without the variant, e.g. model.safetensors"]),
+    ("only-flax-weights", "tiny_llama", _only_flax_weights,
+     ["it holds flax_model.msgpack (TensorFlow/Flax weights)", "save_pretrained"]),
     ("int-weights", "tiny_llama", _int_weights,
      ["{m}/model.safetensors: tensor 'model.layers.0.mlp.up_proj.weight' is int32", "floating point"]),
     ("missing-tensor", "tiny_llama", _missing_tensor, ["'model.layers.1.self_attn.k_proj.weight' is missing from {m}"]),

@@ -105,7 +105,8 @@ def _adapter(base_name: str):
 FOLDERS = {  # what a folder without config.json holds -> the words that say so
     "mistral_native": (_native, ["has no config.json — it holds Meta/Mistral's native format (consolidated.safetensors, "
                                  "params.json)", "give the model's Hugging Face release", "convert_mistral_weights_to_hf.py"]),
-    "llama_original": (_original_pth, ["has no config.json — it holds PyTorch .pth files but no config.json"]),
+    "llama_original": (_original_pth, ["has no config.json — it holds PyTorch .pth files, which transformers does not "
+                                         "load as a model", "give the model's Hugging Face release"]),
     "gguf_folder": (lambda f: (f / "model-Q4_K_M.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(24)),
                     ["it holds GGUF file(s) (model-Q4_K_M.gguf), llama.cpp's format", "the GGUF was converted from"]),
     "adapter_named": (_adapter("org/base-7b"), ["it holds a PEFT adapter (adapter_config.json), not a model",

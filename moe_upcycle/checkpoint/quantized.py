@@ -9,8 +9,9 @@ folder often loses it, and the plan would then blame "biases" or missing project
 - fp8 and compressed-tensors: ``weight_scale``, ``weight_scale_inv``, ``input_scale``,
   ``weight_packed``, ``weight_zero_point``, ``weight_global_scale``.
 
-`foreign_folder_hint` names what a folder without config.json holds instead (Meta/Mistral native
-weights, GGUF, a LoRA adapter), so the message says what to give.
+`foreign_folder_hint` names what a folder without config.json or without transformers' weight files
+holds instead (Meta/Mistral native weights, GGUF, a LoRA adapter, a ``model.fp16.safetensors``
+variant, TensorFlow/Flax weights), so the message says what to give.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def quantized_problem(keys: Iterable[str], where: str) -> Optional[str]:
 
 
 def foreign_folder_hint(path: Path) -> str:
-    """What a folder without config.json holds instead, and what to give; "" when nothing is recognised."""
+    """What a folder without config.json (or weights) holds instead, and what to give; "" when nothing is recognised."""
     try:
         names = sorted(p.name for p in path.iterdir())
     except OSError:
@@ -63,8 +64,19 @@ def foreign_folder_hint(path: Path) -> str:
     if gguf:
         return (f" — it holds GGUF file(s) ({gguf[0]}), llama.cpp's format: give the Hugging Face release the GGUF "
                 f"was converted from (config.json + model*.safetensors)")
+    variants = [n for n in names if re.fullmatch(r"(model|pytorch_model)\.[\w-]+\.(safetensors|bin)(\.index\.json)?", n)]
+    if variants:  # from_pretrained(..., variant="fp16") reads them; a plain load (and this tool) does not
+        plain = re.sub(r"^(model|pytorch_model)[.][^.]+[.]", r"\1.", variants[0])
+        example = "" if "-of-" in variants[0] else f", e.g. {plain}"
+        return (f" — it holds {variants[0]}, a variant that transformers loads only when asked "
+                f"(variant=...): rename the files without the variant{example}")
+    other = [n for n in names if n in ("tf_model.h5", "flax_model.msgpack", "model.ckpt.index")]
+    if other:
+        return (f" — it holds {other[0]} (TensorFlow/Flax weights): load it with transformers "
+                f"(from_tf=True / from_flax=True) and save_pretrained the model to get model.safetensors")
     if (path / "original").is_dir() or any(n.endswith((".pth", ".pt")) for n in names):
-        return " — it holds PyTorch .pth files but no config.json: give the model's Hugging Face release"
+        return " — it holds PyTorch .pth files, which transformers does not load as a model: give the model's " \
+               "Hugging Face release"
     return ""
 
 

@@ -219,6 +219,7 @@ def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
         raise SourceError(f"{field_name}: {path} has no model.safetensors, model.safetensors.index.json, "
                           f"pytorch_model.bin or pytorch_model.bin.index.json"
                           + (f" ({'; '.join(broken)}: an incomplete download? download it again)" if broken else "")
+                          + ("" if broken else foreign_folder_hint(path))
                           + (f"; the Hugging Face cache holds only part of {ref} (e.g. config.json alone, enough for "
                              f"`plan --from-config`): download the weights with "
                              f"{download_command(*repo_and_revision(ref))}" if cached else ""))
