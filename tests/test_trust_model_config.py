@@ -42,6 +42,9 @@ CASES = [
     ("rope-theta-zero", {"rope_parameters": {"rope_theta": 0, "rope_type": "default"}},
      ["rope_parameters.rope_theta must be a positive finite number, got 0"]),
     ("rope-scaling-string", {"rope_scaling": "linear"}, ["rope_scaling must be an object (or null), got 'linear'"]),
+    # transformers 4 reads torch_dtype, 5 dtype: the default output dtype (the base's) would be a guess
+    ("dtype-two-values", {"torch_dtype": "float16", "dtype": "bfloat16"},
+     ["config.json gives torch_dtype float16 and dtype bfloat16", "set dtype: in the recipe (e.g. dtype: bfloat16)"]),
     # transformers 4 reads the top-level rope_theta, 5 rope_parameters': before, the build took 1e4 and the MoE was
     # max |Δlogit| 10.9 from the dense model as transformers 5 runs it
     ("rope-theta-two-values", {"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
@@ -220,3 +223,12 @@ def test_activation_aliases_are_one_activation(tiny_llama, tmp_path):
                       "experts": [{"source_model": str(tiny_llama)}, {"source_model": str(expert)}]},
                      tmp_path / "moe", checksums=False)
     assert json.loads((result.output / "config.json").read_text())["hidden_act"] == "silu"
+
+
+def test_two_dtypes_build_when_the_recipe_says_which(tiny_llama, tmp_path):
+    base = _edited(tiny_llama, tmp_path / "base", {"torch_dtype": "float16", "dtype": "bfloat16"})
+    code, output = cli("build", _recipe(tmp_path, f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n"
+                                                  f"dtype: bfloat16\n"), tmp_path / "moe")
+    assert code == 0, output
+    out_cfg = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert out_cfg["dtype"] == "bfloat16" and out_cfg["torch_dtype"] == "bfloat16"

@@ -64,7 +64,15 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     if dense_i % g:
         problems.append(f"expert_init.granularity: {g} does not divide intermediate_size {dense_i} of "
                         f"{config.base_model}; use a divisor of {dense_i}")
-    dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base)
+    if config.dtype:
+        dtype = STR_DTYPES[config.dtype]
+    else:
+        dtype = _base_dtype(base)
+        spelled = {k: bcfg.get(k) for k in ("torch_dtype", "dtype") if bcfg.get(k) in STR_DTYPES}
+        if len({STR_DTYPES[v] for v in spelled.values()}) > 1:  # 4.x reads torch_dtype, 5.x dtype
+            problems.append(f"base_model: config.json gives torch_dtype {spelled['torch_dtype']} and dtype "
+                            f"{spelled['dtype']}, so the output's dtype (the base's, by default) is ambiguous; set "
+                            f"dtype: in the recipe (e.g. dtype: {spelled['dtype']})")
     tied = bool(bcfg.get("tie_word_embeddings", False))
     n_layers = int(bcfg["num_hidden_layers"])
     steps: list[Step] = []
