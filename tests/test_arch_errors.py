@@ -129,6 +129,14 @@ def test_unsupported_base_family_names_model_and_field():
                    "MistralForCausalLM (mistral), Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3)"]
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe"])
+def test_an_moe_given_as_the_base_or_an_expert_is_told_to_give_its_dense_model(model_type):
+    for got in (problems({"base_model": "m", "num_experts": 2, "gate_mode": "random"}, meta("m", model_type)),
+                problems(franken("base", "m"), meta("base"), meta("m", model_type))):
+        assert f"model_type {model_type!r} is not supported as input — it is already a Mixture-of-Experts: give the " \
+               f"dense model it was made from; supported: LlamaForCausalLM (llama)" in got[0], got
+
+
 def test_unsupported_or_different_expert_family():
     got = problems(franken("base", "gpt", "mis"), meta("base"), meta("gpt", "gpt2"), meta("mis", "mistral"))
     assert got[0].startswith("experts[1] (gpt): model_type 'gpt2' is not supported as input; supported: ")

@@ -184,8 +184,21 @@ def input_family(model_type: str, where: str) -> InputFamily:
     try:
         return INPUT_FAMILIES[model_type]
     except KeyError:
-        supported = ", ".join(f"{f.class_name} ({k})" for k, f in INPUT_FAMILIES.items())
-        raise PlanError(f"{where}: model_type {model_type!r} is not supported as input; supported: {supported}") from None
+        raise PlanError(f"{where}: {unsupported_input(model_type)}") from None
+
+
+# MoE model types besides our outputs: a model of one of them is never a dense input
+_OTHER_MOE_TYPES = ("mixtral", "dbrx", "jamba", "deepseek", "deepseek_v2", "deepseek_v3", "phimoe", "granitemoe")
+
+
+def unsupported_input(model_type: object) -> str:
+    """Why a model of `model_type` cannot be an input, and what is supported (an MoE is told to give its dense model)."""
+    supported = ", ".join(f"{f.class_name} ({k})" for k, f in INPUT_FAMILIES.items())
+    already = (isinstance(model_type, str) and (model_type in OUTPUT_LAYOUTS or model_type in _OTHER_MOE_TYPES
+                                                 or "moe" in model_type.lower()))
+    return (f"model_type {model_type!r} is not supported as input"
+            + (" — it is already a Mixture-of-Experts: give the dense model it was made from" if already else "")
+            + f"; supported: {supported}")
 
 
 def layout_of_config(config: dict) -> Optional[OutputLayout]:

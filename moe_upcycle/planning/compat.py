@@ -81,8 +81,7 @@ def _ffn_problems(path: str, expert: ExpertConfig, src: Checkpoint, base: Checkp
     label = f"{path} ({expert.source_model})"
     out = []
     if src.model_type not in names.INPUT_FAMILIES:
-        supported = ", ".join(f"{f.class_name} ({k})" for k, f in names.INPUT_FAMILIES.items())
-        out.append(f"{label}: model_type {src.model_type!r} is not supported as input; supported: {supported}")
+        out.append(f"{label}: {names.unsupported_input(src.model_type)}")
     elif src.model_type != base.model_type:
         out.append(f"{label}: model_type {src.model_type!r} differs from base_model's {base.model_type!r}; "
                    f"experts must be fine-tunes of the same family as base_model")
