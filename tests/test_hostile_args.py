@@ -325,6 +325,8 @@ BUILD_OPTION_CASES = [
     ("shard-negative-unit", RANDOM, ["--max-shard-size", "-1GB"], ["option max_shard_size: '-1GB' is not a size"]),
     ("shard-unknown-unit", RANDOM, ["--max-shard-size", "1XB"], ["option max_shard_size: '1XB' is not a size"]),
     ("shard-bare-fraction", RANDOM, ["--max-shard-size", "1.5"], ["option max_shard_size: '1.5' is not a whole"]),
+    ("shard-one-byte", RANDOM, ["--max-shard-size", "1B"],  # B is bytes: 1GB was meant (before: "e.g. 1BGB")
+     ["option max_shard_size: '1B' is 1 bytes, smaller than any weight matrix", "e.g. 1GB"]),
     ("batch-zero", HIDDEN, ["--batch-size", "0"], ["option batch_size: 0 is too small; write at least 1"]),
     ("batch-negative", HIDDEN, ["--batch-size", "-3"], ["option batch_size:"]),
     ("batch-huge", HIDDEN, ["--batch-size", "10000000"], ["option batch_size: 10000000 is too large; write at most"]),

@@ -91,8 +91,9 @@ def parse_size(value: Union[int, str]) -> int:
     if size <= 0:
         raise ValueError(f"must be positive, got {value!r}")
     if size < MIN_SHARD_BYTES:
+        number = re.match(r"\s*[0-9.]*", str(value)).group().strip() or "5"  # 1B (one byte) meant as 1GB
         raise ValueError(f"{value!r} is {size} bytes, smaller than any weight matrix; write a size with its "
-                         f"unit, e.g. {value}GB")
+                         f"unit, e.g. {number}GB")
     if size > MAX_SHARD_BYTES_LIMIT:
         raise ValueError(f"{value!r} is larger than 1 TiB; write e.g. 5GB")
     return size
