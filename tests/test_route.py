@@ -143,3 +143,25 @@ def test_build_device_option_is_validated(tiny_llama, tmp_path, write_yaml):
     result = runner.invoke(app, ["build", str(cfg), str(tmp_path / "out"), "--device", "tpu"])
     assert result.exit_code == 1
     assert "device: 'tpu' is not a device; use auto, cpu, cuda or cuda:N" in result.output
+
+
+def test_a_pad_token_added_past_the_embedding_routes(moe, tmp_path):
+    """A tokenizer given a [PAD] token after training (id = vocab size, no embedding row): before, route refused
+    every batch that needed padding ("produced token id 512 ... do not belong to this model"), though the pad
+    positions are masked; now they are padded with a row that exists, and the routing is the unpadded one."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "moe"
+    shutil.copytree(moe.output, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tok.add_special_tokens({"pad_token": "[PAD]"})
+    assert tok.pad_token_id == vocab
+    tok.save_pretrained(folder)
+    prompts = [CODE[0], STORY[0] + " " + STORY[1]]  # different lengths: the batch is padded
+    padded = route(folder, prompts, device="cpu", batch_size=2)
+    alone = [route(folder, [p], device="cpu", batch_size=1) for p in prompts]
+    for i, single in enumerate(alone):
+        assert torch.equal(padded.top1[i], single.top1[0])

@@ -21,7 +21,7 @@ from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError
 from moe_upcycle.checkpoint.manifest_file import load_manifest
 from moe_upcycle.checkpoint.output_file import write_file
-from moe_upcycle.gates.capture import encode, pad_batch, resolve_device
+from moe_upcycle.gates.capture import encode, pad_batch, padding_id, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.terminal.progress import stage
@@ -175,7 +175,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
             topk[layer] += torch.bincount(logits.topk(k, dim=1).indices.reshape(-1), minlength=n_experts)
         return hook
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad_id = padding_id(tokenizer, model.get_input_embeddings().num_embeddings)
     input_device = model.get_input_embeddings().weight.device
     handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
     try:
@@ -183,7 +183,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
             for start in range(0, len(encoded), batch_size):
                 idx = list(range(start, min(start + batch_size, len(encoded))))
                 ids, attn, real = pad_batch([encoded[i] for i in idx], pad_id, "right")
-                check_token_ids(ids, model.get_input_embeddings().num_embeddings, tokenizer)
+                check_token_ids(ids[attn.bool()], model.get_input_embeddings().num_embeddings, tokenizer)
                 state["real"] = real
                 state["row_of_token"] = torch.tensor(idx)[:, None].expand_as(real).reshape(-1)
                 model.base_model(input_ids=ids.to(input_device), attention_mask=attn.to(input_device), use_cache=False)

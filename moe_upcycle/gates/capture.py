@@ -257,6 +257,13 @@ def encode_windows(tokenizer, docs: list[str], window: int = CALIBRATION_WINDOW)
     return out
 
 
+def padding_id(tokenizer, num_embeddings: int) -> int:
+    """The id to pad batches with: the tokenizer's pad token, else 0; 0 too when the pad token was added past the
+    model's embedding rows (pad positions are masked, so any row will do, but one past the end is an index error)."""
+    pad_id = tokenizer.pad_token_id
+    return pad_id if isinstance(pad_id, int) and 0 <= pad_id < num_embeddings else 0
+
+
 def pad_batch(rows: list[Encoded], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, real) each (B, T), padded on `side`."""
     width = max(len(r.ids) for r in rows)
@@ -292,9 +299,7 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
     """
     tok = loaded.tokenizer
     side = padding_side or getattr(tok, "padding_side", "right")
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    if pad_id >= loaded.model.get_input_embeddings().num_embeddings:
-        pad_id = 0  # a pad token added past the embedding; pad positions are masked, any row will do
+    pad_id = padding_id(tok, loaded.model.get_input_embeddings().num_embeddings)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
     state: dict = {}
     last = len(loaded.norms) - 1
