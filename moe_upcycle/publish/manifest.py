@@ -37,9 +37,11 @@ def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, st
         "config": config.model_dump(mode="json"),
         "seed": config.seed,
         "sha256": dict(sorted(hashes.items())),
-        # a sibling staging folder of the output: the same path from the output itself
-        "paths_relative_to": os.path.relpath(os.getcwd(), Path(folder).resolve()),
     }
+    try:  # from the staging folder, a sibling of the output: the same path as from the output itself
+        recipe["paths_relative_to"] = os.path.relpath(os.getcwd(), Path(folder).resolve())
+    except OSError:  # the working folder was deleted meanwhile: relative paths lead nowhere anyway
+        pass
     if verification is not None:
         recipe["verify"] = verification
     (folder / RECIPE_NAME).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
