@@ -35,6 +35,9 @@ CONFIG_CASES = [
     ("wrong-type-list", "base_model: {base}\nexperts: 5\n", [], ["experts: 5 is not a list of experts", "one '- source_model: ...' line per expert"]),
     ("wrong-type-prompt", EXPERTS.replace("name: a", "name: a\n    positive_prompts: [[1, 2]]"), [],
      ["experts[0].positive_prompts: prompt 0 is a list", "put the prompt in quotes"]),
+    # route's JSON keyed both experts expert_1 and one share overwrote the other
+    ("name-is-another-experts-default", EXPERTS.replace("name: a", "name: expert_1").replace("    name: b\n", ""), [],
+     ["experts[1] has no name, so it is called expert_1, the name another expert is given", "name experts[1]"]),
     ("unknown-key-top", GOOD.replace("gate_mode", "gate_mdoe"), [], ["gate_mdoe: unknown key", "did you mean gate_mode?"]),
     ("unknown-key-nested", EXPERTS.replace("name: a", "name: a\n    positve_prompts: [x]"), [],
      ["experts[0].positve_prompts: unknown key", "did you mean positive_prompts?"]),

@@ -329,6 +329,12 @@ class UpcycleConfig(_Strict):
         dupes = sorted({x for x in names if names.count(x) > 1})
         if dupes:
             problems.append(f"experts: duplicate expert names {dupes}; give each expert its own name")
+        # an unnamed expert is called expert_<i> (the card, route, lint): a name given to another one must differ
+        for i, e in enumerate(self.experts):
+            default = f"expert_{i}"
+            if not e.name and default in names:
+                problems.append(f"experts[{i}] has no name, so it is called {default}, the name another expert is "
+                                f"given; name experts[{i}] (name: ...) or rename the other")
         for i, e in enumerate(self.experts):
             if e.expert_init is not None and e.expert_init.method == "split":
                 problems.append(f"experts[{i}].expert_init: split changes every expert's shape, so it is set once "
