@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
 from moe_upcycle import __version__, load_config, upcycle
@@ -138,3 +139,24 @@ def test_build_verify_puts_results_in_card_and_recipe(licensed_base, tmp_path, w
     assert "folder" not in recipe["verify"] and recipe["sha256"]["README.md"] == _sha(out / "README.md")
     again = verify(out, max_new_tokens=2)  # the published folder checks out, hashes included
     assert again.ok and again.notes == []
+
+
+@pytest.mark.parametrize("front,expected", [
+    ("license: [apache-2.0, mit]\n", None),  # a list: the hub's license is one id
+    ("license: {id: mit}\n", None),
+    ("a: &a [x, x, x]\nb: &b [*a, *a, *a]\nlicense: *b\n", None),  # aliases: copied, they made a card of anchors
+    ("license: other\nlicense_name: [a]\nlicense_link: https://example.com/LICENSE\n",
+     {"license": "other", "license_link": "https://example.com/LICENSE"}),
+    ("license: '   '\n", None),
+])
+def test_a_license_that_is_not_text_is_not_copied_into_the_card(front, expected, tiny_llama, tmp_path):
+    """Before, whatever the base card's front matter held under license: went into the MoE's card, so a list or a
+    YAML alias tree made a card the hub does not accept; now only text is taken, else the card says to set it."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    (base / "README.md").write_text(f"---\n{front}---\n# a dense model\n")
+    assert read_license(base) == expected
+    result = upcycle({"base_model": str(base), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe")
+    card = ModelCard.load(result.output / "README.md")
+    got = card.data.to_dict().get("license")
+    assert got == (expected or {}).get("license") and (got is None or isinstance(got, str))

@@ -31,22 +31,26 @@ def read_license(folder: Path) -> Optional[dict]:
     """
     card = folder / "README.md"
     if card.is_file():
-        text = card.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = card.read_text(encoding="utf-8", errors="replace")
+        except OSError:  # unreadable: the card says to set the license, as for a card without one
+            text = ""
         if text.startswith("---"):
             end = text.find("\n---", 3)
             try:
                 front = yaml.safe_load(text[3:end]) if end > 0 else None
-            except yaml.YAMLError:
+            except (yaml.YAMLError, RecursionError):
                 front = None
-            if isinstance(front, dict) and front.get("license"):
-                return {k: front[k] for k in LICENSE_KEYS if front.get(k)}
+            # only text: the hub's license fields are strings (a list or a mapping would make our card invalid)
+            if isinstance(front, dict) and isinstance(front.get("license"), str) and front["license"].strip():
+                return {k: front[k] for k in LICENSE_KEYS if isinstance(front.get(k), str) and front[k].strip()}
     config = folder / "config.json"
     if config.is_file():
         try:
             value = json.loads(config.read_text(encoding="utf-8")).get("license")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        except (OSError, ValueError, RecursionError, AttributeError):
             value = None
-        if isinstance(value, str) and value:
+        if isinstance(value, str) and value.strip():
             return {"license": value}
     return None
 
