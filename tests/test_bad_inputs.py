@@ -258,6 +258,11 @@ def _only_flax_weights(m: Path) -> None:
     (m / "model.safetensors").rename(m / "flax_model.msgpack")
 
 
+def _broken_tokenizer_link(m: Path) -> None:  # a copied HF-cache snapshot without its blobs
+    (m / "tokenizer.json").unlink()
+    (m / "tokenizer.json").symlink_to("../../blobs/0123abcd")
+
+
 def _int_weights(m: Path) -> None:
     from safetensors.torch import load_file
 
@@ -348,6 +353,8 @@ CHECKPOINT_CASES = [
     ("only-native-weights", "tiny_llama", _only_native_weights,
      ["base_model: {m} has no model.safetensors", "it holds Meta/Mistral's native format (consolidated.safetensors)",
       "convert_mistral_weights_to_hf.py"]),
+    ("broken-tokenizer-link", "tiny_llama", _broken_tokenizer_link,  # before: built, with no tokenizer.json
+     ["{m}/tokenizer.json: a link to ../../blobs/0123abcd, which does not exist", "the MoE would have no tokenizer.json"]),
     ("only-a-variant", "tiny_llama", _only_a_variant,
      ["it holds model.fp16.safetensors, a variant that transformers loads only when asked",
       "rename the files without the variant, e.g. model.safetensors"]),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,10 @@ def side_file_problems(folder: Path) -> list[str]:
     out = []
     for name in TOKENIZER_FILES:
         file = folder / name
+        if file.is_symlink() and not file.exists():  # a copied snapshot without the cache's blobs, a cut download
+            out.append(f"{file}: a link to {os.readlink(file)}, which does not exist; the MoE would have no {name} "
+                       f"(it is copied from here) — download the model again, or copy the files the links point to")
+            continue
         if not file.is_file():
             continue
         pointer = lfs_pointer_problem(file)  # copied unchanged: a pointer would ship a tokenizer that cannot load
