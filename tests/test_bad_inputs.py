@@ -263,6 +263,11 @@ def _broken_tokenizer_link(m: Path) -> None:  # a copied HF-cache snapshot witho
     (m / "tokenizer.json").symlink_to("../../blobs/0123abcd")
 
 
+def _broken_config_link(m: Path) -> None:
+    (m / "config.json").unlink()
+    (m / "config.json").symlink_to("../../blobs/4567cdef")
+
+
 def _int_weights(m: Path) -> None:
     from safetensors.torch import load_file
 
@@ -355,6 +360,8 @@ CHECKPOINT_CASES = [
       "convert_mistral_weights_to_hf.py"]),
     ("broken-tokenizer-link", "tiny_llama", _broken_tokenizer_link,  # before: built, with no tokenizer.json
      ["{m}/tokenizer.json: a link to ../../blobs/0123abcd, which does not exist", "the MoE would have no tokenizer.json"]),
+    ("broken-config-link", "tiny_llama", _broken_config_link,  # before: "has no config.json"
+     ["base_model: {m}/config.json is a link to ../../blobs/4567cdef, which does not exist"]),
     ("only-a-variant", "tiny_llama", _only_a_variant,
      ["it holds model.fp16.safetensors, a variant that transformers loads only when asked",
       "rename the files without the variant, e.g. model.safetensors"]),

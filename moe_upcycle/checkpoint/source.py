@@ -276,6 +276,9 @@ def _as_causal_lm(tensors: dict[str, TensorInfo], shared: list[list[str]], confi
 def read_config(path: Path, field_name: str) -> dict:
     """Read a model folder's config.json, with clear errors."""
     cfg = path / "config.json"
+    if cfg.is_symlink() and not cfg.exists():  # a copied cache snapshot without its blobs, a cut download
+        raise SourceError(f"{field_name}: {cfg} is a link to {os.readlink(cfg)}, which does not exist; download the "
+                          f"model again, or copy the files the links point to")
     if not cfg.is_file():
         hint = foreign_folder_hint(path)
         raise SourceError(f"{field_name}: {path} has no config.json"
