@@ -599,3 +599,33 @@ def test_adapter_changes_outside_the_ffn_are_named(tiny_llama, adapters, tmp_pat
     result = CliRunner().invoke(app, ["build", str(path), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert "so the adapter changes nothing in the MoE" in " ".join(result.output.split())
+
+
+def test_a_model_folder_holding_an_adapter_is_built_as_transformers_loads_it(tiny_llama, adapters, tmp_path):
+    """transformers (with peft) loads such a folder's model and applies the adapter on top: the weights alone are
+    not the model the folder's users run. Before, the build read the weights alone, silently; now the plain
+    reference is refused naming both fixes, and X+X gives the MoE of the model as transformers runs it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "model_with_adapter"
+    shutil.copytree(tiny_llama, folder)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(adapters["attn"] / name, folder / name)
+    recipe = tmp_path / "plain.yaml"
+    recipe.write_text(f"base_model: {folder}\nnum_experts: 2\ngate_mode: random\n")
+    result = CliRunner().invoke(app, ["build", str(recipe), str(tmp_path / "plain")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    said = " ".join(result.output.split())
+    assert (f"base_model: {folder} holds a model and a PEFT adapter (adapter_config.json), which transformers applies "
+            f"on top of the model when it loads the folder; write {folder}+{folder}") in said, said
+    assert not (tmp_path / "plain").exists()
+
+    ref = f"{folder}+{folder}"
+    out = upcycle(moe_config(ref, [ref, ref]), tmp_path / "moe").output
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)  # the adapter applied
+    with torch.inference_mode():
+        want = loaded.eval()(**tok("Once upon a time there was a cat", return_tensors="pt")).logits
+    got = model_logits(out, "Once upon a time there was a cat")
+    assert not torch.allclose(want, model_logits(tiny_llama, "Once upon a time there was a cat"), atol=1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -195,15 +195,22 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
                           f"and its files are readable by you") from None
 
 
-def _open_checkpoint(ref: str, field_name: str) -> Checkpoint:
+def _open_checkpoint(ref: str, field_name: str, adapter_given: bool = False) -> Checkpoint:
     model_ref, adapter_ref = reference_parts(ref, field_name)
     if adapter_ref is not None:
-        model = _open_checkpoint(model_ref, field_name)
+        model = _open_checkpoint(model_ref, field_name, adapter_given=True)
         model.adapter = Adapter.open(adapter_ref, field_name, model.tensors, model_ref)
         model.ref, model.model_ref = ref, model_ref
         return model
     path = resolve_model(ref, field_name)
     config = read_config(path, field_name)
+    if not adapter_given and (path / "adapter_config.json").is_file():
+        # AutoModelForCausalLM.from_pretrained (with peft installed) loads such a folder's model and then applies
+        # the adapter: the weights alone are not the model users of this folder run
+        raise SourceError(f"{field_name}: {path} holds a model and a PEFT adapter (adapter_config.json), which "
+                          f"transformers applies on top of the model when it loads the folder; write {ref}+{ref} to "
+                          f"build from the model with the adapter merged in, as transformers runs it, or move "
+                          f"adapter_config.json out of the folder to build from the model alone")
     damaged = side_file_problems(path)
     if damaged:
         raise SourceError(*damaged)
