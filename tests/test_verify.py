@@ -393,3 +393,14 @@ def test_recorded_config_keeps_hub_ids_sets_and_absolute_paths(tmp_path):
         {"source_model": str(tmp_path / "abs"), "positive_prompts_from": "gone.txt"}]
     assert recorded_config({"config": config}, build_dir / "out") is config
     assert recorded_config({}, build_dir / "out") is None
+
+
+def test_a_recipe_of_absolute_paths_records_no_working_folder(tiny_llama, tmp_path, monkeypatch):
+    """paths_relative_to says where the build ran (it can name folders outside the output); it is written only
+    when the recipe has a relative path that needs it."""
+    monkeypatch.chdir(tmp_path)
+    result = upcycle({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe")
+    assert "paths_relative_to" not in json.loads((result.output / "moe_upcycle.json").read_text())
+    shutil.copytree(tiny_llama, tmp_path / "base")
+    result = upcycle({"base_model": "base", "num_experts": 2, "gate_mode": "random"}, tmp_path / "out" / "moe")
+    assert json.loads((result.output / "moe_upcycle.json").read_text())["paths_relative_to"] == "../.."

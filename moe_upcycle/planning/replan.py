@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.planning.plan import make_plan
@@ -62,28 +62,47 @@ def recorded_config(manifest: dict, folder: Path) -> Optional[dict]:
         return None
     root = manifest.get("paths_relative_to")
     if not isinstance(root, str) or not root:
-        return config  # written before the field existed: relative paths are read from the current folder
+        return config  # none recorded: relative paths are read from the current folder
     # both ends were real paths (getcwd, the resolved output), so undoing the relpath lexically is exact
     root_dir = Path(os.path.normpath(Path(folder).resolve() / root))
+    return map_paths(config, lambda ref: str(root_dir / ref) if (root_dir / ref).exists() else ref)
+
+
+def relative_local_paths(config: dict) -> list[str]:
+    """The recipe's relative paths that name something from the current folder (what `paths_relative_to` is for)."""
+    found: list[str] = []
+
+    def note(ref: str) -> str:
+        if Path(ref).exists():
+            found.append(ref)
+        return ref
+    map_paths(config, note)
+    return found
+
+
+def map_paths(config: dict, rebase: Callable[[str], str]) -> dict:
+    """`config` with `rebase` applied to every relative local path it may hold: ``base_model``, each routed and
+    shared expert's ``source_model`` and ``*_prompts_from``, ``calibration_text`` (both parts of a
+    ``MODEL+ADAPTER``; never an absolute or ``~`` path, a shipped prompt-set name, or a value that is not text)."""
     sets = set(set_names())
 
-    def rebased(ref, prompts=False):
+    def one(ref, prompts=False):
         if not isinstance(ref, str) or not ref or os.path.isabs(os.path.expanduser(ref)) or ref.startswith("~"):
             return ref
-        if prompts and ref in sets:
+        if prompts and ref in sets:  # a shipped set wins over a file of that name, as in the build
             return ref
-        if not (root_dir / ref).exists() and "+" in ref:  # mergekit's MODEL+ADAPTER: each part on its own
+        if "+" in ref and rebase(ref) == ref:  # mergekit's MODEL+ADAPTER: each part on its own
             model, _, adapter = ref.partition("+")
-            return f"{rebased(model)}+{rebased(adapter)}"
-        return str(root_dir / ref) if (root_dir / ref).exists() else ref
+            return f"{one(model)}+{one(adapter)}"
+        return rebase(ref)
 
-    out = dict(config, base_model=rebased(config.get("base_model")))
+    out = dict(config, base_model=one(config.get("base_model")))
     if "calibration_text" in config:
-        out["calibration_text"] = rebased(config["calibration_text"])
+        out["calibration_text"] = one(config["calibration_text"])
     for key in ("experts", "shared_experts"):
         if isinstance(config.get(key), list):
-            out[key] = [dict(e, source_model=rebased(e.get("source_model")),
-                             **{f: rebased(e.get(f), prompts=True) for f in ("positive_prompts_from", "negative_prompts_from")
+            out[key] = [dict(e, source_model=one(e.get("source_model")),
+                             **{f: one(e.get(f), prompts=True) for f in ("positive_prompts_from", "negative_prompts_from")
                                 if f in e})
                         if isinstance(e, dict) else e for e in config[key]]
     return out

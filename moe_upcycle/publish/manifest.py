@@ -1,9 +1,10 @@
 """Our manifest, ``moe_upcycle.json``: tool version, recipe, seed, verification and every file's sha256.
 
 It is also how the tool recognises a folder it wrote (`checkpoint.output_dir.RECIPE_NAME`). The
-recipe's relative paths were read from the folder the build ran in; ``paths_relative_to`` records
-that folder relative to the output (``..`` for ``-o out`` in it), so `verify` and `route` find the
-same sources and prompt files from any folder (`planning.replan.recorded_config`).
+recipe's relative paths were read from the folder the build ran in; when it has any,
+``paths_relative_to`` records that folder relative to the output (``..`` for ``-o out`` in it), so
+`verify` and `route` find the same sources and prompt files from any folder
+(`planning.replan.recorded_config`). A recipe of absolute paths and hub ids records no such field.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Optional, Sequence
 
 from moe_upcycle import __version__
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
+from moe_upcycle.planning.replan import relative_local_paths
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 
@@ -38,10 +40,11 @@ def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, st
         "seed": config.seed,
         "sha256": dict(sorted(hashes.items())),
     }
-    try:  # from the staging folder, a sibling of the output: the same path as from the output itself
-        recipe["paths_relative_to"] = os.path.relpath(os.getcwd(), Path(folder).resolve())
-    except OSError:  # the working folder was deleted meanwhile: relative paths lead nowhere anyway
-        pass
+    if relative_local_paths(recipe["config"]):  # only then: the field tells where the build ran
+        try:  # from the staging folder, a sibling of the output: the same path as from the output itself
+            recipe["paths_relative_to"] = os.path.relpath(os.getcwd(), Path(folder).resolve())
+        except OSError:  # the working folder was deleted meanwhile: relative paths lead nowhere anyway
+            pass
     if verification is not None:
         recipe["verify"] = verification
     (folder / RECIPE_NAME).write_text(json.dumps(recipe, indent=2) + "\n", encoding="utf-8")
