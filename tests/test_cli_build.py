@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import model_logits
 from failure_checks import previous_build
+from moe_upcycle import upcycle
 from moe_upcycle.cli import app
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from tolerances import assert_close_rel
@@ -199,3 +201,22 @@ def test_yaml_syntax_error_shows_line_and_column(write_yaml, tmp_path):
     cfg.write_text("base_model: x\nexperts: [\n  - a\n")
     code, output = run("build", cfg, tmp_path / "out")
     assert code == 1 and "YAML syntax error" in output and "broken.yaml:" in output
+
+
+def test_one_model_spelled_three_ways_is_read_once(tiny_llama, tmp_path, monkeypatch):
+    """./base, base and /abs/base/ are one folder: before, each spelling was a model of its own, so the 'share'
+    policy read and held its FFN three times and the duplicate-tensor report said nothing."""
+    from moe_upcycle.build import prepare
+    from moe_upcycle.planning.report import sharing_report
+
+    shutil.copytree(tiny_llama, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    config = {"base_model": "./base", "gate_mode": "random", "experts": [
+        {"source_model": "./base"}, {"source_model": "base"}, {"source_model": f"{tmp_path / 'base'}/"}]}
+    _, sources, plan = prepare(config)
+    lines = sharing_report(plan, sources, "share")
+    assert lines and lines[0].startswith("Duplicate tensors: 18 expert slots are fed by 6 source tensors"), lines
+    assert "of ./base ->" in lines[0]
+    same = upcycle(config, tmp_path / "moe").output
+    once = upcycle({**config, "experts": [{"source_model": "./base"}] * 3}, tmp_path / "moe-once").output
+    assert (same / "model-00001-of-00001.safetensors").read_bytes() == (once / "model-00001-of-00001.safetensors").read_bytes()

@@ -68,14 +68,15 @@ class Checkpoint:
         return self.config.get("model_type", "")
 
     def identity(self, key: str) -> tuple[str, str]:
-        """Which bytes `read(key)` returns: (model reference, key); tensors an adapter changes keep `ref`.
+        """Which bytes `read(key)` returns: (the model's folder, key), with the adapter's folder for a tensor it changes.
 
-        The same model under two adapters reads the same bytes for every tensor neither adapts, so
-        those slots may share one tensor.
+        By folder, not by reference: ``./base``, ``base`` and ``/abs/base/`` read the same bytes, as does the
+        same model under two adapters for every tensor neither adapts, so those slots may share one tensor.
         """
-        if self.adapter is not None and not self.adapter.changes(key):
-            return (self.model_ref or self.ref, key)
-        return (self.ref, key)
+        model = str(self.path) if self.path is not None else (self.model_ref or self.ref)
+        if self.adapter is not None and self.adapter.changes(key):
+            return (f"{model}+{self.adapter.path.resolve()}" if self.path is not None else self.ref, key)
+        return (model, key)
 
     def read(self, key: str) -> torch.Tensor:
         """Read one tensor (with the LoRA adapter merged in, when there is one and it adapts `key`)."""

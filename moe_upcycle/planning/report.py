@@ -33,7 +33,8 @@ def sharing_report(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> l
         verb = "share one storage each" if policy == "share" else "are cloned (tensor_policy: clone)"
         lines.append(
             f"Duplicate tensors: {n_slots} expert slots are fed by {len(shared)} source tensors and {verb}; "
-            f"e.g. {example_src[1]} of {example_src[0]} -> {', '.join(s.name for s in example[:2])}"
+            f"e.g. {example_src[1]} of {_shown_ref(sources, example[0].source)} -> "
+            f"{', '.join(s.name for s in example[:2])}"
             + (f" and {len(example) - 2} more" if len(example) > 2 else "") + "."
         )
         if policy == "share":
@@ -50,3 +51,12 @@ def sharing_report(plan: Plan, sources: dict[str, Checkpoint], policy: str) -> l
             lines.append(f"Input {ref}: tensors {', '.join(group)} share one storage (tied or repeated weights); "
                          f"each output tensor is written from it explicitly.")
     return lines
+
+
+def _shown_ref(sources: dict[str, Checkpoint], source: tuple[str, str]) -> str:
+    """The reference a shared tensor is read from, as the recipe spells it: the model's own (not ``X+ADAPTER``) for
+    a tensor the adapter leaves alone."""
+    ckpt = sources.get(source[0])
+    if ckpt is not None and ckpt.adapter is not None and not ckpt.adapter.changes(source[1]):
+        return ckpt.model_ref or ckpt.ref
+    return source[0]
