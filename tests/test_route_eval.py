@@ -157,3 +157,29 @@ def test_route_labeled_cli_reports_accuracy_and_confusion(stories, tmp_path):
     assert len(acc["layer_accuracy"]) == 5 and 0.0 <= acc["overall"] <= 1.0
     res = runner.invoke(app, ["route", str(out), "--labeled", str(labeled), "--label-by", "embedding"])
     assert res.exit_code == 0 and "confusion" in res.output.lower()
+
+
+def test_label_by_embedding_with_a_recorded_prompt_file_gone_fails_before_routing(stories, tmp_path, monkeypatch):
+    """Before: after loading and routing, "config error: config: experts[0].positive_prompts_from: ..."; now the
+    message says it is the recorded recipe and what to do, before any routing work."""
+    from typer.testing import CliRunner
+
+    import moe_upcycle.check.route as route_module
+    from moe_upcycle.cli import app
+
+    (tmp_path / "animals.txt").write_text("The dog ran after the cat.\nA bird flew over the tree.\n")
+    monkeypatch.chdir(tmp_path)
+    config = {"base_model": str(stories), "gate_mode": "random", "experts": [
+        {"source_model": str(stories), "name": "animals", "positive_prompts_from": "animals.txt"},
+        {"source_model": str(stories), "name": "food", "positive_prompts": ["Lily ate a cookie."]}]}
+    out = upcycle(config, tmp_path / "moe").output
+    (tmp_path / "animals.txt").unlink()
+    labeled = tmp_path / "labeled.txt"
+    labeled.write_text("The fish jumped out of the water.\nfood\tMom gave Tom some cake.\n")
+    monkeypatch.setattr(route_module, "route", lambda *a, **k: pytest.fail("routed before the labels were known"))
+    res = CliRunner().invoke(app, ["route", str(out), "--labeled", str(labeled), "--label-by", "embedding"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert (f"--label-by embedding: the recipe {out}/moe_upcycle.json records no longer loads "
+            f"(experts[0].positive_prompts_from: 'animals.txt' is neither a prompt set") in said, said
+    assert "give every prompt in --labeled its expert" in said

@@ -247,8 +247,7 @@ def route(
         from moe_upcycle.check.route_eval import read_labeled
 
         texts, labels = read_labeled(labeled)
-        if label_by is None and None in labels:
-            _ = _labels(texts, labels, model, label_by)  # raises, naming the first unlabelled prompt
+        labels = _labels(texts, labels, model, label_by)  # before the routing work: missing labels fail first
     else:
         texts, labels = read_prompts(prompts), None
     result = route_prompts(model, texts, device=device, batch_size=batch_size)
@@ -258,7 +257,7 @@ def route(
     if labels is not None:
         from moe_upcycle.check.route_eval import routing_accuracy
 
-        score = routing_accuracy(result.shares(), _labels(texts, labels, model, label_by), result.expert_names)
+        score = routing_accuracy(result.shares(), labels, result.expert_names)
     if as_json:
         data = result.to_dict()
         if score is not None:
@@ -297,14 +296,20 @@ def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[
     from moe_upcycle.check.verify import read_recipe
     from moe_upcycle.planning.replan import recorded_config
 
-    recipe = read_recipe(Path(model_dir)) if label_by else None
+    needed = label_by and None in labels  # the recorded recipe only when a prompt has no label
+    recipe = read_recipe(Path(model_dir)) if needed else None
     config = recorded_config(recipe, Path(model_dir)) if recipe else None
     experts = None
     if config is not None:
         from moe_upcycle.recipe.resolve import expert_prompts
         from moe_upcycle.recipe.schema import load_config
 
-        experts = expert_prompts(load_config(config).expert_list())
+        try:
+            experts = expert_prompts(load_config(config).expert_list())
+        except ConfigError as exc:
+            raise ConfigError(*[f"--label-by embedding: the recipe {model_dir}/moe_upcycle.json records no longer "
+                                f"loads ({problem.removeprefix('config: ')}); restore what it names, or give every "
+                                f"prompt in --labeled its expert" for problem in exc.problems]) from None
     return labels_for(texts, labels, experts, label_by or "")
 
 
