@@ -233,3 +233,17 @@ def test_plan_accepts_a_new_output_under_missing_folders_and_an_existing_one(tin
     previous = _project(tmp_path / "previous")
     code, output = cli("plan", cfg, "-o", previous)
     assert code == 0, output
+
+
+@pytest.mark.parametrize("command", ["build", "plan"])
+def test_an_output_name_that_is_not_utf8_is_refused_before_any_work(command, tiny_llama, tmp_path):
+    """Such a folder was written, and then neither verify nor anyone else could load its tokenizer (the
+    tokenizers library takes text paths: "surrogates not allowed")."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n")
+    target = tmp_path / os.fsdecode(b"moe\xff\xfe")  # bytes a Latin-1 shell or a script can put in a name
+    code, output = cli(command, recipe, "-o", target)
+    said = " ".join(output.split())
+    assert code == 1 and "Traceback" not in output, output
+    assert "the path holds bytes that are not UTF-8 text, and transformers cannot load a tokenizer" in said, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]

@@ -80,6 +80,11 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
     overlap = _source_overlap(target, sources)
     if overlap:
         return overlap
+    try:
+        str(target).encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 in a folder name: the tokenizers library takes str paths
+        return (f"output {ascii(str(target))}: the path holds bytes that are not UTF-8 text, and transformers "
+                f"cannot load a tokenizer from such a folder; choose a name of ordinary characters")
     if target.exists() and not target.is_dir():
         return f"output {target} exists and is a file; choose another output path"
     reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
