@@ -50,6 +50,5 @@ def require_moe(folder: Path, option: str = "OUT", command: str = "verify") -> i
                       f"is nothing to {command}; give the folder that moe-upcycle build wrote")
 
 
-
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -25,7 +25,6 @@ import torch
 from moe_upcycle.recipe.params import ExpertPrompts
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.inputs.text import read_utf8
 
 
@@ -153,13 +152,10 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
             (file and line named).
     """
     path = Path(path)
-    problem = not_a_readable_file(path)
-    if problem:
-        raise ConfigError(f"--labeled {path}: {problem}")
     prompts: list[str] = []
     labels: list[Optional[str]] = []
     problems = []
-    for n, line in enumerate(read_utf8(path, "--labeled").splitlines(), 1):
+    for n, line in enumerate(read_utf8(path, f"--labeled {path}").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):

@@ -55,12 +55,11 @@ from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.weight_files import index_files
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
-from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build, recorded_config
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.values import device_problem
-from moe_upcycle.inputs.text import decode_utf8, read_capped
+from moe_upcycle.inputs.text import decode_utf8, read_utf8
 from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.terminal.progress import advance, stage, staged
 
@@ -96,29 +95,14 @@ def read_prompts(path) -> list[str]:
 
 
 def _read_text(path, option: str) -> str:
-    path = Path(path) if isinstance(path, str) else path  # a Path or a package resource
-    problem = not_a_readable_file(path) if isinstance(path, Path) else None
-    if problem:
-        raise SourceError(f"{option}: {path}: {problem}; give a UTF-8 text file")
-    try:
-        data = read_capped(path, option) if isinstance(path, Path) else path.read_bytes()
-    except OSError as exc:
-        raise SourceError(f"{option}: cannot read {path} ({exc.strerror or exc}); give a UTF-8 text file") from None
-    return decode_utf8(data, f"{option}: {path}", SourceError)
+    if isinstance(path, (str, Path)):
+        return read_utf8(Path(path), f"{option}: {path}", SourceError, fix="; give a UTF-8 text file")
+    return decode_utf8(path.read_bytes(), f"{option}: {path}", SourceError)  # a package resource
 
 
 def _listed(keys: list[str], limit: int = 5) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-def read_recipe(folder: Path) -> Optional[dict]:
-    """The recipe recorded at build time (``moe_upcycle.json``), or None when absent.
-
-    Raises:
-        SourceError: the file is there but damaged (`manifest_file.load_manifest`).
-    """
-    return load_manifest(folder)
 
 
 def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
@@ -127,8 +111,11 @@ def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
     if index.is_file():
         try:  # the loaders' own reading of an index: no name outside the folder, every shard there
             by_file: dict[str, Optional[set]] = index_files(index)
-        except (SourceError, OSError) as exc:
-            result.problems += getattr(exc, "problems", None) or [f"{index}: cannot read it ({exc})"]
+        except SourceError as exc:
+            result.problems += exc.problems
+            return {}
+        except OSError as exc:
+            result.problems.append(f"{index}: cannot read it ({exc.strerror or exc})")
             return {}
     elif (folder / "model.safetensors").is_file():
         by_file = {"model.safetensors": None}
@@ -251,17 +238,18 @@ def verify(
     base_given = _explicit_base(base)  # before any model is loaded: a wrong --base fails at once
     require_moe(folder)  # a dense folder would "pass" against its own base
     result = VerifyResult(folder=str(folder))
-    recipe = read_recipe(folder)
+    recipe = load_manifest(folder)  # raises when it is there but damaged
     recorded: Optional[RecordedBuild] = None
     if check is None and recipe is not None:
-        try:
-            config = recorded_config(recipe, folder)
-            if config is None:
-                raise ConfigError("it records no config")
-            recorded = recorded_build(config)
-            check = recorded.check
-        except UpcycleError as exc:
-            result.notes.append(f"{RECIPE_NAME}: its config is unreadable ({exc}); checks without the recipe")
+        config = recorded_config(recipe, folder)
+        if config is None:
+            result.notes.append(f"{RECIPE_NAME}: it records no config; checks without the recipe")
+        else:
+            try:
+                recorded = recorded_build(config)
+                check = recorded.check
+            except UpcycleError as exc:
+                result.notes.append(f"{RECIPE_NAME}: its config is unreadable ({exc}); checks without the recipe")
     if recipe is None and check is None:
         result.notes.append(f"no {RECIPE_NAME} (not built by moe-upcycle?): sha256 and plan checks skipped")
     text_str = _read_text(Path(text), "--text") if text is not None else default_text()

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
 from moe_upcycle.checkpoint.names import TOKENIZER_FILES
+from moe_upcycle.inputs.paths import broken_link
 
 # largest sane values: far above any released model, far below what makes the planner hang
 SIZE_LIMITS = {
@@ -133,9 +133,10 @@ def side_file_problems(folder: Path) -> list[str]:
     out = []
     for name in TOKENIZER_FILES:
         file = folder / name
-        if file.is_symlink() and not file.exists():  # a copied snapshot without the cache's blobs, a cut download
-            out.append(f"{file}: a link to {os.readlink(file)}, which does not exist; the MoE would have no {name} "
-                       f"(it is copied from here) — download the model again, or copy the files the links point to")
+        link = broken_link(file)
+        if link:
+            out.append(f"{file}: {link}; the MoE would have no {name} (it is copied from here) — download the "
+                       f"model again, or copy the files the links point to")
             continue
         if not file.is_file():
             continue

@@ -24,12 +24,12 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from moe_upcycle.errors import OutputError, UpcycleWarning
-
-MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
 from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # noqa: F401 (our manifest's name)
 from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
+from moe_upcycle.errors import OutputError, UpcycleWarning
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
+
+MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
 
 
 def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs: Sequence[Path] = ()) -> None:

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from moe_upcycle.errors import SourceError
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_problem
+from moe_upcycle.inputs.paths import broken_link
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
@@ -219,8 +220,7 @@ def _open_checkpoint(ref: str, field_name: str, adapter_given: bool = False) -> 
     shared: list[list[str]] = []
     chosen = choose_weights(path, config, field_name)  # the file transformers would load, nothing else
     if chosen is None:
-        broken = [f"{name} is a link to {os.readlink(path / name)}, which does not exist" for name in WEIGHT_FILES
-                  if (path / name).is_symlink() and not (path / name).exists()]
+        broken = [f"{name} is {link}" for name in WEIGHT_FILES if (link := broken_link(path / name))]
         from moe_upcycle.terminal.hints import download_command
 
         cached = not Path(os.path.expanduser(ref)).is_dir()  # resolved from the Hugging Face cache
@@ -284,9 +284,10 @@ def _as_causal_lm(tensors: dict[str, TensorInfo], shared: list[list[str]], confi
 def read_config(path: Path, field_name: str) -> dict:
     """Read a model folder's config.json, with clear errors."""
     cfg = path / "config.json"
-    if cfg.is_symlink() and not cfg.exists():  # a copied cache snapshot without its blobs, a cut download
-        raise SourceError(f"{field_name}: {cfg} is a link to {os.readlink(cfg)}, which does not exist; download the "
-                          f"model again, or copy the files the links point to")
+    link = broken_link(cfg)
+    if link:
+        raise SourceError(f"{field_name}: {cfg} is {link}; download the model again, or copy the files the links "
+                          f"point to")
     if not cfg.is_file():
         hint = foreign_folder_hint(path)
         raise SourceError(f"{field_name}: {path} has no config.json"

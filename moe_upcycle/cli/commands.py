@@ -293,11 +293,11 @@ def route(
 def _labels(texts: list[str], labels: list, model_dir: Path, label_by: Optional[str]) -> list[str]:
     """Labels for `route --labeled`, missing ones filled by embedding from the build's recorded config."""
     from moe_upcycle.check.route_eval import labels_for
-    from moe_upcycle.check.verify import read_recipe
+    from moe_upcycle.checkpoint.manifest_file import load_manifest
     from moe_upcycle.planning.replan import recorded_config
 
     needed = label_by and None in labels  # the recorded recipe only when a prompt has no label
-    recipe = read_recipe(Path(model_dir)) if needed else None
+    recipe = load_manifest(Path(model_dir)) if needed else None
     config = recorded_config(recipe, Path(model_dir)) if recipe else None
     experts = None
     if config is not None:

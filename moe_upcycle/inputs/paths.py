@@ -5,12 +5,14 @@
 back to itself through other links. `symlink_loop` recognises both and returns the message the
 command line prints instead of a traceback; `resolve_or_raise` is `Path.resolve` with that
 message as an `UpcycleError` of the caller's choosing. `not_a_readable_file` says why a path the user
-gave as an input file (prompts, a pool, labels) cannot be read as one.
+gave as an input file (prompts, a pool, labels) cannot be read as one; `broken_link` names a link
+in a model folder that leads nowhere.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import re
 from pathlib import Path
 from typing import Optional, Type
@@ -60,3 +62,15 @@ def not_a_readable_file(path: Path) -> Optional[str]:
     if path.is_symlink():
         return "is a symbolic link that leads nowhere (a symlink loop or a broken link)"
     return "file not found"
+
+
+def broken_link(path: Path) -> Optional[str]:
+    """``a link to TARGET, which does not exist`` when `path` is a symbolic link that leads nowhere (a copied
+    Hugging Face cache snapshot without its blobs, a cut download), else None."""
+    if not path.is_symlink() or path.exists():
+        return None
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "a target that cannot be read"
+    return f"a link to {target}, which does not exist"

@@ -6,8 +6,9 @@
 - `check_token_ids`: a tokenizer that emits an id past the model's embedding rows (a tokenizer
   from another model, added tokens the model was never resized for) would index out of range in
   the forward pass; it is refused naming the id, the text and the tokenizer's folder.
-- `read_utf8`: read a text file the user gave, with named errors for non-UTF-8 bytes, folders
-  and symlink loops; `decode_utf8` is its decoding step: a leading byte-order mark (Notepad writes
+- `read_utf8`: read a text file the user gave (the one reader for prompts, pools, labels and
+  perplexity text), with named errors for non-UTF-8 bytes, folders, broken links and symlink
+  loops; `decode_utf8` is its decoding step: a leading byte-order mark (Notepad writes
   one) is dropped, not left at the start of the first prompt, and UTF-16 or Latin-1 bytes are named.
 - `read_capped`: the bytes of a prompts or text file, at most `MAX_INPUT_BYTES` (``/dev/zero``
   or a wrong multi-GB file would otherwise be read until memory runs out).
@@ -17,10 +18,12 @@ It raises `UpcycleError`s; it never changes a text or an id (a file's byte-order
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from moe_upcycle.errors import ConfigError, SourceError
+from moe_upcycle.inputs.paths import not_a_readable_file
 
 if TYPE_CHECKING:  # the recipe schema uses this module and must not pull in torch
     import torch
@@ -28,17 +31,17 @@ if TYPE_CHECKING:  # the recipe schema uses this module and must not pull in tor
 MAX_INPUT_BYTES = 64 * 2**20  # prompts, pools, labels and perplexity text: far more than any needs
 
 
-def read_capped(path: Union[str, Path], what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
+def read_capped(path: Union[str, Path], where: str, limit: int = MAX_INPUT_BYTES) -> bytes:
     """The bytes of `path`, refused past `limit` without reading further.
 
     Raises:
-        ConfigError: the file holds more than `limit` bytes (named with `what`, the option or field).
+        ConfigError: the file holds more than `limit` bytes (named with `where`: the option or field and the file).
         OSError: left to the caller, which names the file.
     """
     with open(path, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise ConfigError(f"{what} {path}: more than {limit // 2**20} MiB; prompts and texts are small files — is "
+        raise ConfigError(f"{where}: more than {limit // 2**20} MiB; prompts and texts are small files — is "
                           f"this the right file?")
     return data
 
@@ -86,15 +89,27 @@ def check_token_ids(ids: Union["torch.Tensor", Sequence[int]], num_embeddings: i
                       f"— copy the model's own tokenizer, or resize its embeddings")
 
 
-def read_utf8(path: Union[str, Path], what: str) -> str:
-    """The text of a file the user gave, with a named `ConfigError` for every way it can fail."""
+def read_utf8(path: Union[str, Path], where: str, error: type = ConfigError, fix: str = "") -> str:
+    """The text of a file the user gave (prompts, a pool, labels, perplexity text): a pipe or device reads like a
+    file, at most `MAX_INPUT_BYTES`, without a byte-order mark.
+
+    Args:
+        where: what names the file in messages, e.g. ``--pool notes.txt``.
+        error: the `UpcycleError` raised; fix: what to do, added to the messages about the file itself.
+
+    Raises:
+        `error`: not a readable file (`paths.not_a_readable_file`), unreadable, too big, or not UTF-8.
+    """
     path = Path(path)
+    problem = not_a_readable_file(path)
+    if problem:
+        raise error(f"{where}: {problem}{fix}")
     try:
-        data = read_capped(path, what)
+        data = read_capped(path, where)
     except OSError as exc:
-        reason = "a symlink loop" if exc.errno == 40 else (exc.strerror or str(exc))
-        raise ConfigError(f"{what} {path}: cannot read it ({reason})") from None
-    return decode_utf8(data, f"{what} {path}")
+        reason = "a symlink loop" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        raise error(f"{where}: cannot read it ({reason}){fix}") from None
+    return decode_utf8(data, where, error)
 
 
 def decode_utf8(data: bytes, where: str, error: type = ConfigError) -> str:

@@ -64,15 +64,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     if dense_i % g:
         problems.append(f"expert_init.granularity: {g} does not divide intermediate_size {dense_i} of "
                         f"{config.base_model}; use a divisor of {dense_i}")
-    if config.dtype:
-        dtype = STR_DTYPES[config.dtype]
-    else:
-        dtype = _base_dtype(base)
-        spelled = {k: bcfg.get(k) for k in ("torch_dtype", "dtype") if bcfg.get(k) in STR_DTYPES}
-        if len({STR_DTYPES[v] for v in spelled.values()}) > 1:  # 4.x reads torch_dtype, 5.x dtype
-            problems.append(f"base_model: config.json gives torch_dtype {spelled['torch_dtype']} and dtype "
-                            f"{spelled['dtype']}, so the output's dtype (the base's, by default) is ambiguous; set "
-                            f"dtype: in the recipe (e.g. dtype: {spelled['dtype']})")
+    dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base, problems)
     tied = bool(bcfg.get("tie_word_embeddings", False))
     n_layers = int(bcfg["num_hidden_layers"])
     steps: list[Step] = []
@@ -192,10 +184,16 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     return plan
 
 
-def _base_dtype(base: Checkpoint) -> torch.dtype:
-    name = base.config.get("torch_dtype") or base.config.get("dtype")
-    if name in STR_DTYPES:
-        return STR_DTYPES[name]
+def _base_dtype(base: Checkpoint, problems: list[str]) -> torch.dtype:
+    """The output's default dtype: the base's config.json (``torch_dtype``, which transformers 4 reads, or ``dtype``,
+    which 5 reads), else its embedding's; when the two names give two dtypes, a problem asking for ``dtype:``."""
+    spelled = {k: base.config.get(k) for k in ("torch_dtype", "dtype") if base.config.get(k) in STR_DTYPES}
+    if len({STR_DTYPES[v] for v in spelled.values()}) > 1:
+        problems.append(f"base_model: config.json gives torch_dtype {spelled['torch_dtype']} and dtype "
+                        f"{spelled['dtype']}, so the output's dtype (the base's, by default) is ambiguous; set "
+                        f"dtype: in the recipe (e.g. dtype: {spelled['dtype']})")
+    if spelled:
+        return STR_DTYPES[next(iter(spelled.values()))]
     info = base.tensors.get(names.EMBED)
     return info.dtype if info and info.dtype.is_floating_point else torch.float32
 

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.inputs.paths import not_a_readable_file
-from moe_upcycle.inputs.text import decode_utf8, read_capped
+from moe_upcycle.inputs.text import read_utf8
 
 PoolFormat = Literal["auto", "jsonl", "paragraphs", "lines"]
 FORMAT_WORDS = {"jsonl": "JSONL records", "paragraphs": "paragraphs (blank-line separated)",
@@ -64,16 +63,8 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
         Pool(prompts=['def f():\\n    return 1', 'What is 2 + 2?'], format='paragraphs')
     """
     path = Path(path)
-    problem = not_a_readable_file(path)
-    if problem:
-        raise ConfigError(f"--pool {path}: {problem}; give a text file (prompts separated by blank lines, "
-                          f"or one per line) or JSONL with \"text\"/\"prompt\"")
-    try:
-        data = read_capped(path, "--pool")
-    except OSError as exc:
-        raise ConfigError(f"--pool {path}: cannot read it ({exc.strerror or exc}); give a UTF-8 text or JSONL "
-                          f"file") from None
-    text = decode_utf8(data, f"--pool {path}")
+    text = read_utf8(path, f"--pool {path}", fix="; give a text file (prompts separated by blank lines, or one per "
+                                                  "line) or JSONL with \"text\"/\"prompt\"")
     fmt = detect_format(path, text) if fmt == "auto" else fmt
     if fmt == "jsonl":
         prompts = _jsonl(path, text)

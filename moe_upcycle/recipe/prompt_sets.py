@@ -21,9 +21,8 @@ from typing import Optional
 import yaml
 
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.inputs.paths import not_a_readable_file
 from moe_upcycle.recipe.yaml_load import load_yaml_text
-from moe_upcycle.inputs.text import check_texts, decode_utf8, read_capped
+from moe_upcycle.inputs.text import check_texts, read_utf8
 
 MIN_SET_PROMPTS = 20
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # moe_upcycle/
@@ -100,14 +99,7 @@ def read_prompt_file(path: Path) -> list[str]:
     Raises:
         ConfigError: unreadable file, wrong shape, or no prompts.
     """
-    problem = not_a_readable_file(path)
-    if problem:
-        raise ConfigError(f"{path}: {problem}; give a YAML/JSON list of prompts or a text file, one per line")
-    try:
-        data = read_capped(path, "prompt file")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the prompt file ({exc.strerror or exc})") from None
-    text = decode_utf8(data, str(path))
+    text = read_utf8(path, f"prompt file {path}", fix="; give a YAML/JSON list of prompts or a text file, one per line")
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         try:
             data = json.loads(text) if path.suffix.lower() == ".json" else load_yaml_text(text, str(path))
