@@ -151,6 +151,16 @@ def test_cli_bad_embedder_and_no_prompts(tmp_path, tiny_llama):
     assert result.exit_code == 1 and "no expert has positive_prompts" in result.output
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_empty_embedder_is_refused_not_taken_for_the_default(tmp_path, tiny_llama, name):
+    """`--embedder "$EMBEDDER"` with the variable unset used to lint with the default model silently."""
+    path = config_yaml(tmp_path, tiny_llama, {"math": shipped("math")[:3]}, experts_per_token=1)
+    result = runner.invoke(app, ["lint", str(path), "--embedder", name])
+    assert result.exit_code == 1
+    assert f"embedder: {name!r} is empty" in result.output and "leave --embedder out" in result.output
+    assert "Prompt sets" not in result.output
+
+
 def test_default_embedder_missing_package_says_what_to_install(monkeypatch):
     import moe_upcycle.prompts.embed as embed
 

@@ -43,7 +43,24 @@ CASES = [
     ("shard-string-fraction", GOOD + "max_shard_size: '1.9'\n", ["'1.9' is not a whole number of bytes"]),
     ("shard-tiny", GOOD + "max_shard_size: 5\n", ["max_shard_size: 5 is 5 bytes", "5GB"]),
     ("shard-bool", GOOD + "max_shard_size: yes\n", ["max_shard_size"]),
-    ("empty-base-model", GOOD.replace("base_model: {base}", "base_model: ''"), ["base_model: String should have at least 1"]),
+    ("empty-base-model", GOOD.replace("base_model: {base}", "base_model: ''"), ["base_model: empty text; write the model: org/name (a hub id) or a folder"]),
+    # numbers, booleans and lists where text goes: pydantic said "Input should be a valid string"
+    ("number-device", GOOD + "device: 0\n", ["device: 0 is a number, not text", "cuda:0 for GPU 0"]),
+    ("number-output", GOOD + "output: 2024\n", ["output: 2024 is a number, not text", "output: '2024'"]),
+    ("octal-looking-output", GOOD + "output: 017\n", ["output: 15 is a number, not text", "output: '15'"]),
+    ("list-output", GOOD + "output: [a, b]\n", ["output: a list of 2 items, not text; write one name or path"]),
+    ("number-base-model", GOOD.replace("base_model: {base}", "base_model: 7"), ["base_model: 7 is a number"]),
+    ("number-expert-init", GOOD + "expert_init: 2\n", ["expert_init: 2 is not an init",
+                                                       "copy, noise, drop, split", "{method: drop, ratio: 0.5}"]),
+    ("list-expert-init-in-expert", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
+     "    expert_init: [drop, 0.5]\n  - source_model: {base}\n", ["experts[0].expert_init: a list of 2 items is not an init"]),
+    ("string-in-layers", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
+     "    layers: [0, end]\n  - source_model: {base}\n",
+     ["experts[0].layers: item 1 is \"end\", so it is not a layer range", "[0, 24]"]),
+    ("one-number-layers", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
+     "    layers: 4\n  - source_model: {base}\n", ["experts[0].layers: 4 is not a layer range; write two whole numbers"]),
+    ("short-layers", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
+     "    layers: [4]\n  - source_model: {base}\n", ["experts[0].layers: [4] is not a layer range"]),
 ]
 
 

@@ -81,8 +81,12 @@ def resolve_embedder(name: Optional[str] = None) -> str:
     """Where to load an embedder from: the packaged MiniLM for the default name, else `name` as given.
 
     Raises:
-        EmbedderError: the default was asked for and the package is not installed.
+        EmbedderError: the default was asked for and the package is not installed, or `name` is empty
+            (``--embedder ""``: a script's unset variable, which must not quietly mean the default).
     """
+    if name is not None and not name.strip():
+        raise EmbedderError(f"embedder: {name!r} is empty; pass a sentence-transformers model folder or Hub id, or "
+                            f"leave --embedder out for the default {DEFAULT_EMBEDDER}")
     name = name or DEFAULT_EMBEDDER
     if name.lower() in _PACKAGED_NAMES:
         path = packaged_model_path()

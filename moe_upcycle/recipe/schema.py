@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -548,6 +548,17 @@ def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allo
                    "a value")
             lines.append(f"{path}: empty (nothing after '{loc[-1]}:'); write {fix}"
                          f"{'' if loc[-1] in ('base_model', 'source_model') else ', or delete the line'}")
+        elif loc and loc[-1] == "expert_init" and kind in ("model_type", "model_attributes_type", "dict_type"):
+            lines.append(f"{path}: {short_repr(err['input'])} is not an init; write a method "
+                         f"({', '.join(get_args(InitMethod))}) or a mapping such as {{method: drop, ratio: 0.5}}")
+        elif "layers" in loc and kind != "value_error":
+            at = loc.index("layers")
+            item = (f"item {loc[at + 1]} is {_shown(err['input'])}, so it" if len(loc) > at + 1 and kind != "missing"
+                    else _shown(err["input"]))
+            line = (f"{_yaml_path(loc[:at + 1])}: {item} is not a layer range; write two whole numbers "
+                    f"[start, end), e.g. [0, 24]")
+            if line not in lines:
+                lines.append(line)
         elif kind == "literal_error":
             guess = _close_choice(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
             lines.append(f"{path}: {short_repr(err['input'])} is not allowed; "
@@ -567,6 +578,12 @@ def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allo
             lines.append(f"{path}: {fix}")
         elif kind == "list_type":
             lines.append(f"{path}: {_not_a_list(err['input'], str(loc[-1]) if loc else path)}")
+        elif kind == "string_too_short" and not str(err["input"]).strip():
+            fix = ("the model: org/name (a hub id) or a folder" if loc and loc[-1] in ("base_model", "source_model")
+                   else "a value, or delete the line")
+            lines.append(f"{path}: empty text; write {fix}")
+        elif kind == "string_type":
+            lines.append(f"{path}: {_not_text(err['input'], str(loc[-1]) if loc else path)}")
         elif kind == "missing":
             lines.append(f"{path}: required key is missing")
         elif kind in NUMBER_ERRORS:
@@ -634,6 +651,36 @@ def _not_a_list(value: Any, key: str) -> str:
         return (f"{short_repr(value)} is not a list of experts; write one '- source_model: ...' line per expert "
                 f"(each a mapping), e.g. {key}: [{{source_model: org/model}}]")
     return f"{short_repr(value)} is not a list; write a list: one '- item' line each, or [a, b]"
+
+
+def _shown(value: Any) -> str:
+    """A short value as YAML flow text (``[1, "a"]``), a long one as `short_repr` says it."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return short_repr(value)
+    return text if len(text) <= 40 else short_repr(value)
+
+
+def _not_text(value: Any, key: str) -> str:
+    """Why a value that should be text (a model, a folder, a device) is not, and what to write.
+
+    Example:
+        >>> _not_text(0, "device")
+        '0 is a number, not text; write a device: auto, cpu, cuda or cuda:N (cuda:0 for GPU 0)'
+        >>> _not_text(2024, "output")
+        "2024 is a number, not text; write it in quotes, output: '2024' (YAML reads an unquoted 2024 as a number)"
+    """
+    if isinstance(value, (bool, int, float)):
+        what = "a boolean" if isinstance(value, bool) else "a number"
+        shown = str(value).lower() if isinstance(value, bool) else str(value)
+        if key == "device":
+            gpu = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            return (f"{shown} is {what}, not text; write a device: auto, cpu, cuda or cuda:N"
+                    + (f" (cuda:{value} for GPU {value})" if gpu else ""))
+        return (f"{shown} is {what}, not text; write it in quotes, {key}: '{shown}' (YAML reads an unquoted "
+                f"{shown} as {what})")
+    return f"{short_repr(value)}, not text; write one {'device' if key == 'device' else 'name or path'}"
 
 
 def _yaml_path(loc: list) -> str:
