@@ -59,6 +59,10 @@ CASES = [
      ["experts[0].layers: item 1 is \"end\", so it is not a layer range", "[0, 24]"]),
     ("one-number-layers", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
      "    layers: 4\n  - source_model: {base}\n", ["experts[0].layers: 4 is not a layer range; write two whole numbers"]),
+    ("nan-scale", GOOD + "router_init_std: .nan\n", ["router_init_std: .nan (not a number, or infinity) is not a "
+                                                      "finite number; write an ordinary number"]),
+    ("inf-noise", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
+     "    noise_scale: -.inf\n  - source_model: {base}\n", ["experts[0].noise_scale: -.inf (not a number, or infinity)"]),
     ("short-layers", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
      "    layers: [4]\n  - source_model: {base}\n", ["experts[0].layers: [4] is not a layer range"]),
 ]

@@ -582,6 +582,9 @@ def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allo
             fix = ("the model: org/name (a hub id) or a folder" if loc and loc[-1] in ("base_model", "source_model")
                    else "a value, or delete the line")
             lines.append(f"{path}: empty text; write {fix}")
+        elif kind == "finite_number":
+            lines.append(f"{path}: {'.nan' if err['input'] != err['input'] else '.inf' if err['input'] > 0 else '-.inf'} "
+                         f"(not a number, or infinity) is not a finite number; write an ordinary number")
         elif kind == "string_type":
             lines.append(f"{path}: {_not_text(err['input'], str(loc[-1]) if loc else path)}")
         elif kind == "missing":
