@@ -281,6 +281,8 @@ def upcycle(
             # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
             verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
             write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files, verification=verification)
+            for source in sources.values():  # last: a source re-saved during the build is never published from
+                source.check_unchanged()
     if checked:
         checked.folder = str(target)
     for ckpt in sources.values():

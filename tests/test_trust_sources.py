@@ -135,3 +135,60 @@ def test_tensors_outside_the_layers_that_the_loader_skips_are_named(tiny_llama, 
     moe = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(moe(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def _resave(folder: Path, seed: int) -> None:
+    """What `save_pretrained` of a fine-tune into the same folder does to its weight files: new bytes, new layout."""
+    for shard in sorted(folder.glob("*.safetensors")):
+        state = load_file(str(shard))
+        generator = torch.Generator().manual_seed(seed)
+        changed = {k: torch.randn(v.shape, generator=generator).to(v.dtype) for k, v in reversed(state.items())}
+        save_file(changed, str(shard), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_source_resaved_during_the_build_is_never_published_from(layout, tiny_llama, stale_shards, tmp_path):
+    """A model folder re-saved while a build reads it used to give an MoE of two models' tensors (the
+    bytes mapped before the change and after), published as if it were one."""
+    from moe_upcycle import upcycle
+    from moe_upcycle.errors import SourceError
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama if layout == "single" else stale_shards, base)
+    seen = []
+
+    def resave_once(step, plan):
+        if not seen:
+            seen.append(step.name)
+            _resave(base, seed=11)
+
+    target = tmp_path / "moe"
+    with pytest.raises(SourceError) as info:
+        upcycle(_recipe(tmp_path, base), target, on_step=resave_once)
+    text = str(info.value)
+    assert "the file changed on disk after the build read its header" in text and str(base) in text
+    assert "nothing was written — run the build again once nothing is writing to" in text
+    assert not target.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert (base / "config.json").is_file()  # the user's re-saved model is left as it is
+    # and the same folder, left alone, builds
+    assert upcycle(_recipe(tmp_path, base), target).output == target
+
+
+def test_source_replaced_after_its_header_was_read_is_not_read(tiny_llama, tmp_path):
+    """The bytes at the planned offsets of a file replaced since: another tensor, or another dtype's bytes."""
+    from moe_upcycle.checkpoint.source import open_checkpoint
+    from moe_upcycle.errors import SourceError
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    model = open_checkpoint(str(base), "base_model")
+    key = "model.layers.0.mlp.gate_proj.weight"
+    original = load_file(str(base / "model.safetensors"))[key]
+    _resave(base, seed=3)
+    with pytest.raises(SourceError, match="the file changed on disk after the build read its header"):
+        model.read(key)
+    fresh = open_checkpoint(str(base), "base_model")
+    assert not torch.equal(fresh.read(key), original)  # the new model, read whole and consistent
+    (base / "model.safetensors").unlink()
+    with pytest.raises(SourceError, match="the file is gone or unreadable since the build read its header"):
+        fresh.check_unchanged()

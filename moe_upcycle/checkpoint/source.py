@@ -62,6 +62,8 @@ class Checkpoint:
     adapter: Optional[Adapter] = None
     model_ref: str = ""
     from_config: bool = False
+    # file -> its stamp when its header was read: a file replaced or rewritten since is never read (`check_unchanged`)
+    stamps: dict[str, FileStamp] = field(default_factory=dict, repr=False)
     _handles: dict[Any, Any] = field(default_factory=dict, repr=False)  # file -> open handle or mmap
 
     @property
@@ -133,6 +135,7 @@ class Checkpoint:
                 del self._handles[name]
             try:
                 with open(self.path / info.file, "rb") as fh:
+                    self._same_file(info.file, os.fstat(fh.fileno()))  # the bytes mapped are the ones planned
                     mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:  # removed, unreadable or emptied since its header was read
                 raise SourceError(f"{self.path / info.file}: cannot read tensor {info.key!r} "
@@ -149,12 +152,39 @@ class Checkpoint:
 
     def _open(self, file: str) -> Any:
         full = self.path / file
+        self._same_file(file, os.stat(full))
         if file.endswith(".safetensors"):
             return safe_open(str(full), framework="pt", device="cpu")
         return load_bin(full)
 
     def close(self) -> None:
         self._handles.clear()
+
+    def check_unchanged(self) -> None:
+        """Refuse a build whose source files changed on disk after their headers were read.
+
+        A folder re-saved while a build reads it (``save_pretrained`` into a folder being built from,
+        a download finishing) would give the MoE tensors from two versions of the model, or bytes at
+        offsets the new file does not use. Called before the output is published, and by each read.
+
+        Raises:
+            SourceError: a file is gone, or its size, modification time or inode changed.
+        """
+        for file in self.stamps:
+            try:
+                now = os.stat(self.path / file)
+            except OSError as exc:
+                raise SourceError(f"{self.path / file}: the file is gone or unreadable since the build read its "
+                                  f"header ({exc.strerror or exc}); nothing was written — run the build again once "
+                                  f"nothing is changing the model folder") from None
+            self._same_file(file, now)
+
+    def _same_file(self, file: str, now: os.stat_result) -> None:
+        then = self.stamps.get(file)
+        if then is not None and then != FileStamp.of(now):
+            raise SourceError(f"{self.path / file}: the file changed on disk after the build read its header "
+                              f"({then.difference(FileStamp.of(now))}); the MoE would mix two versions of the model, "
+                              f"so nothing was written — run the build again once nothing is writing to {self.path}")
 
 
 def open_sources(refs: dict[str, str],
@@ -234,7 +264,9 @@ def _open_checkpoint(ref: str, field_name: str, adapter_given: bool = False) -> 
     index = path / chosen
     files = index_files(index) if chosen.endswith(".index.json") else {chosen: None}
     found_in: dict[str, list[str]] = {}  # key -> shards holding it (more than one is refused)
+    stamps: dict[str, FileStamp] = {}
     for file, expected in files.items():
+        stamps[file] = FileStamp.of(os.stat(path / file))  # before the header: a change while reading it shows
         if file.endswith(".safetensors"):
             found = read_safetensors_header(path / file)
         else:
@@ -253,7 +285,7 @@ def _open_checkpoint(ref: str, field_name: str, adapter_given: bool = False) -> 
         raise SourceError(quantized)
     if _saved_without_prefix(tensors):
         tensors, shared = _as_causal_lm(tensors, shared, config, path, field_name)
-    return Checkpoint(ref=ref, path=path, config=config, tensors=tensors, shared_groups=shared)
+    return Checkpoint(ref=ref, path=path, config=config, tensors=tensors, shared_groups=shared, stamps=stamps)
 
 
 def _saved_without_prefix(tensors: dict[str, TensorInfo]) -> bool:
@@ -320,3 +352,25 @@ def meta_checkpoint(ref: str, config: dict, tensors: dict[str, tuple[tuple[int, 
     """A checkpoint with shapes only (no files), for planning huge models in tests."""
     infos = {k: TensorInfo(k, tuple(s), d, "") for k, (s, d) in tensors.items()}
     return Checkpoint(ref=ref, path=None, config=config, tensors=infos, from_config=True)
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What identifies one version of a file on disk: device, inode, size and modification time (ns)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileStamp":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def difference(self, now: "FileStamp") -> str:
+        """What changed, in words: "replaced by another file", "12 bytes -> 40 bytes", "modified"."""
+        if (self.device, self.inode) != (now.device, now.inode):
+            return "replaced by another file"
+        if self.size != now.size:
+            return f"{self.size} bytes, now {now.size}"
+        return "modified"
