@@ -66,6 +66,22 @@ def test_other_missing_paths_keep_their_message(ref, words, empty_cache):
         assert w in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("ref, words", [
+    ("mlabonne/AlphaMonarch-7B\u200b", ["it contains a hidden character (U+200B zero-width space), often copied from a web "
+                                         "page; delete it: mlabonne/AlphaMonarch-7B"]),
+    ("./my\u00a0model", ["(U+00A0 non-breaking space)", "replace it with a normal space: ./my model"]),
+    ("\u201c./ft0\u201d", ["it is wrapped in curly quotes (\u201c \u201d), which YAML keeps as part of the name; "
+                           "write straight quotes or none: './ft0'"]),
+    ("\u2018org/model\u2019", ["curly quotes (\u2018 \u2019)", "'org/model'"]),
+])
+def test_characters_pasted_from_a_web_page_are_named(ref, words, empty_cache):
+    """A model reference copied from a rendered model card: before, "not found" with the path looking right."""
+    with pytest.raises(SourceError) as info:
+        resolve_model(ref, "base_model")
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
 CONFIG = "base_model: org/base\ngate_mode: random\nexperts:\n  - source_model: org/a\n  - source_model: org/b\n"
 
 

@@ -233,6 +233,14 @@ BEYONDER = (PUBLISHED / "beyonder_4x7b_v3.yaml").read_text(encoding="utf-8")
      [":5:7: YAML syntax error: found undefined alias", "starts with * is read as an alias", "put it in quotes"]),
     ("at-prompt", BEYONDER.replace('- "chat"', "- @assistant hi").encode(),
      ["YAML reserves @ and ` at the start of a value; put the value in quotes"]),
+    # a rendered model card turns list dashes into bullets; YAML read them as keys or as one long prompt
+    ("bullet-expert", BEYONDER.replace("  - source_model", "  \u2022 source_model", 1).encode(),
+     [":3: line 3 starts with '\u2022' (U+2022), a list bullet copied from a rendered page",
+      "YAML list items start with '-': write - source_model: mlabonne/AlphaMonarch-7B"]),
+    ("dash-bullets", BEYONDER.replace("  - source_model", "  \u2013 source_model").encode(),
+     [":3: line 3 starts with '\u2013' (U+2013)"]),
+    ("bullet-prompts", BEYONDER.replace('    - "chat"', '    \u2022 "chat"', 1).encode(),
+     ["starts with '\u2022' (U+2022)", 'write - "chat"']),
 ])
 def test_pasted_file_trouble_names_the_line_and_fix(case, data, words, tmp_path):
     path = tmp_path / "pasted.yaml"

@@ -59,8 +59,12 @@ def load_recipe_yaml(path: Path) -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a UTF-8 text file ({encoding_hint(data, exc)}); re-save it as UTF-8 "
                           f"(in Notepad: Save as → Encoding: UTF-8)") from None
+    lines = text.splitlines()
+    bullets = [n for n, line in enumerate(lines) if _BULLET_ITEM.match(line)]
+    if bullets:  # YAML reads them as keys named '• source_model', a duplicate key, or one prompt of every line
+        raise ConfigError(f"{path}:{bullets[0] + 1}: {_syntax_hint(lines, bullets[0] + 1, '')}")
     try:
-        return load_yaml_text(text, str(path))
+        parsed = load_yaml_text(text, str(path))
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         if mark is None:
@@ -68,11 +72,21 @@ def load_recipe_yaml(path: Path) -> Any:
         hint = _syntax_hint(text.splitlines(), mark.line, str(exc.problem or ""))
         raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {exc.problem or exc}"
                           f"{'; ' + hint if hint else ''}") from None
+    return parsed
 
 
 # whitespace that looks like a space but is not one to YAML (pasted from web pages and CJK input methods)
 _ODD_SPACES = {"\u00a0": "a non-breaking space (U+00A0)", "\u3000": "an ideographic space (U+3000)",
                "\u2002": "an en space (U+2002)", "\u2003": "an em space (U+2003)", "\u200b": "a zero-width space (U+200B)"}
+
+
+# `• source_model: x`: a list item whose dash a rendered page (or a word processor) turned into a bullet
+_BULLET = re.compile(r"^(\s*)[\u2022\u25e6\u25aa\u2023\u25cf\u2219\u00b7\u2013\u2014\u2012\u2212]\s+(?=[\w\"'])")
+
+
+# the same where it is surely a bulleted recipe line, a key or a quoted prompt (a prompt may start with a bullet)
+_BULLET_ITEM = re.compile(_BULLET.pattern + r"(?:[\"']|(?:source_model|positive_prompts|negative_prompts|name|"
+                          r"noise_scale|residual_scale|expert_init|layers)\s*:)")
 
 
 # `base_model:org/x` or `- source_model:org/x`: a recipe key glued to its value (YAML needs ': ')
@@ -89,6 +103,12 @@ def _syntax_hint(lines: list[str], index: int, problem: str) -> str:
     fences = [n + 1 for n, line in enumerate(lines) if line.lstrip().startswith(("```", "~~~"))]
     if fences:
         return f"line {fences[0]} is a Markdown code fence; copy only the YAML between the fences"
+    bullet = next((n for n in (index - 1, index, index - 2) if 0 <= n < len(lines) and _BULLET.match(lines[n])), None)
+    if bullet is not None:
+        mark = lines[bullet].lstrip()[0]
+        dashed = _BULLET.sub(lambda m: m.group(1) + "- ", lines[bullet], count=1).strip()
+        return (f"line {bullet + 1} starts with {mark!r} (U+{ord(mark):04X}), a list bullet copied from a rendered page; "
+                f"YAML list items start with '-': write {dashed}")
     if "another document" in problem:
         return ("the file holds more than one YAML document (a '---' line after the config starts, e.g. a model "
                 "card's front matter); keep only the config")

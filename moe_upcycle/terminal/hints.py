@@ -66,6 +66,9 @@ def missing_model_hint(ref: str) -> str:
         return "a model reference has at most one '@' (org/name@revision: a branch, tag or commit)"
     if ref != ref.strip():
         return f"it has spaces at its start or end (inside quotes); remove them: {ref.strip()}"
+    pasted = pasted_characters(ref)
+    if pasted:
+        return pasted
     url = re.match(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
     if url:
         return f"write the hub id, not its web address: {url.group(1)}"
@@ -80,6 +83,38 @@ def missing_model_hint(ref: str) -> str:
     if re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*/$", ref):
         return f"there is no model name after '{ref}': write {ref}name (the hub id), or give a folder"
     return f"check the path: there is no folder {Path(ref).expanduser()}; give the folder of a saved model"
+
+
+# characters a web page or a word processor puts into text copied from it, invisible or look-alike
+INVISIBLE = {"\u200b": "zero-width space", "\u200c": "zero-width non-joiner", "\u200d": "zero-width joiner",
+             "\u2060": "word joiner", "\ufeff": "zero-width no-break space", "\u00a0": "non-breaking space",
+             "\u202f": "narrow no-break space", "\u00ad": "soft hyphen"}
+SPACES = {"\u00a0", "\u202f"}  # of those, the ones that stand for an ordinary space
+CURLY_QUOTES = "\u2018\u2019\u201a\u201b\u201c\u201d\u201e\u201f\u00ab\u00bb"
+
+
+def pasted_characters(text: str) -> str:
+    """What in a model reference came from copying a web page: invisible characters, or curly quotes around
+    it (which YAML keeps as part of the name). Empty when there are none.
+
+    Example:
+        >>> pasted_characters("./base\u200b")
+        'it contains a hidden character (U+200B zero-width space), often copied from a web page; delete it: ./base'
+        >>> pasted_characters("\u2018./ft\u2019")
+        "it is wrapped in curly quotes (\u2018 \u2019), which YAML keeps as part of the name; write straight quotes or none: './ft'"
+    """
+    hidden = sorted({c for c in text if c in INVISIBLE}, key=text.index)
+    if hidden:
+        named = ", ".join(f"U+{ord(c):04X} {INVISIBLE[c]}" for c in hidden)
+        clean = "".join(" " if c in SPACES else "" if c in INVISIBLE else c for c in text)
+        what = ("replace it with a normal space" if set(hidden) <= SPACES else
+                "delete it" if len(hidden) == 1 else "delete them" if not set(hidden) & SPACES else
+                "delete them (a no-break space becomes a normal one)")
+        return f"it contains a hidden character ({named}), often copied from a web page; {what}: {clean}"
+    if len(text) > 1 and text[0] in CURLY_QUOTES and text[-1] in CURLY_QUOTES:
+        return (f"it is wrapped in curly quotes ({text[0]} {text[-1]}), which YAML keeps as part of the name; write "
+                f"straight quotes or none: '{text[1:-1]}'")
+    return ""
 
 
 def windows_path_hint(ref: str) -> str:
