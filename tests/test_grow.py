@@ -49,7 +49,9 @@ def test_read_pool_jsonl_and_text(tmp_path):
     bad.write_text('{"text": "ok"}\n{"label": "x"}\nnot json\n')
     with pytest.raises(ConfigError) as err:
         read_pool(bad)
-    assert err.value.problems == [f'{bad}:2: needs a non-empty "text" or "prompt" field',
+    assert err.value.problems == [f'{bad}:2: needs a "text" or "prompt" field (or instruction, question, query, '
+                                  f'input; or a chat record\'s "messages" / "conversations", whose first user turn is '
+                                  f"read); this record's fields: 'label'",
                                   f"{bad}:3: not valid JSON (Expecting value)"]
 
 

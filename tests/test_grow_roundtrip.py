@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
+
+import pytest
 
 from typer.testing import CliRunner
 
 from moe_upcycle.cli import app
 from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.recipe.rewrite import write_grown_config
+from moe_upcycle.errors import ConfigError
 from moe_upcycle.prompts.pool import read_pool_file
 
 runner = CliRunner()
@@ -67,6 +72,72 @@ def test_pool_formats(tmp_path):
     lines.write_text("one prompt\nanother prompt\n")
     assert read_pool_file(lines).format == "lines" and read_pool_file(lines).prompts == ["one prompt", "another prompt"]
     assert read_pool_file(POOL).format == "jsonl" and len(read_pool_file(POOL).prompts) == 16
+    inst = tmp_path / "inst.txt"  # starts with '[' but is not JSON: lines, as before
+    inst.write_text("[INST] Write a poem [/INST]\n[INST] Sort a list [/INST]\n")
+    assert read_pool_file(inst).format == "lines" and read_pool_file(inst).prompts[1] == "[INST] Sort a list [/INST]"
+
+
+@pytest.mark.parametrize("name, body, fmt", [
+    ("pool.json", json.dumps([{"text": "Sort a list in Python"}, {"prompt": "Solve 2x = 8"}]), "json"),
+    ("strings.json", json.dumps(["Sort a list in Python", "Solve 2x = 8"]), "json"),
+    ("spread.txt", '[\n  "Sort a list in Python",\n  "Solve 2x = 8"\n]\n', "json"),
+    ("pool.csv", 'id,Text,label\n1,Sort a list in Python,code\n2,"Solve 2x = 8",math\n', "csv"),
+    ("pool.tsv", "prompt\tlabel\nSort a list in Python\tcode\nSolve 2x = 8\tmath\n", "tsv"),
+    ("alpaca.jsonl", json.dumps({"instruction": "Sort a list in Python", "input": "", "output": "sorted(x)"}) + "\n"
+     + json.dumps({"question": "Solve 2x = 8", "answer": "4"}) + "\n", "jsonl"),
+    ("chat.jsonl", json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Sort a list in Python"},
+                                            {"role": "assistant", "content": "sorted(x)"}]}) + "\n"
+     + json.dumps({"conversations": [{"from": "human", "value": "Solve 2x = 8"}, {"from": "gpt", "value": "4"}]})
+     + "\n", "jsonl"),
+])
+def test_pool_records_of_common_dataset_shapes(name, body, fmt, tmp_path):
+    """Before: a JSON list or a CSV file was read as lines, so `[{"text": ...}]` or the header row `id,Text,label`
+    became a candidate prompt; Alpaca and chat records were refused."""
+    path = tmp_path / name
+    path.write_text(body)
+    pool = read_pool_file(path)
+    assert (pool.format, pool.prompts) == (fmt, ["Sort a list in Python", "Solve 2x = 8"])
+
+
+@pytest.mark.parametrize("name, body, words", [
+    ("obj.json", json.dumps({"data": [{"text": "a"}]}), ["obj.json: a JSON object, not a list of prompts",
+                                                         "the prompts may be its 'data' list"]),
+    ("bad.csv", "id,label\n1,code\n", ["bad.csv: its header row names no prompt column (columns: 'id', 'label')",
+                                         "text, prompt, instruction"]),
+    ("nums.json", "[1, {\"text\": \"ok\"}]", ["nums.json: item 0: a JSON int, not a record"]),
+    ("chat.jsonl", json.dumps({"messages": [{"role": "system", "content": "x"}]}) + "\n",
+     ["chat.jsonl:1: its 'messages' list has no user turn with text"]),
+    ("pretty.jsonl", '{\n  "text": "a"\n}\n', ["pretty.jsonl:1: not valid JSON",
+                                                 "a record spread over lines is JSON: name the file .json"]),
+    ("data.parquet", "PAR1\x00\x15\x04", ["data.parquet: not UTF-8 text: it holds NUL bytes", "Parquet",
+                                            "export its prompts as JSONL or CSV"]),
+    ("utf16.txt", "Sort a list".encode("utf-16-le").decode("latin-1"), ["not UTF-8 text: it holds NUL bytes",
+                                                                         "UTF-16 without a byte-order mark"]),
+])
+def test_pool_files_that_hold_no_prompts_as_read_are_named(name, body, words, tmp_path):
+    path = tmp_path / name
+    path.write_bytes(body.encode("latin-1") if "\x00" in body else body.encode())
+    with pytest.raises(ConfigError) as info:
+        read_pool_file(path)
+    text = " ".join(info.value.problems)
+    for w in words:
+        assert w in text, text
+
+
+def test_prompt_files_read_records_as_the_pool_does(tmp_path):
+    """`positive_prompts_from: prompts.jsonl` gave the JSON text of each line as a prompt."""
+    from moe_upcycle.recipe.prompt_sets import read_prompt_file
+
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"instruction": "Sort a list"}) + "\n" + json.dumps({"text": "Solve 2x = 8"}) + "\n")
+    csv_file = tmp_path / "p.csv"
+    csv_file.write_text("prompt,label\nSort a list,code\n\"Solve 2x = 8, for x\",math\n")
+    records = tmp_path / "p.yaml"
+    records.write_text("prompts:\n  - text: Sort a list\n  - Solve 2x = 8\n")
+    assert read_prompt_file(jsonl) == ["Sort a list", "Solve 2x = 8"]
+    assert read_prompt_file(csv_file) == ["Sort a list", "Solve 2x = 8, for x"]
+    assert read_prompt_file(records) == ["Sort a list", "Solve 2x = 8"]
 
 
 def test_cli_says_which_pool_format_it_used(tiny_llama, tmp_path):
@@ -82,8 +153,8 @@ def test_cli_says_which_pool_format_it_used(tiny_llama, tmp_path):
     result = runner.invoke(app, ["prompts", "grow", str(src), "--pool", str(pool), "--pool-format", "lines",
                                  "-o", str(tmp_path / "b.yaml")])
     assert result.exit_code == 0 and "read as lines (one prompt per line)" in result.stdout
-    bad = runner.invoke(app, ["prompts", "grow", str(src), "--pool", str(pool), "--pool-format", "csv"])
-    assert bad.exit_code == 1 and "--pool-format: 'csv' is not a format" in bad.stderr
+    bad = runner.invoke(app, ["prompts", "grow", str(src), "--pool", str(pool), "--pool-format", "xml"])
+    assert bad.exit_code == 1 and "--pool-format: 'xml' is not a format" in bad.stderr
 
 
 HOSTILE_PROMPTS = ["How do I sort by two columns?", "a, b", "[x]", "{y}", "key: value", "# not a comment", "*star",

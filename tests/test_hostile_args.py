@@ -439,7 +439,7 @@ GROW_CASES = [
     ("output-folder-forced", ["--pool", "{tmp}/prompts.txt", "-o", "{tmp}/a_dir", "--force"],
      ["-o", "a_dir: is a folder; give the path of the YAML file"]),
     ("output-in-missing-folder", ["--pool", "{tmp}/prompts.txt", "-o", "{tmp}/no/such.yaml"], ["does not exist"]),
-    ("pool-format-unknown", ["--pool", "{tmp}/prompts.txt", "--pool-format", "csv"], ["--pool-format: 'csv'"]),
+    ("pool-format-unknown", ["--pool", "{tmp}/prompts.txt", "--pool-format", "xml"], ["--pool-format: 'xml'"]),
 ]
 
 

@@ -91,10 +91,12 @@ def grow(
     config: Path = typer.Argument(..., metavar="CONFIG",
                                   help="The YAML recipe whose experts get more prompts."),
     pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (paragraphs separated by blank lines, "
-                                                  "or one per line when there is no blank line) or JSONL with "
-                                                  "\"text\"/\"prompt\"."),
-    pool_format: str = typer.Option("auto", "--pool-format", help="How to cut the pool: auto, paragraphs, lines "
-                                                                   "or jsonl."),
+                                                  "or one per line when there is no blank line), or records: "
+                                                  "JSONL, a JSON list, CSV or TSV with a \"text\"/\"prompt\" "
+                                                  "field (or instruction, question; chat messages)."),
+    pool_format: str = typer.Option("auto", "--pool-format", help="How to read the pool: auto (by suffix, then "
+                                                                   "content), paragraphs, lines, jsonl, json, csv "
+                                                                   "or tsv."),
     per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the new YAML (default CONFIG.grown.yaml)."),
     in_place: bool = typer.Option(False, "--in-place", help="Replace CONFIG itself."),
@@ -109,13 +111,14 @@ def grow(
     from moe_upcycle.errors import ConfigError
     from moe_upcycle.prompts.embed import load_embedder
     from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, check_growable, check_limits, grow_prompts
-    from moe_upcycle.prompts.pool import read_pool_file
+    from moe_upcycle.prompts.pool import FORMATS, read_pool_file
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.rewrite import grown_target, write_grown_config
     from moe_upcycle.recipe.schema import load_config
 
-    if pool_format not in ("auto", "paragraphs", "lines", "jsonl"):
-        raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use auto, paragraphs, lines or jsonl")
+    if pool_format not in FORMATS:
+        raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use {', '.join(FORMATS[:-1])} or "
+                          f"{FORMATS[-1]}")
     cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     check_limits(per_expert, MIN_SIMILARITY if min_similarity is None else min_similarity,
                  MARGIN if margin is None else margin)

@@ -116,12 +116,18 @@ def decode_utf8(data: bytes, where: str, error: type = ConfigError) -> str:
     """`data` as UTF-8 text, without a leading byte-order mark.
 
     Raises:
-        `error` (a `ConfigError` unless given): the bytes are not UTF-8; says which encoding they look like.
+        `error` (a `ConfigError` unless given): the bytes are not UTF-8 (says which encoding they look like), or
+            hold NUL bytes (a binary file).
 
     Example:
         >>> decode_utf8(b"\\xef\\xbb\\xbfOnce upon a time", "p.txt")
         'Once upon a time'
     """
+    if b"\x00" in data and not data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        # valid UTF-8 to a decoder, but no one's prompts: Parquet or Arrow, a model file, BOM-less UTF-16
+        raise error(f"{where}: not UTF-8 text: it holds NUL bytes, as a binary file does (Parquet, Arrow, a model "
+                    f"file) or UTF-16 without a byte-order mark; re-save it as UTF-8 text (a dataset: export its "
+                    f"prompts as JSONL or CSV)")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -1,10 +1,11 @@
-"""Read a pool of candidate prompts for ``prompts grow``: JSONL, paragraphs or lines.
+"""Read a pool of candidate prompts for ``prompts grow``: JSONL, JSON, CSV/TSV, paragraphs or lines.
 
 A prompt can span lines (a code block, a poem), so a text pool is cut at blank lines by default:
 each blank-line-separated paragraph is one candidate, its inner line breaks kept. A text file
-without any blank line is read one prompt per line. JSONL (a ``.jsonl`` file, or one whose first
-non-blank line starts with ``{``) gives one prompt per record's ``"text"`` or ``"prompt"``. The
-format used is returned with the prompts, so the command can say which it used.
+without any blank line is read one prompt per line. Records — JSONL (a ``.jsonl`` file, or one whose
+first non-blank line starts with ``{``), a JSON list (``.json``, or a file starting with ``[``) of
+strings or records, a CSV or TSV file with a header row — give one prompt per record
+(`inputs.records`). The format used is returned with the prompts, so the command can say which it used.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Literal, Union
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.records import json_list_prompts, jsonl_prompts, table_prompts
 from moe_upcycle.inputs.text import read_utf8
 
-PoolFormat = Literal["auto", "jsonl", "paragraphs", "lines"]
-FORMAT_WORDS = {"jsonl": "JSONL records", "paragraphs": "paragraphs (blank-line separated)",
-                "lines": "lines (one prompt per line)"}
+PoolFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "paragraphs", "lines"]
+FORMATS = ("auto", "jsonl", "json", "csv", "tsv", "paragraphs", "lines")
+FORMAT_WORDS = {"jsonl": "JSONL records", "json": "a JSON list", "csv": "CSV rows", "tsv": "TSV rows",
+                "paragraphs": "paragraphs (blank-line separated)", "lines": "lines (one prompt per line)"}
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,16 @@ class Pool:
 
 
 def detect_format(path: Path, text: str) -> str:
-    """``jsonl`` for .jsonl or a first non-blank line starting with ``{``; else ``paragraphs`` when
-    the text has a blank line; else ``lines``."""
-    first = next((ln for ln in text.splitlines() if ln.strip()), "")
-    if path.suffix == ".jsonl" or first.lstrip().startswith("{"):
+    """By suffix (``.jsonl``, ``.json``, ``.csv``, ``.tsv``), else by the first non-blank character (``{``: JSONL,
+    ``[`` and the whole text is a JSON list: JSON); else ``paragraphs`` when the text has a blank line; else ``lines``."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".csv", ".tsv"):
+        return suffix[1:]
+    first = next((ln for ln in text.splitlines() if ln.strip()), "").lstrip()
+    if first.startswith("{"):
         return "jsonl"
+    if first.startswith("[") and _json_list(text):  # not "[INST] Write a poem" lines
+        return "json"
     return "paragraphs" if re.search(r"\n[ \t]*\n", text.strip()) else "lines"
 
 
@@ -64,10 +72,14 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
     """
     path = Path(path)
     text = read_utf8(path, f"--pool {path}", fix="; give a text file (prompts separated by blank lines, or one per "
-                                                  "line) or JSONL with \"text\"/\"prompt\"")
+                                                  "line), or JSONL, JSON, CSV or TSV records with \"text\"/\"prompt\"")
     fmt = detect_format(path, text) if fmt == "auto" else fmt
     if fmt == "jsonl":
-        prompts = _jsonl(path, text)
+        prompts = jsonl_prompts(path, text)
+    elif fmt == "json":
+        prompts = json_list_prompts(path, text)
+    elif fmt in ("csv", "tsv"):
+        prompts = table_prompts(path, text, "\t" if fmt == "tsv" else ",")
     elif fmt == "paragraphs":
         blocks = re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n"))
         prompts = ["\n".join(ln.rstrip() for ln in b.strip("\n").splitlines()).strip() for b in blocks]
@@ -80,21 +92,8 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
     return Pool(prompts, fmt)
 
 
-def _jsonl(path: Path, text: str) -> list[str]:
-    prompts, problems = [], []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(f"{path}:{n}: not valid JSON ({exc.msg})")
-            continue
-        value = row.get("text", row.get("prompt")) if isinstance(row, dict) else None
-        if not isinstance(value, str) or not value.strip():
-            problems.append(f"{path}:{n}: needs a non-empty \"text\" or \"prompt\" field")
-            continue
-        prompts.append(value.strip())
-    if problems:
-        raise ConfigError(*problems)
-    return prompts
+def _json_list(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), list)
+    except ValueError:
+        return False

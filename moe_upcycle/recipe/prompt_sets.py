@@ -22,6 +22,7 @@ import yaml
 
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.yaml_load import load_yaml_text
+from moe_upcycle.inputs.records import json_list_prompts, jsonl_prompts, table_prompts
 from moe_upcycle.inputs.text import check_texts, read_utf8
 
 MIN_SET_PROMPTS = 20
@@ -94,22 +95,32 @@ def resolve_reference(ref: str) -> Path:
 
 
 def read_prompt_file(path: Path) -> list[str]:
-    """Prompts from a file: prompt-set YAML (``prompts:``), YAML/JSON list, or text (one per line).
+    """Prompts from a file: prompt-set YAML (``prompts:``), YAML/JSON list (of strings, or of records as
+    `inputs.records` reads them), JSONL, CSV or TSV records, or text (one per line).
 
     Raises:
         ConfigError: unreadable file, wrong shape, or no prompts.
     """
-    text = read_utf8(path, f"prompt file {path}", fix="; give a YAML/JSON list of prompts or a text file, one per line")
-    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+    text = read_utf8(path, f"prompt file {path}", fix="; give a YAML/JSON list of prompts, JSONL/CSV records or a "
+                                                       "text file, one per line")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        prompts = jsonl_prompts(path, text)
+    elif suffix in (".csv", ".tsv"):
+        prompts = table_prompts(path, text, "\t" if suffix == ".tsv" else ",")
+    elif suffix in (".yaml", ".yml", ".json"):
         try:
-            data = json.loads(text) if path.suffix.lower() == ".json" else load_yaml_text(text, str(path))
+            data = json.loads(text) if suffix == ".json" else load_yaml_text(text, str(path))
         except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:
             raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()} ({exc})") from None
         if isinstance(data, dict) and "prompts" in data:
             data = data["prompts"]
-        if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
+        if isinstance(data, list) and any(isinstance(p, dict) for p in data):
+            prompts = json_list_prompts(path, json.dumps(data))  # records: {"text": ...}, {"instruction": ...}
+        elif not isinstance(data, list) or not all(isinstance(p, str) for p in data):
             raise ConfigError(f"{path}: expected a list of prompt strings, or a mapping with a prompts: list")
-        prompts = [p for p in data if p.strip()]
+        else:
+            prompts = [p for p in data if p.strip()]
     else:
         prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
