@@ -39,6 +39,22 @@ def test_unknown_labels_are_all_reported():
         routing_accuracy(torch.zeros(3, 2, dtype=torch.long), ["a", "b"], ["a", "b"])
 
 
+def test_read_labeled_csv_and_tsv_with_a_header(tmp_path):
+    """A spreadsheet export: before, each row was read as one unlabeled prompt ("code,Write a C function")."""
+    csv_file = tmp_path / "labels.csv"
+    csv_file.write_text('Expert,Prompt\ncode,Write a C function\nmath,"Integrate x^2, then check"\n,unlabeled\n')
+    assert read_labeled(csv_file) == (["Write a C function", "Integrate x^2, then check", "unlabeled"],
+                                      ["code", "math", None])
+    tsv = tmp_path / "labels.tsv"
+    tsv.write_text("text\tlabel\nWrite a C function\tcode\n")
+    assert read_labeled(tsv) == (["Write a C function"], ["code"])
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,expert\n1,code\n")
+    with pytest.raises(ConfigError, match="its header row names no \"text\" or \"prompt\" column \\(columns: 'id', "
+                                          "'expert'\\)"):
+        read_labeled(bad)
+
+
 def test_read_labeled_formats(tmp_path):
     path = tmp_path / "labeled.jsonl"
     path.write_text('{"text": "Write a C function", "expert": "code"}\n\n{"prompt": "Integrate x^2"}\n'

@@ -25,6 +25,7 @@ import torch
 from moe_upcycle.recipe.params import ExpertPrompts
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.records import table_rows
 from moe_upcycle.inputs.text import read_utf8
 
 
@@ -142,7 +143,8 @@ def label_by_embedding(prompts: Sequence[str], experts: Sequence[ExpertPrompts],
 
 
 def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]]:
-    """Read prompts and labels: JSONL with "text"/"prompt" and "expert"/"label", or plain text.
+    """Read prompts and labels: JSONL with "text"/"prompt" and "expert"/"label", CSV/TSV with a header row
+    naming such columns (``.csv``, ``.tsv``), or plain text.
 
     Plain text is one prompt per line, optionally ``expert<TAB>prompt``. A prompt without a
     label gets None (to be filled by `label_by_embedding`).
@@ -155,7 +157,10 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     prompts: list[str] = []
     labels: list[Optional[str]] = []
     problems = []
-    for n, line in enumerate(read_utf8(path, f"--labeled {path}").splitlines(), 1):
+    text = read_utf8(path, f"--labeled {path}")
+    if path.suffix.lower() in (".csv", ".tsv"):
+        return _labeled_table(path, text, "\t" if path.suffix.lower() == ".tsv" else ",")
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -203,3 +208,17 @@ def labels_for(prompts: Sequence[str], labels: Sequence[Optional[str]],
     for i, lab in zip(missing, guessed):
         out[i] = lab
     return out
+
+
+def _labeled_table(path: Path, text: str, delimiter: str) -> tuple[list[str], list[Optional[str]]]:
+    header, rows = table_rows(path, text, delimiter)
+    column = next((f for f in ("text", "prompt") if f in header), None)
+    label = next((f for f in ("expert", "label") if f in header), None)
+    if column is None:
+        raise ConfigError(f"--labeled {path}: its header row names no \"text\" or \"prompt\" column (columns: "
+                          f"{', '.join(repr(h) for h in header[:8]) or 'none'}); add one, and an \"expert\" column")
+    kept = [row for row in rows if (row.get(column) or "").strip()]
+    if not kept:
+        raise ConfigError(f"--labeled {path}: holds no prompt under its {column!r} column")
+    return ([row[column].strip() for row in kept],
+            [((row.get(label) or "").strip() or None) if label else None for row in kept])

@@ -75,18 +75,23 @@ def json_list_prompts(path: Path, text: str) -> list[str]:
 
 def table_prompts(path: Path, text: str, delimiter: str) -> list[str]:
     """The prompt column of a CSV/TSV file with a header row (a field may hold line breaks, in quotes)."""
-    try:
-        rows = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter))
-    except csv.Error as exc:
-        raise ConfigError(f"{path}: not a readable {'TSV' if delimiter == chr(9) else 'CSV'} file ({exc})") from None
-    header = [h.strip() for h in rows[0]] if rows else []
-    lower = [h.lower() for h in header]
-    column = next((lower.index(f) for f in TEXT_FIELDS if f in lower), None)
+    header, rows = table_rows(path, text, delimiter)
+    column = next((f for f in TEXT_FIELDS if f in header), None)
     if column is None:
         shown = ", ".join(repr(h) for h in header[:8]) or "none"
         raise ConfigError(f"{path}: its header row names no prompt column (columns: {shown}); name the column of "
                           f"prompts one of {', '.join(TEXT_FIELDS)}")
-    return [row[column].strip() for row in rows[1:] if len(row) > column]
+    return [row[column].strip() for row in rows if row.get(column)]
+
+
+def table_rows(path: Path, text: str, delimiter: str) -> tuple[list[str], list[dict[str, str]]]:
+    """(the header's column names, lower-cased; one mapping per row) of a CSV/TSV file."""
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter))
+    except csv.Error as exc:
+        raise ConfigError(f"{path}: not a readable {'TSV' if delimiter == chr(9) else 'CSV'} file ({exc})") from None
+    header = [h.strip().lower() for h in rows[0]] if rows else []
+    return header, [dict(zip(header, row)) for row in rows[1:] if any(cell.strip() for cell in row)]
 
 
 def record_text(row: Any) -> tuple[Optional[str], Optional[str]]:
