@@ -241,6 +241,12 @@ BEYONDER = (PUBLISHED / "beyonder_4x7b_v3.yaml").read_text(encoding="utf-8")
      [":3: line 3 starts with '\u2013' (U+2013)"]),
     ("bullet-prompts", BEYONDER.replace('    - "chat"', '    \u2022 "chat"', 1).encode(),
      ["starts with '\u2022' (U+2022)", 'write - "chat"']),
+    # curly quotes are text to YAML: a comma inside them split one prompt in two (whole ones are kept as written)
+    ("curly-quotes-split", BEYONDER.replace('    positive_prompts:\n    - "chat"',
+                                            '    positive_prompts: [\u201cchat, then code\u201d, \u201cok\u201d]\n'
+                                            '    negative_prompts:\n    - "chat"', 1).encode(),
+     ["experts[0].positive_prompts: prompts 0 to 1 are one prompt in curly quotes, \u201cchat, then code\u201d, that "
+      "YAML split at its comma: curly quotes are not YAML quotes; write the prompt in straight quotes"]),
 ])
 def test_pasted_file_trouble_names_the_line_and_fix(case, data, words, tmp_path):
     path = tmp_path / "pasted.yaml"

@@ -202,6 +202,7 @@ class ExpertConfig(_Strict):
                 shown, kind = (str(p).lower(), "boolean") if isinstance(p, bool) else (repr(p), "number")
                 problems.append(f"prompt {i} is {shown}, which YAML read as a {kind}, not text (unquoted yes, no, "
                                 f"on, off, true, false and numbers are not strings); put the prompt in quotes")
+        problems += _split_curly_quotes(prompts if isinstance(prompts, list) else [])
         if problems:
             raise ValueError("\n".join(problems))
         return prompts
@@ -663,6 +664,30 @@ def _shown(value: Any) -> str:
     except (TypeError, ValueError):
         return short_repr(value)
     return text if len(text) <= 40 else short_repr(value)
+
+
+OPENING_QUOTES, CLOSING_QUOTES = "\u201c\u2018\u201e\u00ab", "\u201d\u2019\u00bb"
+
+
+def _split_curly_quotes(prompts: list) -> list[str]:
+    """Prompts that YAML split at a comma inside curly quotes: ``[“Write a poem, then a story”]`` (pasted from a
+    web page or a word processor) is two prompts, ``“Write a poem`` and ``then a story”``; one problem per split.
+
+    A whole prompt in curly quotes is left as written (mergekit-moe routes on it the same way).
+    """
+    out, start = [], None
+    for i, p in enumerate(prompts):
+        text = p.strip() if isinstance(p, str) else ""
+        if start is None and text[:1] in OPENING_QUOTES and text[-1:] not in CLOSING_QUOTES:
+            start = i
+        elif start is not None and text[-1:] in CLOSING_QUOTES and text[:1] not in OPENING_QUOTES:
+            joined = ", ".join(str(q).strip() for q in prompts[start:i + 1])
+            shown = joined if len(joined) <= 60 else joined[:57] + "..."
+            out.append(f"prompts {start} to {i} are one prompt in curly quotes, {shown}, that YAML split at its "
+                       f"comma{'s' if i - start > 1 else ''}: curly quotes are not YAML quotes; write the prompt in "
+                       f"straight quotes (\"...\")")
+            start = None
+    return out
 
 
 def _not_text(value: Any, key: str) -> str:
