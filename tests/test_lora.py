@@ -629,3 +629,24 @@ def test_a_model_folder_holding_an_adapter_is_built_as_transformers_loads_it(tin
     got = model_logits(out, "Once upon a time there was a cat")
     assert not torch.allclose(want, model_logits(tiny_llama, "Once upon a time there was a cat"), atol=1e-3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_adapter_resaved_during_the_build_is_never_merged_from(tiny_llama, adapters, tmp_path):
+    """The next checkpoint of a LoRA run saved over the adapter while a build merges it: before, the experts
+    mixed the old adapter's tensors and the new one's."""
+    from moe_upcycle.errors import SourceError
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(adapters["ffn"], adapter)
+    seen = []
+
+    def resave_once(step, plan):
+        if not seen:
+            seen.append(step.name)
+            _edit_weights(adapter, lambda state: state.update({k: v * 2 for k, v in state.items()}))
+
+    target = tmp_path / "moe"
+    with pytest.raises(SourceError, match="adapter_model.safetensors: the file changed on disk after the build read "
+                                          "its header"):
+        upcycle(moe_config(str(tiny_llama), [f"{tiny_llama}+{adapter}", str(tiny_llama)]), target, on_step=resave_once)
+    assert not target.exists() and (adapter / "adapter_model.safetensors").is_file()

@@ -31,6 +31,7 @@ from safetensors import safe_open
 
 from moe_upcycle.errors import SourceError, UpcycleWarning
 from moe_upcycle.checkpoint.bin_files import load_bin
+from moe_upcycle.checkpoint.file_stamp import FileStamp
 from moe_upcycle.checkpoint.headers import read_safetensors_header
 from moe_upcycle.checkpoint.model_refs import resolve_model
 
@@ -99,6 +100,7 @@ class Adapter:
     dtypes: dict[str, torch.dtype]
     base_name: str = ""
     replaced: dict[str, str] = field(default_factory=dict)
+    stamp: Optional[FileStamp] = None  # the adapter file as its header was read (see `file_stamp`)
     _state: Optional[dict] = field(default=None, repr=False)
 
     @classmethod
@@ -127,6 +129,7 @@ class Adapter:
         if file is None:
             raise SourceError(f"{where}: {path} has no {' or '.join(ADAPTER_FILES)}; save the adapter with peft's "
                               f"save_pretrained")
+        stamp = FileStamp.of(os.stat(file))
         infos = ({k: (i.shape, i.dtype) for k, i in read_safetensors_header(file).items()}
                  if file.suffix == ".safetensors" else {k: (tuple(t.shape), t.dtype) for k, t in load_bin(file).items()})
         replaced, problems = _replacements(infos, file, model_tensors, model_ref)
@@ -144,13 +147,20 @@ class Adapter:
                           f"base_model_name_or_path), not {model_ref!r}; it is merged anyway, as mergekit does",
                           UpcycleWarning, stacklevel=2)
         dtypes = {k: model_tensors[k].dtype for k in [*pairs, *replaced]}
-        return cls(ref=ref, path=path, file=file, pairs=pairs, dtypes=dtypes, base_name=base_name, replaced=replaced)
+        return cls(ref=ref, path=path, file=file, pairs=pairs, dtypes=dtypes, base_name=base_name, replaced=replaced,
+                   stamp=stamp)
 
     def changes(self, key: str) -> bool:
         """Whether this adapter changes model weight `key`."""
         return key in self.pairs or key in self.replaced
 
+    def check_unchanged(self) -> None:
+        """Raise `SourceError` when the adapter file changed since its header was read."""
+        if self.stamp is not None:
+            self.stamp.check(self.file)
+
     def _tensor(self, key: str) -> torch.Tensor:
+        self.check_unchanged()
         if self.file.suffix == ".safetensors":
             with safe_open(str(self.file), framework="pt", device="cpu") as fh:
                 return fh.get_tensor(key)

@@ -29,6 +29,7 @@ from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_prob
 from moe_upcycle.inputs.paths import broken_link
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
+from moe_upcycle.checkpoint.file_stamp import FileStamp, changed_message
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
 from moe_upcycle.checkpoint.lora import Adapter, reference_parts
 from moe_upcycle.checkpoint.model_refs import repo_and_revision, resolve_model
@@ -170,21 +171,15 @@ class Checkpoint:
         Raises:
             SourceError: a file is gone, or its size, modification time or inode changed.
         """
-        for file in self.stamps:
-            try:
-                now = os.stat(self.path / file)
-            except OSError as exc:
-                raise SourceError(f"{self.path / file}: the file is gone or unreadable since the build read its "
-                                  f"header ({exc.strerror or exc}); nothing was written — run the build again once "
-                                  f"nothing is changing the model folder") from None
-            self._same_file(file, now)
+        for file, then in self.stamps.items():
+            then.check(self.path / file)
+        if self.adapter is not None:
+            self.adapter.check_unchanged()
 
     def _same_file(self, file: str, now: os.stat_result) -> None:
         then = self.stamps.get(file)
         if then is not None and then != FileStamp.of(now):
-            raise SourceError(f"{self.path / file}: the file changed on disk after the build read its header "
-                              f"({then.difference(FileStamp.of(now))}); the MoE would mix two versions of the model, "
-                              f"so nothing was written — run the build again once nothing is writing to {self.path}")
+            raise SourceError(changed_message(self.path / file, then, now))
 
 
 def open_sources(refs: dict[str, str],
@@ -352,25 +347,3 @@ def meta_checkpoint(ref: str, config: dict, tensors: dict[str, tuple[tuple[int, 
     """A checkpoint with shapes only (no files), for planning huge models in tests."""
     infos = {k: TensorInfo(k, tuple(s), d, "") for k, (s, d) in tensors.items()}
     return Checkpoint(ref=ref, path=None, config=config, tensors=infos, from_config=True)
-
-
-@dataclass(frozen=True)
-class FileStamp:
-    """What identifies one version of a file on disk: device, inode, size and modification time (ns)."""
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> "FileStamp":
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-    def difference(self, now: "FileStamp") -> str:
-        """What changed, in words: "replaced by another file", "12 bytes -> 40 bytes", "modified"."""
-        if (self.device, self.inode) != (now.device, now.inode):
-            return "replaced by another file"
-        if self.size != now.size:
-            return f"{self.size} bytes, now {now.size}"
-        return "modified"
