@@ -13,6 +13,8 @@ tests/data/mergekit_configs/published): each refused with the field or line and 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -80,6 +82,36 @@ def test_characters_pasted_from_a_web_page_are_named(ref, words, empty_cache):
         resolve_model(ref, "base_model")
     for w in words:
         assert w in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("ref, meant", [
+    ("./Models/Mistral-7B", "./models/mistral-7b"),  # written on macOS or Windows, whose file systems ignore case
+    ("./models/MISTRAL-7B/", "./models/mistral-7b"),
+    ("./modles/mistral-7b", "./models/mistral-7b"),  # a slip in a folder higher up
+    ("./models/mitsral-7b", "./models/mistral-7b"),  # two letters swapped
+    ("./models/cafe\u0301", "./models/caf\u00e9"),  # a name typed on macOS (NFD) for one saved elsewhere (NFC)
+    ("Models/Mistral-7B", "the folder models/mistral-7b"),  # reads like a hub id
+])
+def test_a_path_that_differs_only_slightly_names_the_model_folder(ref, meant, empty_cache, tiny_llama):
+    import shutil
+
+    for folder in ("models/mistral-7b", "models/caf\u00e9"):
+        shutil.copytree(tiny_llama, folder)
+    (Path("models") / "notes").mkdir()  # a folder without config.json is never suggested
+    with pytest.raises(SourceError) as info:
+        resolve_model(ref, "base_model")
+    assert f"did you mean {meant}?" in str(info.value), str(info.value)
+
+
+def test_no_suggestion_without_a_near_model_folder(empty_cache, tiny_llama):
+    import shutil
+
+    shutil.copytree(tiny_llama, "models/mistral-7b")
+    (Path("models") / "Notes").mkdir()
+    for ref in ("./models/notes", "./models/llama-3-8b", "./elsewhere/mistral-7b"):
+        with pytest.raises(SourceError) as info:
+            resolve_model(ref, "base_model")
+        assert "did you mean" not in str(info.value) and "check the path" in str(info.value), str(info.value)
 
 
 CONFIG = "base_model: org/base\ngate_mode: random\nexperts:\n  - source_model: org/a\n  - source_model: org/b\n"

@@ -74,6 +74,9 @@ def missing_model_hint(ref: str) -> str:
         return f"write the hub id, not its web address: {url.group(1)}"
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
     if is_hub_id(repo):
+        near = "" if revision else near_folder(ref)
+        if near:  # Models/Stories for the local folder models/stories reads like a hub id
+            return f"it is not a hub model in the local cache nor a folder here; did you mean the folder {near}?"
         at = ("--revision", revision) if revision else ()
         return (f"give a local folder, or download the hub model first ({download_command(repo, *at)}; "
                 f"`moe-upcycle plan --from-config` needs only {download_command(repo, 'config.json', *at)})")
@@ -82,7 +85,46 @@ def missing_model_hint(ref: str) -> str:
         return windows
     if re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*/$", ref):
         return f"there is no model name after '{ref}': write {ref}name (the hub id), or give a folder"
+    near = near_folder(ref)
+    if near:
+        return f"there is no folder {Path(ref).expanduser()}; did you mean {near}?"
     return f"check the path: there is no folder {Path(ref).expanduser()}; give the folder of a saved model"
+
+
+def near_folder(ref: str) -> str:
+    """A model folder near where `ref` points whose path is `ref`'s but for letter case, Unicode normalisation
+    (a name typed on macOS) or a slip in a name; the path to write, or empty.
+
+    Configs written on macOS or Windows, whose file systems ignore case, name ``./Models/Mistral`` for
+    ``./models/mistral``; this machine does not. Only a folder holding config.json is suggested.
+    """
+    import difflib
+    import unicodedata
+
+    path = Path(ref).expanduser()
+    parent, missing = path, []
+    while not parent.is_dir():  # the deepest folder that exists, and the names below it
+        if parent == parent.parent:
+            return ""
+        missing.insert(0, parent.name)
+        parent = parent.parent
+    key = lambda n: unicodedata.normalize("NFC", n).casefold()
+    guess = parent
+    for name in missing:
+        try:
+            names = [p.name for p in guess.iterdir() if p.is_dir()]
+        except OSError:
+            return ""
+        close = ([n for n in names if key(n) == key(name)]
+                 or [n for n in names if sorted(key(n)) == sorted(key(name))]  # two letters swapped: bsae, base
+                 or difflib.get_close_matches(name, names, n=1, cutoff=0.8))
+        if not close:
+            return ""
+        guess = guess / close[0]
+    if not (guess / "config.json").is_file():
+        return ""
+    shown = str(guess) if path.is_absolute() else os.path.relpath(guess)
+    return "./" + shown if ref.startswith("./") and not shown.startswith(("/", "..")) else shown
 
 
 # characters a web page or a word processor puts into text copied from it, invisible or look-alike
