@@ -51,6 +51,15 @@ def test_read_documents_txt_jsonl_folder(tmp_path):
         read_documents(bad)
 
 
+def test_calibration_text_saved_on_windows_gives_the_same_documents(tmp_path):
+    """CRLF line ends used to stay inside each document (a \r token before every line break)."""
+    unix, windows = tmp_path / "unix.txt", tmp_path / "windows.txt"
+    text = "first doc\nstill first\n\nsecond doc\n"
+    unix.write_bytes(text.encode())
+    windows.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    assert read_documents(windows) == read_documents(unix) == ["first doc\nstill first", "second doc"]
+
+
 def _kmeans_config(stories, corpus, seed=0, n=4):
     return load_config({"base_model": str(stories), "num_experts": n, "gate_mode": "kmeans", "device": "cpu",
                         "calibration_text": str(corpus), "seed": seed, "batch_size": 8})

@@ -56,7 +56,7 @@ def read_documents(path: str | Path) -> list[str]:
 
 
 def _read_text(file: Path) -> list[str]:
-    text = _read(file)
+    text = _read(file).replace("\r\n", "\n")  # a file saved on Windows gives the same documents, not \r in each
     return [d.strip() for d in re.split(r"\n\s*\n", text) if d.strip()]
 
 
