@@ -75,9 +75,15 @@ def test_other_missing_paths_keep_their_message(ref, words, empty_cache):
     ("\u201c./ft0\u201d", ["it is wrapped in curly quotes (\u201c \u201d), which YAML keeps as part of the name; "
                            "write straight quotes or none: './ft0'"]),
     ("\u2018org/model\u2019", ["curly quotes (\u2018 \u2019)", "'org/model'"]),
+    ("$HOME/models/mistral", ["it names an environment variable, which a recipe does not expand",
+                              "write the path itself: /home/tester/models/mistral"]),
+    ("${UNSET_MODELS_DIR}/mistral", ["it names an environment variable", "write the path itself"]),
 ])
-def test_characters_pasted_from_a_web_page_are_named(ref, words, empty_cache):
-    """A model reference copied from a rendered model card: before, "not found" with the path looking right."""
+def test_characters_pasted_from_a_web_page_are_named(ref, words, empty_cache, monkeypatch):
+    """A model reference copied from a rendered model card (or a shell script): before, "not found" with the
+    path looking right."""
+    monkeypatch.setenv("HOME", "/home/tester")
+    monkeypatch.delenv("UNSET_MODELS_DIR", raising=False)
     with pytest.raises(SourceError) as info:
         resolve_model(ref, "base_model")
     for w in words:

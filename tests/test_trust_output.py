@@ -247,3 +247,25 @@ def test_an_output_name_that_is_not_utf8_is_refused_before_any_work(command, tin
     assert code == 1 and "Traceback" not in output, output
     assert "the path holds bytes that are not UTF-8 text, and transformers cannot load a tokenizer" in said, said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+@pytest.mark.parametrize("output", ["$HOME/moe", "${RUNS}/run-7/moe", "out/$RUN/moe"])
+@pytest.mark.parametrize("command", ["build", "plan"])
+def test_output_named_after_an_environment_variable_is_refused(output, command, tiny_llama, tmp_path, monkeypatch):
+    """`output: $HOME/moe` made a folder literally named `$HOME` in the current folder (YAML expands nothing)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n"
+                                       f"output: {output}\n")
+    code, text = cli(command, "cfg.yaml")
+    variable = next(part for part in output.split("/") if part.startswith("$"))
+    assert code == 1, text
+    assert f"{variable} is an environment variable, which a recipe does not expand" in " ".join(text.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]  # no `$HOME` folder, no `out`
+
+
+def test_an_existing_folder_named_like_a_variable_is_the_users(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "$RUN").mkdir()
+    (tmp_path / "cfg.yaml").write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n")
+    code, text = cli("build", "cfg.yaml", "$RUN/moe")
+    assert code == 0 and (tmp_path / "$RUN" / "moe" / "config.json").is_file(), text

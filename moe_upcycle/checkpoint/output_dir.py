@@ -17,6 +17,7 @@ import fcntl
 import glob
 import hashlib
 import os
+import re
 import shutil
 import signal
 import stat
@@ -87,6 +88,9 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
                 f"cannot load a tokenizer from such a folder; choose a name of ordinary characters")
     if target.exists() and not target.is_dir():
         return f"output {target} exists and is a file; choose another output path"
+    variable = _unexpanded_variable(target)
+    if variable:
+        return variable
     reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
     if reason:
         return (f"output: {reason}; it is never replaced, with or without --force. Write the model to "
@@ -134,7 +138,7 @@ def made_parent(target: Path) -> Iterator[None]:
         OutputError: a parent cannot be created (a file is in the way, no permission).
     """
     parent = Path(target).expanduser().resolve().parent
-    blocking = _file_in_the_way(target)
+    blocking = _unexpanded_variable(Path(target).expanduser().resolve()) or _file_in_the_way(target)
     if blocking:  # mkdir would only say "File exists" or "Not a directory"
         raise OutputError(blocking)
     missing = [p for p in (parent, *parent.parents) if not p.exists()][::-1]  # outermost first
@@ -149,6 +153,17 @@ def made_parent(target: Path) -> Iterator[None]:
     except BaseException:
         _remove_empty(missing)
         raise
+
+
+def _unexpanded_variable(target: Path) -> Optional[str]:
+    """Why `target` (resolved) names a folder to make after an environment variable (``output: $HOME/moe``, which
+    would make a folder named ``$HOME`` here), or None. A folder of that name that exists already is the user's."""
+    variable = next((part for part in [target, *target.parents] if not part.exists()
+                     and re.match(r"^\$\{?[A-Za-z_]\w*\}?", part.name)), None)
+    if variable is None:
+        return None
+    return (f"output {target}: {variable.name} is an environment variable, which a recipe does not expand (the shell "
+            f"does, YAML does not), so a folder named {variable.name} would be made; write the path itself")
 
 
 def _remove_empty(folders: list[Path]) -> None:

@@ -69,6 +69,11 @@ def missing_model_hint(ref: str) -> str:
     pasted = pasted_characters(ref)
     if pasted:
         return pasted
+    if re.search(r"\$\{?[A-Za-z_]", ref):  # $HOME/models/x, ${MODELS}/x: a shell would expand them, YAML does not
+        expanded = os.path.expandvars(ref)
+        known = expanded != ref and "$" not in expanded
+        return (f"it names an environment variable, which a recipe does not expand (the shell does, YAML does "
+                f"not); write the path itself" + (f": {expanded}" if known else ""))
     url = re.match(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
     if url:
         return f"write the hub id, not its web address: {url.group(1)}"
