@@ -269,3 +269,19 @@ def test_an_existing_folder_named_like_a_variable_is_the_users(tiny_llama, tmp_p
     (tmp_path / "cfg.yaml").write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n")
     code, text = cli("build", "cfg.yaml", "$RUN/moe")
     assert code == 0 and (tmp_path / "$RUN" / "moe" / "config.json").is_file(), text
+
+
+def test_input_paths_with_an_environment_variable_say_so(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/tester")
+    prompts = (f"base_model: {tiny_llama}\ngate_mode: hidden\nexperts:\n  - source_model: {tiny_llama}\n"
+               f"    positive_prompts_from: $HOME/code.txt\n  - source_model: {tiny_llama}\n    positive_prompts: [x]\n")
+    calibration = f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: kmeans\ncalibration_text: ${{DATA}}/c.txt\n"
+    for text, words in [(prompts, "experts[0].positive_prompts_from: '$HOME/code.txt' is not an existing file: it "
+                                  "names an environment variable, which a recipe does not expand (the shell does, "
+                                  "YAML does not); write the path itself: /home/tester/code.txt"),
+                        (calibration, "calibration_text: ${DATA}/c.txt does not exist; it names an environment "
+                                      "variable")]:
+        (tmp_path / "cfg.yaml").write_text(text)
+        code, output = cli("plan", "cfg.yaml")
+        assert code == 1 and words in " ".join(output.split()), output

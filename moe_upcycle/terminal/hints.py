@@ -69,11 +69,9 @@ def missing_model_hint(ref: str) -> str:
     pasted = pasted_characters(ref)
     if pasted:
         return pasted
-    if re.search(r"\$\{?[A-Za-z_]", ref):  # $HOME/models/x, ${MODELS}/x: a shell would expand them, YAML does not
-        expanded = os.path.expandvars(ref)
-        known = expanded != ref and "$" not in expanded
-        return (f"it names an environment variable, which a recipe does not expand (the shell does, YAML does "
-                f"not); write the path itself" + (f": {expanded}" if known else ""))
+    variable = variable_hint(ref)
+    if variable:
+        return variable
     url = re.match(r"^(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([^/?#]+/[^/?#]+)", ref.strip())
     if url:
         return f"write the hub id, not its web address: {url.group(1)}"
@@ -162,6 +160,22 @@ def pasted_characters(text: str) -> str:
         return (f"it is wrapped in curly quotes ({text[0]} {text[-1]}), which YAML keeps as part of the name; write "
                 f"straight quotes or none: '{text[1:-1]}'")
     return ""
+
+
+def variable_hint(ref: str) -> str:
+    """What to write for a path that names an environment variable (``$HOME/models/x``, ``${DATA}/p.txt``), which
+    a shell expands and a recipe does not; empty when it names none.
+
+    Example:
+        >>> variable_hint("${NO_SUCH_VARIABLE_HERE}/p.txt")
+        'it names an environment variable, which a recipe does not expand (the shell does, YAML does not); write the path itself'
+    """
+    if not re.search(r"\$\{?[A-Za-z_]", ref):
+        return ""
+    expanded = os.path.expandvars(ref)
+    known = expanded != ref and "$" not in expanded
+    return ("it names an environment variable, which a recipe does not expand (the shell does, YAML does not); "
+            "write the path itself" + (f": {expanded}" if known else ""))
 
 
 def windows_path_hint(ref: str) -> str:
