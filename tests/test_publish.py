@@ -125,6 +125,53 @@ def test_tokenizer_and_generation_files_are_copied_byte_for_byte(licensed_base, 
     assert rendered == "<s>user: What is 12 times 7?</s>\nassistant:"
 
 
+@pytest.fixture
+def named_templates(tiny_llama, tmp_path) -> Path:
+    """A base whose tokenizer has named chat templates (transformers saves them in additional_chat_templates/)."""
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tokenizer.chat_template = {"default": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                               "tool_use": "TOOLS: {{ tools }} {% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    tokenizer.save_pretrained(str(base))
+    assert (base / "additional_chat_templates" / "tool_use.jinja").is_file()
+    return base
+
+
+def test_named_chat_templates_are_copied_and_owned(named_templates, tmp_path):
+    """Before, the MoE lost every chat template but the default one (tool_use, rag...)."""
+    from transformers import AutoTokenizer
+
+    out = upcycle({"base_model": str(named_templates), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe").output
+    name = "additional_chat_templates/tool_use.jinja"
+    assert (out / name).read_bytes() == (named_templates / name).read_bytes()
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template == \
+        AutoTokenizer.from_pretrained(str(named_templates)).chat_template
+    recipe = json.loads((out / "moe_upcycle.json").read_text())
+    assert recipe["sha256"][name] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+    assert verify(out).ok
+    # the folder is the build's own: --force replaces it ...
+    assert upcycle({"base_model": str(named_templates), "num_experts": 2, "gate_mode": "random"}, out,
+                   force=True).output == out
+    # ... but not with a template the user added or edited there, which verify also names
+    (out / name).write_text("edited")
+    result = verify(out)
+    assert not result.ok and any(p.startswith(f"{name}: differs from the base's") for p in result.problems)
+    (out / "additional_chat_templates" / "mine.jinja").write_text("user's own")
+    code = runner.invoke(app, ["build", "--force", str(_recipe_file(tmp_path, named_templates)), str(out)])
+    assert code.exit_code == 1
+    assert "additional_chat_templates/mine.jinja" in code.output and f"{name} (changed since the build)" in code.output
+    assert (out / "additional_chat_templates" / "mine.jinja").read_text() == "user's own"
+
+
+def _recipe_file(tmp_path: Path, base: Path) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n")
+    return path
+
+
 def test_build_verify_puts_results_in_card_and_recipe(licensed_base, tmp_path, write_yaml):
     cfg = write_yaml({"base_model": str(licensed_base), "num_experts": 4, "gate_mode": "random"})
     out = tmp_path / "moe"

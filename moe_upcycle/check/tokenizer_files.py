@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moe_upcycle.checkpoint.names import TOKENIZER_FILES
+from moe_upcycle.checkpoint.names import tokenizer_files
 
 # keys a save writes that no loader uses: where and how it was loaded, by which version
 SAVE_NOISE = frozenset({"is_local", "local_files_only", "name_or_path", "_commit_hash", "transformers_version",
@@ -49,7 +49,7 @@ def tokenizer_differences(base: Path, folder: Path, ours: bool) -> tuple[list[st
     """
     problems: list[str] = []
     notes: list[str] = []
-    for name in TOKENIZER_FILES:
+    for name in tokenizer_files(base):
         mine, theirs = base / name, folder / name
         if not mine.is_file():
             continue

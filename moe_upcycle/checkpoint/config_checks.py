@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
-from moe_upcycle.checkpoint.names import TOKENIZER_FILES
+from moe_upcycle.checkpoint.names import tokenizer_files
 from moe_upcycle.inputs.paths import broken_link
 
 # largest sane values: far above any released model, far below what makes the planner hang
@@ -131,7 +131,7 @@ def side_file_problems(folder: Path) -> list[str]:
     loads its weights but not its tokenizer; better to say so before building.
     """
     out = []
-    for name in TOKENIZER_FILES:
+    for name in tokenizer_files(folder):
         file = folder / name
         link = broken_link(file)
         if link:

@@ -2,7 +2,7 @@
 
 A build writes it last (`publish.manifest.write_recipe`): a JSON object with the tool's name and
 version, the resolved recipe under ``config``, the seed, and under ``sha256`` the digest of every
-file the build wrote, by plain file name. `verify`, `route` and the ownership checks of ``--force``
+file the build wrote, by plain file name (and ``additional_chat_templates/NAME.jinja`` for named chat templates). `verify`, `route` and the ownership checks of ``--force``
 read it back; `load_manifest` is the one reader, so a damaged or hand-edited manifest (a list, a
 ``sha256`` that is not a mapping, a name such as ``../../etc/passwd`` or ``/dev/zero``) is a
 message naming the file and the field, never a traceback and never a read outside the folder.
@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from moe_upcycle.checkpoint.names import is_tokenizer_file
 from moe_upcycle.errors import SourceError
 
 MANIFEST = "moe_upcycle.json"
@@ -63,7 +64,8 @@ def shape_problem(data: object) -> Optional[str]:
     if not isinstance(digests, dict):
         return f"sha256 is a JSON {_kind(digests)}, not an object of file names and digests"
     for name, digest in digests.items():
-        if not name or Path(name).name != name or name in (".", ".."):
+        if not isinstance(name, str) or not (name and Path(name).name == name and name not in (".", "..")
+                                             or is_tokenizer_file(name)):
             return f"sha256 names {name!r}, which is not a file name in the folder"
         if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
             return f"sha256 of {name!r} is {digest!r}, not a sha256 hex digest"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from moe_upcycle.errors import PlanError
@@ -30,6 +31,31 @@ TOKENIZER_FILES = (
     "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
+# named chat templates beside the default one (tool_use, rag...), one ``NAME.jinja`` each: transformers ≥ 4.54
+# saves a tokenizer's dict of templates there and loads every file of it
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+_TEMPLATE_FILE = re.compile(rf"^{CHAT_TEMPLATE_DIR}/[^/\\]+\.jinja$")
+
+
+def tokenizer_files(folder: Path) -> list[str]:
+    """The tokenizer files of model `folder` that are there, as paths relative to it (TOKENIZER_FILES, then the
+    named chat templates ``additional_chat_templates/NAME.jinja``); links included, so callers can name broken ones."""
+    found = [name for name in TOKENIZER_FILES if (folder / name).is_file() or (folder / name).is_symlink()]
+    templates = folder / CHAT_TEMPLATE_DIR
+    if templates.is_dir():
+        found += sorted(f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in templates.iterdir()
+                        if is_tokenizer_file(f"{CHAT_TEMPLATE_DIR}/{p.name}") and (p.is_file() or p.is_symlink()))
+    return found
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """Whether `name` (relative to a model folder) is one of the tokenizer files a build copies.
+
+    Example:
+        >>> is_tokenizer_file("additional_chat_templates/tool_use.jinja"), is_tokenizer_file("x/../../etc.jinja")
+        (True, False)
+    """
+    return name in TOKENIZER_FILES or bool(_TEMPLATE_FILE.match(name)) and ".." not in name.split("/")
 
 
 @dataclass(frozen=True)

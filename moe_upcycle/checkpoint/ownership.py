@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Optional, Sequence
 
+from moe_upcycle.checkpoint.names import CHAT_TEMPLATE_DIR
 from moe_upcycle.checkpoint.manifest_file import MANIFEST, load_manifest
 from moe_upcycle.errors import OutputError, SourceError
 
@@ -142,12 +143,28 @@ def foreign_entries(folder: Path) -> list[str]:
     for path in entries:
         if path.name == MANIFEST:
             continue
+        if path.name == CHAT_TEMPLATE_DIR and path.is_dir() and not path.is_symlink():
+            try:  # the one folder a build writes: ours when every entry in it is
+                inside = sorted(path.iterdir(), key=lambda p: p.name)
+            except OSError as exc:
+                out.append(f"{path.name}/ (unreadable: {exc.strerror or exc})")
+                continue
+            out += _foreign(inside, folder, written, digests, since) if inside else [f"{path.name}/"]
+            continue
+        out += _foreign([path], folder, written, digests, since)
+    return out
+
+
+def _foreign(paths: list[Path], folder: Path, written: set, digests: dict, since: int) -> list[str]:
+    out = []
+    for path in paths:
+        name = path.relative_to(folder).as_posix()
         if path.is_symlink() or not path.is_file():
-            out.append(path.name + ("/" if path.is_dir() and not path.is_symlink() else ""))
-        elif path.name not in written:
-            out.append(path.name)
-        elif path.name in digests and path.stat().st_mtime_ns > since and _sha256(path) != digests[path.name]:
-            out.append(f"{path.name} (changed since the build)")
+            out.append(name + ("/" if path.is_dir() and not path.is_symlink() else ""))
+        elif name not in written:
+            out.append(name)
+        elif name in digests and path.stat().st_mtime_ns > since and _sha256(path) != digests[name]:
+            out.append(f"{name} (changed since the build)")
     return out
 
 

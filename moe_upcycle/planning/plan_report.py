@@ -21,7 +21,7 @@ from rich.table import Table
 from moe_upcycle.checkpoint import names
 from moe_upcycle.recipe.schema import UpcycleConfig
 from moe_upcycle.checkpoint.disk_space import free_bytes, human_bytes
-from moe_upcycle.checkpoint.names import TOKENIZER_FILES
+from moe_upcycle.checkpoint.names import tokenizer_files
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
@@ -154,8 +154,8 @@ def disk_needed(plan: Plan, base: Checkpoint) -> int:
     """Bytes the output folder will take: tensors, headers and index, tokenizer files, small files."""
     # a safetensors header entry and an index line cost about the key plus ~64 bytes each
     metadata = sum(2 * len(s.name) + 128 for s in plan.steps)
-    tokenizer = sum((base.path / n).stat().st_size for n in TOKENIZER_FILES
-                    if base.path is not None and (base.path / n).is_file())
+    tokenizer = sum((base.path / n).stat().st_size for n in (tokenizer_files(base.path) if base.path else [])
+                    if (base.path / n).is_file())
     return plan.total_bytes + metadata + tokenizer + SMALL_FILES_BYTES
 
 

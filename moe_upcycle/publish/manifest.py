@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from moe_upcycle import __version__
+from moe_upcycle.checkpoint.names import CHAT_TEMPLATE_DIR
 from moe_upcycle.checkpoint.output_dir import RECIPE_NAME
 from moe_upcycle.planning.replan import relative_local_paths
 from moe_upcycle.recipe.schema import UpcycleConfig
@@ -30,9 +31,11 @@ def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, st
         skip: files left unhashed (the shards with ``checksums: false``).
     """
     hashes = dict(shard_hashes)
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name not in hashes and path.name not in skip:
-            hashes[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    templates = folder / CHAT_TEMPLATE_DIR  # the named chat templates: the one folder a build writes
+    for path in sorted([*folder.iterdir(), *(templates.iterdir() if templates.is_dir() else ())]):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and name not in hashes and name not in skip:
+            hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     recipe = {
         "tool": "moe-upcycle",
         "version": __version__,

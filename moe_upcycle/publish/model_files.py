@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from moe_upcycle.checkpoint.names import TOKENIZER_FILES  # noqa: F401  (re-exported)
+from moe_upcycle.checkpoint.names import TOKENIZER_FILES, tokenizer_files  # noqa: F401  (re-exported)
 
 # one of these defines the vocabulary; the other tokenizer files only configure it
 TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -37,10 +37,12 @@ def missing_tokenizer_warning(base: Path) -> Optional[str]:
 
 
 def copy_tokenizer_files(base: Path, folder: Path) -> list[str]:
-    """Copy the base's tokenizer/generation files byte for byte. Returns the names copied."""
+    """Copy the base's tokenizer/generation files (named chat templates too) byte for byte. Returns the names
+    copied, relative to the folders."""
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in tokenizer_files(base):
         if (base / name).is_file():
+            (folder / name).parent.mkdir(exist_ok=True)
             shutil.copyfile(base / name, folder / name)
             copied.append(name)
     return copied
