@@ -721,3 +721,42 @@ def test_grow_keeps_a_mergekit_config_with_unknown_keys(stories, files):
     assert code == 0, output
     assert "tokenizer_source: unknown key ignored" in " ".join(output.split())
     assert "tokenizer_source: union" in (files / "cfg.grown.yaml").read_text()
+
+
+DEEP = '{"a":' * 100000 + "1" + "}" * 100000  # JSON nested past Python's recursion limit
+
+
+@pytest.mark.parametrize("case", ["pool-json", "pool-jsonl", "labeled", "calibration", "prompt-file", "adapter-config",
+                                  "adapter-folder-as-model"])
+def test_json_nested_too_deeply_is_named_not_a_traceback(case, tiny_llama, tmp_path):
+    """json raises RecursionError, not a JSONDecodeError, for such a file: it reached the user as a traceback."""
+    from moe_upcycle import upcycle
+    from moe_upcycle.check.route_eval import read_labeled
+    from moe_upcycle.errors import UpcycleError
+    from moe_upcycle.prompts.pool import read_pool_file
+    from moe_upcycle.recipe.calibration import read_documents
+    from moe_upcycle.recipe.schema import load_config
+
+    deep = tmp_path / ("deep.json" if case == "pool-json" else "deep.jsonl")
+    deep.write_text(("[" * 100000 + "]" * 100000) if case == "pool-json" else DEEP + "\n")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(DEEP)
+    experts = [{"source_model": str(tiny_llama), "positive_prompts": ["x"]}] * 2
+    calls = {
+        "pool-json": lambda: read_pool_file(deep),
+        "pool-jsonl": lambda: read_pool_file(deep),
+        "labeled": lambda: read_labeled(deep),
+        "calibration": lambda: read_documents(deep),
+        "prompt-file": lambda: load_config({"base_model": str(tiny_llama), "gate_mode": "hidden", "experts": [
+            {"source_model": str(tiny_llama), "positive_prompts_from": str(deep)}, experts[1]]}).expert_list()[0]
+            .with_prompt_sets("experts[0]"),
+        "adapter-config": lambda: upcycle({"base_model": str(tiny_llama), "gate_mode": "random", "experts": [
+            {"source_model": f"{tiny_llama}+{adapter}"}, {"source_model": str(tiny_llama)}]}, dry_run=True),
+        "adapter-folder-as-model": lambda: upcycle({"base_model": str(adapter), "num_experts": 2,
+                                                    "gate_mode": "random"}, dry_run=True),
+    }
+    with pytest.raises(UpcycleError) as info:
+        calls[case]()
+    text = str(info.value)
+    assert ("nested too deeply" in text or "maximum recursion depth" in text or "PEFT adapter" in text), text

@@ -166,6 +166,9 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
         if line.lstrip().startswith("{"):
             try:
                 row = json.loads(line)
+            except RecursionError:
+                problems.append(f"{path}:{n}: not valid JSON (nested too deeply)")
+                continue
             except json.JSONDecodeError as exc:
                 problems.append(f"{path}:{n}: not valid JSON ({exc.msg})")
                 continue

@@ -86,7 +86,7 @@ def _missing_generation_config(mine: Path, folder: Path, problems: list[str], no
     gen = _data(mine) or {}
     try:
         cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         cfg = {}
     lost = [k for k in gen if not (cfg.get(k) == gen[k] if k in TOKEN_IDS else GENERATION_DEFAULTS.get(k, _ABSENT) == gen[k])]
     if lost:
@@ -101,7 +101,7 @@ def _text(path: Path) -> Any:
     """The file's text with line endings and trailing blank space normalised; None if unreadable."""
     try:
         return path.read_text(encoding="utf-8").replace("\r\n", "\n").rstrip()
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -109,7 +109,7 @@ def _data(path: Path) -> Any:
     """The file's JSON with `SAVE_NOISE` removed, class names and merges in one spelling; None if unreadable."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return {"": data}

@@ -118,7 +118,7 @@ class Adapter:
                               f"to (save_pretrained writes adapter_config.json and adapter_model.safetensors)")
         try:
             cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, RecursionError) as exc:
             raise SourceError(f"{cfg_file}: not valid JSON ({exc}); save the adapter again") from None
         if not isinstance(cfg, dict):
             raise SourceError(f"{cfg_file}: expected a JSON object")

@@ -95,7 +95,7 @@ def _adapter_advice(folder: Path) -> str:
     """Write MODEL+ADAPTER, naming the model when adapter_config.json says which it was trained on."""
     try:
         base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         base = None
     if isinstance(base, str) and base.strip():
         return f"write MODEL+ADAPTER, e.g. {base.strip()}+{folder} (the model adapter_config.json names)"

@@ -32,6 +32,9 @@ def jsonl_prompts(path: Path, text: str) -> list[str]:
             continue
         try:
             row = json.loads(line)
+        except RecursionError:
+            problems.append(f"{path}:{n}: not valid JSON (nested too deeply)")
+            continue
         except json.JSONDecodeError as exc:
             problem = f"{path}:{n}: not valid JSON ({exc.msg})"
             if n == 1 and line.lstrip().startswith("{") and len(text.splitlines()) > 1:
@@ -52,6 +55,8 @@ def json_list_prompts(path: Path, text: str) -> list[str]:
     """A JSON list of strings or of records (as a JSONL record each)."""
     try:
         rows = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     except json.JSONDecodeError as exc:
         jsonl = " (one record per line is JSONL: name the file .jsonl)" if "Extra data" in exc.msg else ""
         raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}){jsonl}") from None

@@ -95,5 +95,5 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
 def _json_list(text: str) -> bool:
     try:
         return isinstance(json.loads(text), list)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False

@@ -70,6 +70,8 @@ def _read_jsonl(file: Path) -> list[str]:
             continue
         try:
             item = json.loads(line)
+        except RecursionError:
+            raise ConfigError(f"calibration_text: {file}:{number}: not valid JSON (nested too deeply)") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"calibration_text: {file}:{number}: not valid JSON ({exc.msg})") from None
         text = item.get("text") if isinstance(item, dict) else item
