@@ -15,7 +15,6 @@ It does not print anything; `prompt_cli.routing_tables` renders a `RoutingScore`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -25,7 +24,7 @@ import torch
 from moe_upcycle.recipe.params import ExpertPrompts
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.inputs.records import table_rows
+from moe_upcycle.inputs.records import json_line, table_rows
 from moe_upcycle.inputs.text import read_utf8
 
 
@@ -157,20 +156,16 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     prompts: list[str] = []
     labels: list[Optional[str]] = []
     problems = []
-    text = read_utf8(path, f"--labeled {path}")
+    content = read_utf8(path, f"--labeled {path}")
     if path.suffix.lower() in (".csv", ".tsv"):
-        return _labeled_table(path, text, "\t" if path.suffix.lower() == ".tsv" else ",")
-    for n, line in enumerate(text.splitlines(), 1):
+        return _labeled_table(path, content, "\t" if path.suffix.lower() == ".tsv" else ",")
+    for n, line in enumerate(content.splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
-            try:
-                row = json.loads(line)
-            except RecursionError:
-                problems.append(f"{path}:{n}: not valid JSON (nested too deeply)")
-                continue
-            except json.JSONDecodeError as exc:
-                problems.append(f"{path}:{n}: not valid JSON ({exc.msg})")
+            row, problem = json_line(path, n, line)
+            if problem:
+                problems.append(problem)
                 continue
             text, label = row.get("text", row.get("prompt")), row.get("expert", row.get("label"))
         elif "\t" in line:

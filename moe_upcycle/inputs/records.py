@@ -30,13 +30,8 @@ def jsonl_prompts(path: Path, text: str) -> list[str]:
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except RecursionError:
-            problems.append(f"{path}:{n}: not valid JSON (nested too deeply)")
-            continue
-        except json.JSONDecodeError as exc:
-            problem = f"{path}:{n}: not valid JSON ({exc.msg})"
+        row, problem = json_line(path, n, line)
+        if problem:
             if n == 1 and line.lstrip().startswith("{") and len(text.splitlines()) > 1:
                 problem += "; JSONL holds one record per line (a record spread over lines is JSON: name the file .json)"
             problems.append(problem)
@@ -49,6 +44,16 @@ def jsonl_prompts(path: Path, text: str) -> list[str]:
     if problems:
         raise ConfigError(*problems[:20], *([f"{path}: and {len(problems) - 20} more lines"] if len(problems) > 20 else []))
     return prompts
+
+
+def json_line(path: Path, n: int, line: str) -> tuple[Any, Optional[str]]:
+    """(the value of JSONL line `n`, None) or (None, what is wrong with it, as ``file:line: ...``)."""
+    try:
+        return json.loads(line), None
+    except RecursionError:  # json raises it, not a decode error, for nesting past Python's limit
+        return None, f"{path}:{n}: not valid JSON (nested too deeply)"
+    except json.JSONDecodeError as exc:
+        return None, f"{path}:{n}: not valid JSON ({exc.msg})"
 
 
 def json_list_prompts(path: Path, text: str) -> list[str]:
