@@ -220,3 +220,30 @@ def test_one_model_spelled_three_ways_is_read_once(tiny_llama, tmp_path, monkeyp
     same = upcycle(config, tmp_path / "moe").output
     once = upcycle({**config, "experts": [{"source_model": "./base"}] * 3}, tmp_path / "moe-once").output
     assert (same / "model-00001-of-00001.safetensors").read_bytes() == (once / "model-00001-of-00001.safetensors").read_bytes()
+
+
+def test_a_mergekit_moe_command_line_says_what_to_run(tiny_llama, tmp_path, monkeypatch):
+    """`mergekit-moe config.yml merge --copy-tokenizer --allow-crimes --out-shard-size 1B --lazy-unpickle`, as model
+    cards give it, with moe-upcycle's name: before, the parser's bare "No such option: --copy-tokenizer"."""
+    import shlex
+
+    from moe_upcycle.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.yml").write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n")
+    args = ["build", "config.yml", "merge", "--copy-tokenizer", "--allow-crimes", "--out-shard-size", "1B",
+            "--lazy-unpickle", "--cuda"]
+    result = CliRunner().invoke(app, args)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "No such option" not in text
+    assert ("--copy-tokenizer, --allow-crimes, --out-shard-size 1B, --lazy-unpickle, --cuda are mergekit-moe's "
+            "options, not moe-upcycle's") in text
+    assert "--out-shard-size 1B: mergekit counts 1B as a billion bytes → --max-shard-size 1GB" in text
+    assert "Run: moe-upcycle build config.yml merge --max-shard-size 1GB --device cuda" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yml"]
+    # the command it gives runs (on the CPU here)
+    run = shlex.split(text.split("Run: ")[1])[1:]
+    run[run.index("cuda")] = "cpu"
+    done = CliRunner().invoke(app, run)
+    assert done.exit_code == 0, done.output
+    assert json.loads((tmp_path / "merge" / "config.json").read_text())["num_local_experts"] == 2

@@ -16,7 +16,9 @@ from typing import Callable, Iterator
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
+from moe_upcycle.cli.mergekit_flags import explain
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import symlink_loop
 from moe_upcycle.terminal.allocator import return_large_frees
@@ -24,9 +26,24 @@ from moe_upcycle.terminal.progress import for_console, reporting
 from moe_upcycle.terminal.quiet import libraries_quiet
 from moe_upcycle.terminal.signals import exit_code, signal_name, terminations_raise
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
 console = Console(stderr=True)
+
+
+class _Commands(TyperGroup):
+    """The command group: mergekit-moe options copied into a build or plan command line are explained (what
+    moe-upcycle does instead, and the command to run) before the parser would answer "No such option"."""
+
+    def resolve_command(self, ctx, args):
+        name, command, rest = super().resolve_command(ctx, args)
+        message = explain(name or "", list(rest))
+        if message:
+            console.print(f"[bold red]config error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        return name, command, rest
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
 out = Console()
 DEBUG = {"on": False}
 QUIET = {"on": False}
