@@ -247,3 +247,18 @@ def test_a_mergekit_moe_command_line_says_what_to_run(tiny_llama, tmp_path, monk
     done = CliRunner().invoke(app, run)
     assert done.exit_code == 0, done.output
     assert json.loads((tmp_path / "merge" / "config.json").read_text())["num_local_experts"] == 2
+
+
+@pytest.mark.parametrize("args, run", [
+    (["config.yml", "merge"], "moe-upcycle build config.yml merge"),
+    (["Config.YAML", "out", "--copy-tokenizer", "--out-shard-size", "2B"], "moe-upcycle build Config.YAML out --max-shard-size 2GB"),
+])
+def test_a_recipe_where_the_command_goes_says_which_command(args, run):
+    """`moe-upcycle config.yml merge` (mergekit-moe's argument order): before, "No such command 'config.yml'"."""
+    from moe_upcycle.cli import app
+
+    result = CliRunner().invoke(app, args)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1
+    assert f"{args[0]} is a recipe, not a command; build from it with: {run}" in text
+    assert f"(or plan it first: moe-upcycle plan {args[0]})" in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shlex
 import warnings
 from typing import Callable, Iterator
 
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from moe_upcycle.cli.mergekit_flags import explain
+from moe_upcycle.cli.mergekit_flags import explain, translate
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import symlink_loop
 from moe_upcycle.terminal.allocator import return_large_frees
@@ -34,6 +35,15 @@ class _Commands(TyperGroup):
     moe-upcycle does instead, and the command to run) before the parser would answer "No such option"."""
 
     def resolve_command(self, ctx, args):
+        first = args[0] if args else ""
+        if self.get_command(ctx, first) is None and first.lower().endswith((".yaml", ".yml")):
+            # mergekit-moe's form, `mergekit-moe config.yml OUT [options]`: the recipe where the command goes
+            found, said, run = translate("build", list(args))
+            flags = f" ({'; '.join(said)})" if found else ""
+            console.print(f"[bold red]config error:[/] {escape(first)} is a recipe, not a command; build from it "
+                          f"with: {escape(run)}{escape(flags)} (or plan it first: moe-upcycle plan "
+                          f"{escape(shlex.quote(first))})", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
         name, command, rest = super().resolve_command(ctx, args)
         message = explain(name or "", list(rest))
         if message:

@@ -68,6 +68,15 @@ def explain(command: str, args: list[str]) -> Optional[str]:
     """
     if command not in COMMANDS:
         return None
+    found, said, run = translate(command, args)
+    if not found:
+        return None
+    return (f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} mergekit-moe's option"
+            f"{'' if len(found) == 1 else 's'}, not moe-upcycle's: {'; '.join(said)}. Run: {run}")
+
+
+def translate(command: str, args: list[str]) -> tuple[list[str], list[str], str]:
+    """(the mergekit-moe options found, what each becomes, the moe-upcycle command line to run instead)."""
     kept, found, said, quiet = [], [], [], False
     i = 0
     while i < len(args):
@@ -86,11 +95,8 @@ def explain(command: str, args: list[str]) -> Optional[str]:
         quiet = quiet or "@quiet" in flag.ours
         kept += ours
         said.append(f"{shown}: {flag.instead.format(value=value)}" + (f" → {' '.join(ours)}" if ours else ""))
-    if not found:
-        return None
     run = " ".join(["moe-upcycle", *(["-q"] if quiet else []), command, *(shlex.quote(a) for a in kept)])
-    return (f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} mergekit-moe's option"
-            f"{'' if len(found) == 1 else 's'}, not moe-upcycle's: {'; '.join(said)}. Run: {run}")
+    return found, said, run
 
 
 def _size(value: str) -> str:
