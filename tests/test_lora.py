@@ -270,6 +270,10 @@ BAD_ADAPTERS = {
         ["is a bias for 'model.layers.0.mlp.up_proj', which has no bias", "bias: none"]),
     "lora_bias": (lambda f: _edit_weights(f, lambda s: s.update({B0.replace(".weight", ".bias"): torch.ones(128)})),
                   ["adapters with lora_bias are not merged", "merge_and_unload"]),
+    # peft >= 0.15 trainable_token_indices: trained rows of the embedding, saved beside the LoRA pairs
+    "trainable_tokens": (lambda f: _edit_weights(f, lambda s: s.update(
+        {f"{PREFIX}model.embed_tokens.token_adapter.trainable_tokens_delta": torch.ones(2, 64)})),
+        ["adapters with trainable tokens (trainable_token_indices) are not merged", "merge_and_unload"]),
     "modules_to_save_shape": (lambda f: _edit_weights(f, lambda s: s.update(
         {f"{PREFIX}lm_head.weight": torch.ones(2, 2)})), ["'base_model.model.lm_head.weight' is [2, 2]",
                                                           "'lm_head.weight'", "resized vocabulary"]),

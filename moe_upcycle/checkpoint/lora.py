@@ -301,6 +301,10 @@ def _pair_up(infos: dict, cfg: dict, file: Path, model: dict, model_ref: str) ->
             if key.endswith(".bias"):  # lora_B's own bias (lora_bias: true)
                 problems.append(f"{file}: tensor {key!r}: adapters with lora_bias are not merged by moe-upcycle; "
                                 f"merge it with peft (merge_and_unload().save_pretrained(folder)) and give that folder")
+            elif ".token_adapter." in key or "trainable_tokens" in key:  # trainable_token_indices: trained token rows
+                problems.append(f"{file}: tensor {key!r}: adapters with trainable tokens (trainable_token_indices) "
+                                f"are not merged by moe-upcycle; merge it with peft "
+                                f"(merge_and_unload().save_pretrained(folder)) and give that folder")
             else:
                 problems.append(f"{file}: tensor {key!r} is not a LoRA weight (base_model.model.<module>.lora_A.weight "
                                 f"or lora_B); is this a PEFT LoRA adapter?")
