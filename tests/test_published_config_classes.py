@@ -507,3 +507,24 @@ def test_mistral_v02_base_with_a_v01_expert_plans_from_the_published_configs(tmp
     assert ("experts[1] (mistralai/Mistral-7B-v0.1): rope settings is rope_theta=10000.0, scaling: none, base_model "
             "mistralai/Mistral-7B-Instruct-v0.2 has rope_theta=1000000.0") in text
     assert "runs base_model's attention and norms with the base's value" in text
+
+
+def test_a_model_cached_only_at_a_commit_names_the_revisions(tmp_path, monkeypatch, tiny_llama):
+    """`hf download org/name --revision <commit>` leaves no refs/main: transformers, and moe-upcycle, find no
+    `org/name`; before, the message said to download what is already there."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "cache"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_llama, cache / "models--Org--Tiny" / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SourceError) as info:
+        resolve_model("org/tiny", "base_model")
+    text = str(info.value)
+    assert "model 'org/tiny' not found at its main revision" in text
+    assert f"the cache holds it only at other revisions, downloaded by commit; name one, as transformers would need: " \
+           f"org/tiny@{commit}" in text
+    assert resolve_model(f"org/tiny@{commit}", "base_model").name == commit  # what the message says to write

@@ -48,10 +48,27 @@ def resolve_model(ref: str, field_name: str) -> Path:
                 pass
         at = f" at revision {revision!r}" if revision else ""
         looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
+        held = _cached_snapshots(Path(constants.HF_HUB_CACHE), repo)
+        if held and not revision:  # downloaded at a commit (hf download --revision <commit>): no refs/main to follow
+            shown = ", ".join(f"{repo}@{h}" for h in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise SourceError(f"{field_name}: model {ref!r} not found at its main revision (looked in "
+                              f"{' and '.join(looked)}): the cache holds it only at other revisions, downloaded by "
+                              f"commit; name one, as transformers would need: {shown}")
     from moe_upcycle.terminal.hints import missing_model_hint, show_ref
 
     raise SourceError(f"{field_name}: model {show_ref(ref)} not found (looked in {' and '.join(looked)}); "
                       f"{missing_model_hint(ref)}")
+
+
+def _cached_snapshots(cache: Path, repo: str) -> list[str]:
+    """The commits of `repo` (any case) whose snapshot in the cache holds a config.json, newest first."""
+    want = f"models--{repo.replace('/', '--')}".lower()
+    try:
+        folders = [d for d in cache.iterdir() if d.name.lower() == want]
+        snaps = [s for d in folders for s in (d / "snapshots").iterdir() if (s / "config.json").is_file()]
+    except OSError:
+        return []
+    return [s.name for s in sorted(snaps, key=lambda s: s.stat().st_mtime, reverse=True)]
 
 
 def _cached_spellings(cache: Path, repo: str) -> list[str]:
