@@ -59,6 +59,14 @@ CASES = [
      ["experts[0].layers: item 1 is \"end\", so it is not a layer range", "[0, 24]"]),
     ("one-number-layers", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
      "    layers: 4\n  - source_model: {base}\n", ["experts[0].layers: 4 is not a layer range; write two whole numbers"]),
+    # YAML 1.1 reads 2024-01-01 as a date and !!binary as bytes: named as such, not as Python's repr
+    ("date-prompt", "base_model: {base}\ngate_mode: hidden\nexperts:\n  - source_model: {base}\n"
+     "    positive_prompts: [2024-01-01, hello]\n  - source_model: {base}\n    positive_prompts: [x]\n",
+     ["experts[0].positive_prompts: prompt 0 is 2024-01-01 (a date to YAML), not text; put the prompt in quotes"]),
+    ("date-output", GOOD + "output: 2024-01-01\n", ["output: 2024-01-01 is a date to YAML, not text; write it in "
+                                                     "quotes, output: '2024-01-01'"]),
+    ("date-seed", GOOD + "seed: 2024-01-01\n", ["seed: 2024-01-01 (a date to YAML) is not a number"]),
+    ("binary-seed", GOOD + "seed: !!binary aGVsbG8=\n", ["seed: 5 bytes of binary data (YAML's !!binary)"]),
     ("nan-scale", GOOD + "router_init_std: .nan\n", ["router_init_std: .nan (not a number, or infinity) is not a "
                                                       "finite number; write an ordinary number"]),
     ("inf-noise", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"

@@ -12,6 +12,7 @@ This module checks the config on its own; checks against the checkpoints live in
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -202,6 +203,8 @@ class ExpertConfig(_Strict):
                 shown, kind = (str(p).lower(), "boolean") if isinstance(p, bool) else (repr(p), "number")
                 problems.append(f"prompt {i} is {shown}, which YAML read as a {kind}, not text (unquoted yes, no, "
                                 f"on, off, true, false and numbers are not strings); put the prompt in quotes")
+            elif isinstance(p, (datetime.date, bytes)):
+                problems.append(f"prompt {i} is {short_repr(p)}, not text; put the prompt in quotes")
         problems += _split_curly_quotes(prompts if isinstance(prompts, list) else [])
         if problems:
             raise ValueError("\n".join(problems))
@@ -699,6 +702,8 @@ def _not_text(value: Any, key: str) -> str:
         >>> _not_text(2024, "output")
         "2024 is a number, not text; write it in quotes, output: '2024' (YAML reads an unquoted 2024 as a number)"
     """
+    if isinstance(value, datetime.date):
+        return f"{value.isoformat()} is a date to YAML, not text; write it in quotes, {key}: '{value.isoformat()}'"
     if isinstance(value, (bool, int, float)):
         what = "a boolean" if isinstance(value, bool) else "a number"
         shown = str(value).lower() if isinstance(value, bool) else str(value)

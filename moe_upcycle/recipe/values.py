@@ -13,6 +13,7 @@ It does not know the recipe's fields; `config` applies these to every field.
 
 from __future__ import annotations
 
+import datetime
 import re
 import typing
 from typing import Any, Optional
@@ -80,5 +81,9 @@ def short_repr(value: Any, limit: int = MAX_SHOWN_CHARS) -> str:
     if isinstance(value, (list, tuple, dict, set)):
         kind = type(value).__name__
         return f"a {kind} of {len(value)} items"
+    if isinstance(value, (datetime.date, datetime.time)):  # YAML reads 2024-01-01 (and with a time) as a date
+        return f"{value.isoformat()} (a date to YAML)"
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes of binary data (YAML's !!binary)"
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
