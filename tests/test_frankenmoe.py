@@ -72,3 +72,18 @@ def test_layers_slice_takes_ffns_from_a_deeper_model(tiny_llama, finetunes, tmp_
         assert torch.equal(tensor(out, f"model.layers.{layer}.mlp.experts.down_proj")[1],
                            dense_tensor(tiny_llama, f"model.layers.{layer}.mlp.down_proj.weight"))
     load(out, CLASSES["mixtral"])
+
+
+@pytest.mark.parametrize("mode, said", [("random", True), ("uniform", True), ("hidden", False), ("cheap_embed", False)])
+def test_prompts_a_gate_mode_does_not_read_are_named(mode, said, tiny_llama):
+    """gate_mode: random with each expert's prompts (a mergekit config switched to random) built quietly, as if
+    the prompts had shaped the routers."""
+    from moe_upcycle import upcycle
+
+    result = upcycle({"base_model": str(tiny_llama), "gate_mode": mode, "experts": [
+        {"source_model": str(tiny_llama), "positive_prompts": ["Write a Python function"]},
+        {"source_model": str(tiny_llama), "positive_prompts": ["Solve 2x = 8"], "negative_prompts": ["code"]}]},
+        dry_run=True)
+    note = (f"gate_mode: {mode} does not read prompts, so the prompts of experts[0], experts[1] do not shape the "
+            f"routers (they stay in the recipe); for routers from the prompts use gate_mode: hidden or cheap_embed")
+    assert (note in result.plan.cautions) is said

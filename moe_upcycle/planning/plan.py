@@ -19,6 +19,7 @@ from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.errors import PlanError
 from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks
 from moe_upcycle.planning.steps import Plan, Step, source_layer
+from moe_upcycle.recipe.params import unused_prompts_note
 from moe_upcycle.recipe.resolve import expert_inits
 from moe_upcycle.recipe.schema import UpcycleConfig
 
@@ -172,7 +173,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
     cautions = (arch.mergekit_choice_notes(config, base, layout) + compat.source_notes(config, sources)
-                + source_checks.expert_setting_notes(config.base_model, used, sources) + dropped)
+                + source_checks.expert_setting_notes(config.base_model, used, sources) + dropped
+                + unused_prompts_note(config))
     notes += cautions
     if problems:
         raise PlanError(*_dedupe(problems))

@@ -8,10 +8,29 @@ only the parameters it was given, and a test can build one by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 # gate modes whose routers come from prompts (every expert needs positive prompts)
 PROMPT_MODES = ("cheap_embed", "hidden", "hidden_avg", "hidden_last")
+
+
+def unused_prompts_note(config: Any) -> list[str]:
+    """The note for a recipe whose experts list prompts that its gate mode never reads (``random``, ``uniform``,
+    ``kmeans``...): the prompts stay in the recipe and the card, but do not shape the routers.
+
+    Shared experts' prompts are left out: their gates use them in the prompt modes only, and say so themselves.
+    """
+    if config.gate_mode in PROMPT_MODES:
+        return []
+    listed = [f"experts[{i}]" for i, e in enumerate(config.experts or [])
+              if e.positive_prompts or e.negative_prompts or e.positive_prompts_from or e.negative_prompts_from]
+    if not listed:
+        return []
+    shown = ", ".join(listed[:3]) + (f" and {len(listed) - 3} more" if len(listed) > 3 else "")
+    return [f"gate_mode: {config.gate_mode} does not read prompts, so the prompts of {shown} do not shape the "
+            f"routers (they stay in the recipe); for routers from the prompts use gate_mode: hidden or cheap_embed"]
+
+
 # gate modes that run the base model (see gates/hidden_gates.py)
 HIDDEN_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
 # init drift is measured by default only up to this output size: it loads the dense and the MoE in fp32
