@@ -34,7 +34,7 @@ class FileStamp:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def difference(self, now: "FileStamp") -> str:
-        """What changed, in words: "replaced by another file", "12 bytes -> 40 bytes", "modified"."""
+        """What changed, in words: "replaced by another file", "12 bytes, now 40", "modified"."""
         if (self.device, self.inode) != (now.device, now.inode):
             return "replaced by another file"
         if self.size != now.size:
