@@ -404,3 +404,15 @@ def test_a_recipe_of_absolute_paths_records_no_working_folder(tiny_llama, tmp_pa
     shutil.copytree(tiny_llama, tmp_path / "base")
     result = upcycle({"base_model": "base", "num_experts": 2, "gate_mode": "random"}, tmp_path / "out" / "moe")
     assert json.loads((result.output / "moe_upcycle.json").read_text())["paths_relative_to"] == "../.."
+
+
+def test_verify_prompts_file_of_records_is_read_as_route_reads_it(tmp_path):
+    """`verify --prompts prompts.jsonl` gave each line's JSON text as a prompt (route read the records)."""
+    from moe_upcycle.check.verify import read_prompts
+
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"text": "Once upon a time"}\n{"instruction": "Write a poem"}\n')
+    text = tmp_path / "p.txt"
+    text.write_text("# a comment\nOnce upon a time\n\n{not json, a prompt}\n")
+    assert read_prompts(jsonl) == ["Once upon a time", "Write a poem"]
+    assert read_prompts(text) == ["Once upon a time", "{not json, a prompt}"]

@@ -82,11 +82,20 @@ def default_text() -> str:
 
 
 def read_prompts(path) -> list[str]:
-    """Prompts from a text file: one per line; blank lines and ``#`` comments are skipped.
+    """Prompts from a text file: one per line; blank lines and ``#`` comments are skipped. A ``.jsonl``, ``.json``,
+    ``.csv``, ``.tsv``, ``.yaml`` or ``.yml`` file is read as `route --prompts` reads it (records, lists).
 
     Raises:
         SourceError: the file is missing or holds no prompt.
     """
+    if isinstance(path, (str, Path)) and Path(path).suffix.lower() in (".jsonl", ".json", ".csv", ".tsv", ".yaml",
+                                                                         ".yml"):
+        from moe_upcycle.recipe.prompt_sets import read_prompt_file
+
+        try:
+            return read_prompt_file(Path(path))
+        except UpcycleError as exc:
+            raise SourceError(*[f"--prompts: {problem}" for problem in exc.problems]) from None
     lines = _read_text(path, "--prompts").splitlines()
     prompts = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
