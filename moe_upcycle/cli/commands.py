@@ -130,7 +130,8 @@ def verify_cmd(
                                                              "base_model)."),
     text: Optional[Path] = typer.Option(None, "--text", help="Text file for perplexity (default: a short text "
                                                               "shipped with moe-upcycle)."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file, one per line (default: shipped "
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file, one per line, or records as "
+                                                                    "route --prompts reads them (default: shipped "
                                                                     "prompts plus each expert's first prompt)."),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", min=0, help="Fail when mean KL(dense||moe) is above this."),
     min_agreement: Optional[float] = typer.Option(None, "--min-agreement", min=0, max=1,
@@ -218,7 +219,7 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
 @cli_errors
 def route(
     model: Path = typer.Argument(..., metavar="OUT", help="A built MoE folder."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: YAML/JSON list (or prompts: key) or text, one per line."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: text, one per line; a YAML/JSON list (or prompts: key); or JSONL/CSV/TSV records with a \"text\" or \"prompt\" field."),
     labeled: Optional[Path] = typer.Option(None, "--labeled", help="Prompts with the expert each should go to "
                                            "(JSONL with text/expert, or expert<TAB>prompt lines): routing accuracy."),
     label_by: Optional[str] = typer.Option(None, "--label-by", help="Label prompts that have none: 'embedding' "
