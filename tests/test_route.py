@@ -165,3 +165,21 @@ def test_a_pad_token_added_past_the_embedding_routes(moe, tmp_path):
     alone = [route(folder, [p], device="cpu", batch_size=1) for p in prompts]
     for i, single in enumerate(alone):
         assert torch.equal(padded.top1[i], single.top1[0])
+
+
+def test_labels_that_name_no_expert_are_refused_before_the_model_loads(moe, tmp_path, monkeypatch):
+    """Checked after the MoE had loaded (minutes for a large one), and named as labels[0]."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the MoE was loaded before the labels were checked"))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("expert,prompt\nCode,def f(x): return x\nstory_teller,Once upon a time\n")
+    result = runner.invoke(app, ["route", str(moe.output), "--labeled", str(labels), "--device", "cpu"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in text, text
+    names = ", ".join(json.loads((moe.output / "moe_upcycle.json").read_text())["config"]["experts"][i]["name"]
+                      for i in range(2))
+    assert (f"--labeled {labels}: prompt 1 ('def f(x): return x') has label 'Code', which is not an expert; did you "
+            f"mean code? expected one of {names}") in text
+    assert f"prompt 2 ('Once upon a time') has label 'story_teller', which is not an expert; expected one of" in text

@@ -73,9 +73,9 @@ def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
         ConfigError: a label that is not an expert, or a count mismatch.
 
     Example:
-        >>> s = routing_accuracy(torch.tensor([[0, 0], [1, 0]]), ["a", "b"], ["a", "b"])
+        >>> s = routing_accuracy(torch.tensor([[0, 0, 0], [1, 1, 0]]), ["a", "b"], ["a", "b"])
         >>> s.layer_accuracy, s.confusion.tolist()
-        ([1.0, 0.5], [[1, 0], [0, 1]])
+        ([1.0, 1.0, 0.5], [[1, 0], [0, 1]])
     """
     names = list(expert_names)
     e = len(names)
@@ -100,9 +100,15 @@ def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
     return RoutingScore(names, layer_acc, overall, conf, layer_conf)
 
 
-def label_indices(labels: Sequence[Union[str, int]], expert_names: Sequence[str]) -> list[int]:
-    """Map labels (names or indices) to expert indices; every unknown label is reported at once."""
+def label_indices(labels: Sequence[Union[str, int]], expert_names: Sequence[str],
+                  prompts: Optional[Sequence[str]] = None, where: str = "labels") -> list[int]:
+    """Map labels (names or indices) to expert indices; every unknown label is reported at once.
+
+    With `prompts` (and `where`, e.g. ``--labeled labels.csv``) each problem names its prompt, and a label that
+    is an expert's name but for letter case or spaces says which expert it means.
+    """
     lookup = {n: i for i, n in enumerate(expert_names)}
+    loose = {" ".join(n.split()).casefold(): n for n in expert_names}
     out, bad = [], []
     for n, label in enumerate(labels):
         if isinstance(label, int) and 0 <= label < len(expert_names):
@@ -110,10 +116,19 @@ def label_indices(labels: Sequence[Union[str, int]], expert_names: Sequence[str]
         elif label in lookup:
             out.append(lookup[label])
         else:
-            bad.append(f"labels[{n}]: {label!r} is not an expert; expected one of {', '.join(expert_names)}")
+            meant = loose.get(" ".join(str(label).split()).casefold())
+            which = (f"prompt {n + 1} ({_short(prompts[n])}) has label {label!r}" if prompts is not None
+                     else f"labels[{n}]: {label!r}")
+            bad.append(f"{where}: {which}, which is not an expert; " if prompts is not None else f"{which} is not an "
+                       f"expert; ")
+            bad[-1] += (f"did you mean {meant}? " if meant else "") + f"expected one of {', '.join(expert_names)}"
     if bad:
         raise ConfigError(*bad)
     return out
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
 
 
 def label_by_embedding(prompts: Sequence[str], experts: Sequence[ExpertPrompts],

@@ -249,6 +249,12 @@ def route(
 
         texts, labels = read_labeled(labeled)
         labels = _labels(texts, labels, model, label_by)  # before the routing work: missing labels fail first
+        from moe_upcycle.check.moe_folder import require_moe
+        from moe_upcycle.check.route import expert_names
+        from moe_upcycle.check.route_eval import label_indices
+
+        # a label that names no expert, before the model loads (minutes for a large one)
+        label_indices(labels, expert_names(model, require_moe(model, command="route")), texts, f"--labeled {labeled}")
     else:
         texts, labels = read_prompts(prompts), None
     result = route_prompts(model, texts, device=device, batch_size=batch_size)

@@ -87,7 +87,7 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
 
     Example:
         >>> cfg = moe_config(plan)  # doctest: +SKIP
-        >>> cfg["num_local_experts"], cfg["architectures"]
+        >>> cfg["num_local_experts"], cfg["architectures"]  # doctest: +SKIP
         (4, ['MixtralForCausalLM'])
     """
     # a field the base leaves out is its family's default, which the output class may not share (Mixtral:
