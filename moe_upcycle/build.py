@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 
 from moe_upcycle.check.drift import InitDrift, build_drift
 from moe_upcycle.checkpoint.output_dir import (  # noqa: F401 (RECIPE_NAME: public)
-    RECIPE_NAME, check_target, made_parent, staged_output, target_problem)
+    RECIPE_NAME, check_target, made_parent, name_too_long, staged_output, target_problem)
 from moe_upcycle.checkpoint.source import open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
@@ -73,7 +73,11 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     chosen = output if output is not None else config.output
     if not chosen:
         raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
-    return resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
+    target = resolve_or_raise(Path(chosen).expanduser(), OutputError, "output")
+    too_long = name_too_long(target)
+    if too_long:  # every later look at the path would raise "File name too long"
+        raise OutputError(too_long)
+    return target
 
 
 def early_output_problem(recipe: Union[str, Path], config: UpcycleConfig, output: Union[str, Path, None],

@@ -760,3 +760,31 @@ def test_json_nested_too_deeply_is_named_not_a_traceback(case, tiny_llama, tmp_p
         calls[case]()
     text = str(info.value)
     assert ("nested too deeply" in text or "maximum recursion depth" in text or "PEFT adapter" in text), text
+
+
+LONG = "n" * 300  # past the 255 bytes a file name may have on common file systems
+
+
+@pytest.mark.parametrize("args", [
+    ["build", "{cfg}", LONG], ["plan", "{cfg}", "-o", LONG], ["build", "{cfg}", "a/" * 2100 + "moe"],
+    ["prompts", "grow", "{cfg}", "--pool", "{pool}", "-o", LONG + ".yaml"], ["demo", LONG], ["verify", LONG],
+    ["route", "{moe}", "--prompts", LONG + ".txt"], ["route", "{moe}", "--prompts", "{pool}", "--plot", LONG + ".png"],
+])
+def test_a_name_too_long_for_the_file_system_is_named(args, tiny_llama, tmp_path, monkeypatch):
+    """Each was a traceback ending in OSError: [Errno 36] File name too long."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {tiny_llama}\ngate_mode: hidden\nexperts:\n  - source_model: {tiny_llama}\n"
+                   f"    positive_prompts: [code]\n  - source_model: {tiny_llama}\n    positive_prompts: [story]\n")
+    pool = tmp_path / "pool.txt"
+    pool.write_text("Write a function\nTell a story\n")
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text('{"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 1}')
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, output = cli(*[a.format(cfg=cfg, pool=pool, moe=moe) for a in args])
+    text = " ".join(output.split())
+    assert code == 1 and "Traceback" not in text, text
+    assert ("the name is too long for the file system" in text or "and this file system allows 255 per name" in text
+            or "and this file system allows 4096" in text), text
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -155,6 +155,36 @@ def made_parent(target: Path) -> Iterator[None]:
         raise
 
 
+def name_too_long(target: Path, what: str = "output") -> Optional[str]:
+    """Why the file system cannot hold `target` (resolved) at all: a name longer than its NAME_MAX (255 bytes on
+    most), or a path longer than its PATH_MAX; None when it can. Every later call on such a path would fail with
+    "File name too long"."""
+    existing = next((p for p in [target, *target.parents] if _exists(p)), Path("/"))
+    limits = []
+    for key, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096)):
+        try:
+            limits.append(os.pathconf(existing if existing.is_dir() else existing.parent, key))
+        except (OSError, ValueError):
+            limits.append(default)
+    name_max, path_max = limits
+    long = next((part for part in target.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        shown = long if len(long) <= 60 else long[:57] + "..."
+        return (f"{what}: the name {shown!r} is {len(os.fsencode(long))} bytes, and this file system allows "
+                f"{name_max} per name; choose a shorter name")
+    if len(os.fsencode(str(target))) >= path_max:
+        return (f"{what}: the path is {len(os.fsencode(str(target)))} bytes, and this file system allows {path_max}; "
+                f"choose a shorter path")
+    return None
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long to even look up
+        return False
+
+
 def _unexpanded_variable(target: Path) -> Optional[str]:
     """Why `target` (resolved) names a folder to make after an environment variable (``output: $HOME/moe``, which
     would make a folder named ``$HOME`` here), or None. A folder of that name that exists already is the user's."""

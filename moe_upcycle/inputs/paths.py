@@ -2,7 +2,7 @@
 
 `Path.resolve()` raises ``RuntimeError("Symlink loop from '...'")`` (Python 3.11/3.12; an
 ``OSError`` with ``errno.ELOOP`` in later versions and in plain file calls) when a link points
-back to itself through other links. `symlink_loop` recognises both and returns the message the
+back to itself through other links. `symlink_loop` recognises both (and a name too long for the file system) and returns the message the
 command line prints instead of a traceback; `resolve_or_raise` is `Path.resolve` with that
 message as an `UpcycleError` of the caller's choosing. `not_a_readable_file` says why a path the user
 gave as an input file (prompts, a pool, labels) cannot be read as one; `broken_link` names a link
@@ -21,7 +21,13 @@ from moe_upcycle.errors import UpcycleError
 
 
 def symlink_loop(exc: BaseException) -> Optional[str]:
-    """The user-facing message for a symlink-loop error (None for any other exception)."""
+    """The user-facing message for a symlink-loop error, or for a name too long for the file system (None for any
+    other exception): errors of a path the user gave, not bugs."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+        shown = str(exc.filename or "a path")
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return (f"{shown}: the name is too long for the file system (most allow 255 bytes per name and 4096 per "
+                f"path); choose a shorter name")
     path = None
     if isinstance(exc, RuntimeError):
         m = re.fullmatch(r"Symlink loop from '(.*)'", str(exc), re.S)
