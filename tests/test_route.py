@@ -182,4 +182,4 @@ def test_labels_that_name_no_expert_are_refused_before_the_model_loads(moe, tmp_
                       for i in range(2))
     assert (f"--labeled {labels}: prompt 1 ('def f(x): return x') has label 'Code', which is not an expert; did you "
             f"mean code? expected one of {names}") in text
-    assert f"prompt 2 ('Once upon a time') has label 'story_teller', which is not an expert; expected one of" in text
+    assert "prompt 2 ('Once upon a time') has label 'story_teller', which is not an expert; expected one of" in text
