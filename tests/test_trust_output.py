@@ -285,3 +285,11 @@ def test_input_paths_with_an_environment_variable_say_so(tiny_llama, tmp_path, m
         (tmp_path / "cfg.yaml").write_text(text)
         code, output = cli("plan", "cfg.yaml")
         assert code == 1 and words in " ".join(output.split()), output
+
+
+def test_demo_where_nothing_can_be_written_is_named():
+    """/proc takes no new folders (as /sys, or a read-only mount): before, a PermissionError traceback."""
+    code, output = cli("demo", "/proc/moe-upcycle-demo-test")
+    text = " ".join(output.split())
+    assert code == 1 and "Traceback" not in text, text
+    assert "demo folder /proc/moe-upcycle-demo-test: cannot write there" in text and "moe-upcycle demo demo_out" in text

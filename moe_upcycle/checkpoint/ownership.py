@@ -17,6 +17,7 @@ it). `prepare_demo_folder` empties only what a previous demo wrote (and refuses 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -221,9 +222,15 @@ def prepare_demo_folder(folder: Path) -> Path:
                 path.unlink()
             elif path.is_dir():
                 shutil.rmtree(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / MANIFEST).write_text(json.dumps({"tool": "moe-upcycle", "kind": "demo",
-                                               "parts": list(DEMO_PARTS)}, indent=2) + "\n", encoding="utf-8")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MANIFEST).write_text(json.dumps({"tool": "moe-upcycle", "kind": "demo",
+                                                   "parts": list(DEMO_PARTS)}, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise
+        raise OutputError(f"demo folder {folder}: cannot write there ({exc.strerror or exc}); give a folder you may "
+                          f"write to, e.g. moe-upcycle demo demo_out") from None
     return folder
 
 
