@@ -66,10 +66,46 @@ def state_dict_source(model: torch.nn.Module) -> StateDictSource:
     state = model.state_dict()
     config = model.config.to_dict()
     # the weights' real dtype wins over whatever config.json said when the model was saved
-    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config["dtype"] = str(model_dtype(model)).removeprefix("torch.")
     config.pop("torch_dtype", None)
     infos = {k: TensorInfo(k, tuple(t.shape), t.dtype, "") for k, t in state.items()}
     return StateDictSource(ref=IN_MEMORY_REF, path=None, config=config, tensors=infos, state=state)
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of most of `model`'s floating-point parameters (by element count).
+
+    A model is not always of one dtype: peft's ``prepare_model_for_kbit_training`` and many training scripts keep
+    norms or the head in float32 beside bfloat16 weights; the first parameter's dtype would then decide by accident.
+    """
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _dtype_warnings(dense_model: torch.nn.Module, dtype: Optional[str]) -> None:
+    """Say which dtype the MoE gets when the dense model mixes dtypes (and `dtype` does not choose), and refuse
+    float64, which no MoE output takes."""
+    import warnings
+
+    from moe_upcycle.errors import UpcycleWarning
+
+    chosen = model_dtype(dense_model)
+    if dtype is None and chosen == torch.float64:
+        raise ConfigError("dense_model: its parameters are float64, which upcycle_model does not make; pass "
+                          "dtype=\"float32\" (or convert the model first: model.float())")
+    others: dict[torch.dtype, str] = {}
+    for name, param in dense_model.named_parameters():
+        if param.is_floating_point() and param.dtype != chosen:
+            others.setdefault(param.dtype, name)
+    if others and dtype is None:
+        shown = ", ".join(f"{str(d).removeprefix('torch.')} (e.g. {n})" for d, n in others.items())
+        warnings.warn(UpcycleWarning(
+            f"dense_model holds parameters of several dtypes: most are {str(chosen).removeprefix('torch.')}, some "
+            f"{shown}; the MoE is {str(chosen).removeprefix('torch.')} throughout — pass dtype= to choose"),
+            stacklevel=3)
 
 
 def upcycle_model(
@@ -128,6 +164,7 @@ def upcycle_model(
         expert_init = expert_init.model_dump(exclude_unset=True)
     if isinstance(dtype, torch.dtype):  # torch.bfloat16 as well as "bfloat16"
         dtype = str(dtype).removeprefix("torch.")
+    _dtype_warnings(dense_model, dtype)
     config = load_config({
         "base_model": IN_MEMORY_REF, "num_experts": num_experts, "experts_per_token": experts_per_token,
         "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,

@@ -788,3 +788,55 @@ def test_a_name_too_long_for_the_file_system_is_named(args, tiny_llama, tmp_path
     assert ("the name is too long for the file system" in text or "and this file system allows 255 per name" in text
             or "and this file system allows 4096" in text), text
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_float64_dense_model_is_refused_with_the_fix_and_converts_when_asked(stories):
+    """upcycle_model on a float64 model was a KeyError traceback (no MoE dtype takes float64)."""
+    from transformers import AutoModelForCausalLM
+
+    dense64 = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float64)
+    with pytest.raises(ConfigError, match=r'dense_model: its parameters are float64, which upcycle_model does not '
+                                          r'make; pass dtype="float32"'):
+        upcycle_model(dense64, num_experts=2)
+    moe = upcycle_model(dense64, num_experts=2, dtype="float32")
+    assert {p.dtype for p in moe.parameters()} == {torch.float32}
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    with torch.no_grad():
+        assert (moe(ids).logits.double() - dense64(ids).logits).abs().max().item() < 1e-4
+
+
+def test_a_dense_model_of_mixed_dtypes_gets_its_main_dtype_and_a_warning(stories):
+    """Norms kept in float32 beside bfloat16 weights (peft's prepare_model_for_kbit_training does it): before, the
+    first parameter's dtype decided, silently."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle.errors import UpcycleWarning
+
+    dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.bfloat16)
+    for name, param in dense.named_parameters():
+        if "norm" in name:
+            param.data = param.data.float()
+    with pytest.warns(UpcycleWarning, match=r"dense_model holds parameters of several dtypes: most are bfloat16, some "
+                                            r"float32 \(e\.g\. model\.layers\.0\.input_layernorm\.weight\); the MoE is "
+                                            r"bfloat16 throughout — pass dtype= to choose"):
+        moe = upcycle_model(dense, num_experts=2)
+    assert {p.dtype for p in moe.parameters()} == {torch.bfloat16}
+    moe32 = upcycle_model(dense, num_experts=2, dtype="float32")  # chosen: no warning needed
+    assert {p.dtype for p in moe32.parameters()} == {torch.float32}
+
+
+def test_float64_base_checkpoint_asks_for_a_dtype(stories, tmp_path):
+    """A base saved in float64 made plan and build crash (KeyError: torch.float64) instead of asking for dtype:."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle import upcycle
+    from moe_upcycle.errors import PlanError
+
+    base = tmp_path / "base64"
+    AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float64).save_pretrained(str(base))
+    recipe = {"base_model": str(base), "num_experts": 2, "gate_mode": "random"}
+    with pytest.raises(PlanError, match="base_model: the base is float64, which moe-upcycle does not write .* e.g. "
+                                        "dtype: float32"):
+        upcycle(recipe, tmp_path / "moe")
+    assert not (tmp_path / "moe").exists()
+    assert upcycle({**recipe, "dtype": "float32"}, tmp_path / "moe").plan.dtype == torch.float32

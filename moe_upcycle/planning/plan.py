@@ -194,10 +194,15 @@ def _base_dtype(base: Checkpoint, problems: list[str]) -> torch.dtype:
         problems.append(f"base_model: config.json gives torch_dtype {spelled['torch_dtype']} and dtype "
                         f"{spelled['dtype']}, so the output's dtype (the base's, by default) is ambiguous; set "
                         f"dtype: in the recipe (e.g. dtype: {spelled['dtype']})")
-    if spelled:
-        return STR_DTYPES[next(iter(spelled.values()))]
     info = base.tensors.get(names.EMBED)
-    return info.dtype if info and info.dtype.is_floating_point else torch.float32
+    dtype = (STR_DTYPES[next(iter(spelled.values()))] if spelled else
+             info.dtype if info and info.dtype.is_floating_point else torch.float32)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float64: no MoE output takes it
+        problems.append(f"base_model: the base is {str(dtype).removeprefix('torch.')}, which moe-upcycle does not "
+                        f"write (float32, float16 or bfloat16); set the output's dtype in the recipe, e.g. dtype: "
+                        f"float32")
+        return torch.float32
+    return dtype
 
 
 def _where(config: UpcycleConfig, ref: str) -> str:
