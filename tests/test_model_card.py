@@ -13,7 +13,7 @@ from markdown_it import MarkdownIt
 from typer.testing import CliRunner
 
 from moe_upcycle import upcycle
-from moe_upcycle.publish.card_facts import cell, readable_count
+from moe_upcycle.publish.card_facts import code_span, cell, readable_count
 from moe_upcycle.terminal.hints import is_hub_id
 from moe_upcycle.cli import app
 from moe_upcycle.recipe.schema import load_config
@@ -152,5 +152,7 @@ def test_readable_count_and_cells():
     assert readable_count(591_232) == "591,232 (0.59M)"
     assert readable_count(1_100_048_384) == "1,100,048,384 (1.10B)"
     assert cell("a|b\n c") == "a\\|b c"
+    # outside a table a pipe is shown as written (the escape showed as a backslash); backticks get a longer fence
+    assert code_span("récit|story") == "`récit|story`" and code_span("the `x`\nexpert") == "`` the `x` expert ``"
     assert is_hub_id("meta-llama/Llama-3.2-1B") and not is_hub_id("/abs/path")
     assert not is_hub_id("../x/y") and not is_hub_id("a/b/c") and not is_hub_id("./ft0")

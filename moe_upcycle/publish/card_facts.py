@@ -9,6 +9,7 @@ the sources' ``config.json``; no tensors.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -108,6 +109,21 @@ def cell(text: object) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def code_span(text: object) -> str:
+    """`text` as one line of inline code outside a table (no pipe escaping, which would show there); a name holding
+    backticks is fenced with longer ones, as CommonMark allows.
+
+    Example:
+        >>> code_span("récit|story"), code_span("a `b`")
+        ('`récit|story`', '`` a `b` ``')
+    """
+    line = " ".join(str(text).split())
+    if "`" not in line:
+        return f"`{line}`"
+    fence = "`" * (max(len(run) for run in re.findall(r"`+", line)) + 1)
+    return f"{fence} {line} {fence}"
+
+
 def init_text(init) -> str:
     """An `ExpertInit` in words."""
     if init.method == "copy":
@@ -162,7 +178,7 @@ def making_of(config: UpcycleConfig) -> list[str]:
              f"- Router (gate mode `{config.gate_mode}`): {gate_text(config)}."]
     if config.gate_mode in ("hidden", "hidden_avg", "hidden_last", "cheap_embed"):
         for e in config.expert_list():
-            lines.append(f"  - `{cell(e.name)}`: {_prompt_source(e)}")
+            lines.append(f"  - {code_span(e.name)}: {_prompt_source(e)}")
     if config.shared_experts:
         gate = config.shared_expert_gate or "default"
         lines.append(f"- Shared expert: {len(config.shared_experts)} source FFN(s) concatenated, sigmoid gate "
