@@ -156,3 +156,20 @@ def test_readable_count_and_cells():
     assert code_span("récit|story") == "`récit|story`" and code_span("the `x`\nexpert") == "`` the `x` expert ``"
     assert is_hub_id("meta-llama/Llama-3.2-1B") and not is_hub_id("/abs/path")
     assert not is_hub_id("../x/y") and not is_hub_id("a/b/c") and not is_hub_id("./ft0")
+
+
+def test_names_with_pipes_and_backticks_keep_the_card_readable(stories, tmp_path):
+    """A local folder named `a|b` split the experts table's row; outside the table the escape showed as `\\|`."""
+    import shutil
+
+    from moe_upcycle import upcycle
+
+    odd = tmp_path / "pi|pe"
+    shutil.copytree(stories, odd)
+    out = upcycle({"base_model": str(stories), "gate_mode": "hidden", "experts": [
+        {"source_model": str(odd), "name": "code|`x`", "positive_prompts": ["def f(x): return x"]},
+        {"source_model": str(stories), "positive_prompts": ["Once upon a time"]}]}, tmp_path / "moe").output
+    card = (out / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| 0 |"))
+    assert row == "| 0 | code\\|`x` | local model `pi\\|pe` | 1 | none |"  # GFM: an escaped pipe inside the cell
+    assert "local model `pi|pe`" in card and "  - `` code|`x` ``: 1 positive prompts" in card

@@ -102,9 +102,9 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
         front_text += "\n# license: (set the base model's license here; see the note below)"
     total, active = parameter_counts(plan)
     experts = config.expert_list()
-    rows = "\n".join(f"| {i} | {cell(e.name)} | {named.name(e.source_model)} | {len(e.positive_prompts)} | "
+    rows = "\n".join(f"| {i} | {cell(e.name)} | {cell(named.name(e.source_model))} | {len(e.positive_prompts)} | "
                      f"{cell(_changes(e))} |" for i, e in enumerate(experts))
-    shared = "".join(f"| shared {i} | {cell(e.name or '-')} | {named.name(e.source_model)} | {len(e.positive_prompts)} "
+    shared = "".join(f"| shared {i} | {cell(e.name or '-')} | {cell(named.name(e.source_model))} | {len(e.positive_prompts)} "
                      f"| {cell(_changes(e))} |\n" for i, e in enumerate(config.shared_experts))
     local = named.local()
     local_note = (f"\nMade from {len(local)} local model(s) with no hub id ("

@@ -69,7 +69,7 @@ class Sources:
         h = self.hub.get(ref)
         if h:
             return f"[{h}](https://huggingface.co/{h})"
-        return f"{LOCAL} `{Path(ref).expanduser().name or ref}`"
+        return f"{LOCAL} {code_span(Path(ref).expanduser().name or ref)}"
 
     def shown(self, ref: str) -> str:
         """A reference as the card's recipe writes it: hub ids as they are, local folders by name only."""
@@ -82,7 +82,7 @@ class Sources:
         if h:
             return f"[{h}](https://huggingface.co/{h})" if markdown else h
         name = Path(part.partition("@")[0] if not Path(part).expanduser().is_dir() else part).expanduser().name
-        return f"{LOCAL} `{name or part}`" if markdown else f"{LOCAL} {name or part}"
+        return f"{LOCAL} {code_span(name or part)}" if markdown else f"{LOCAL} {name or part}"
 
     def without_paths(self, text: str, paths: Mapping[str, Optional[Path]]) -> str:
         """`text` with every local source's reference and folder replaced by its plain name."""
@@ -143,7 +143,7 @@ def init_text(init) -> str:
 def _prompt_source(expert: ExpertConfig) -> str:
     pos = f"{len(expert.positive_prompts)} positive prompts"
     if expert.positive_prompts_from:
-        pos += f" (set `{expert.positive_prompts_from}`)" if "/" not in expert.positive_prompts_from and \
+        pos += f" (set {code_span(expert.positive_prompts_from)})" if "/" not in expert.positive_prompts_from and \
             "." not in expert.positive_prompts_from else " (from a file)"
     if expert.negative_prompts:
         pos += f", {len(expert.negative_prompts)} negative"
@@ -164,7 +164,7 @@ def gate_text(config: UpcycleConfig) -> str:
     if mode == "kmeans":
         name = Path(str(config.calibration_text)).name
         return (f"spherical k-means (seed {config.seed}) of the base model's router inputs "
-                f"(post_attention_layernorm outputs) on the calibration text `{name}`; each centroid is a row")
+                f"(post_attention_layernorm outputs) on the calibration text {code_span(name)}; each centroid is a row")
     reduce = "last real token" if mode == "hidden_last" else "mean over real tokens"
     center = ", centred over experts" if config.gate_center else ""
     scale = f", rows of length {config.gate_scale:g}" if config.gate_scale else ", length set per layer"
