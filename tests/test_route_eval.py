@@ -55,6 +55,24 @@ def test_read_labeled_csv_and_tsv_with_a_header(tmp_path):
         read_labeled(bad)
 
 
+def test_read_labeled_json_list(tmp_path):
+    """A .json list of records was read line by line as JSONL: "not valid JSON" on its second line."""
+    import json
+
+    path = tmp_path / "labels.json"
+    path.write_text(json.dumps([{"text": "Write a C function", "expert": "code"}, {"prompt": "Integrate x^2"}],
+                               indent=2))
+    assert read_labeled(path) == (["Write a C function", "Integrate x^2"], ["code", None])
+    inst = tmp_path / "inst.txt"  # a prompt line that starts with '[' is still a prompt line
+    inst.write_text("code\t[INST] Write a C function [/INST]\n[INST] Integrate x^2 [/INST]\n")
+    assert read_labeled(inst) == (["[INST] Write a C function [/INST]", "[INST] Integrate x^2 [/INST]"],
+                                  ["code", None])
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"expert": "code"}]')
+    with pytest.raises(ConfigError, match="bad.json: item 0: no prompt text"):
+        read_labeled(bad)
+
+
 def test_read_labeled_formats(tmp_path):
     path = tmp_path / "labeled.jsonl"
     path.write_text('{"text": "Write a C function", "expert": "code"}\n\n{"prompt": "Integrate x^2"}\n'

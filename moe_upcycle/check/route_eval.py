@@ -15,6 +15,7 @@ It does not print anything; `prompt_cli.routing_tables` renders a `RoutingScore`
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -157,8 +158,8 @@ def label_by_embedding(prompts: Sequence[str], experts: Sequence[ExpertPrompts],
 
 
 def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]]:
-    """Read prompts and labels: JSONL with "text"/"prompt" and "expert"/"label", CSV/TSV with a header row
-    naming such columns (``.csv``, ``.tsv``), or plain text.
+    """Read prompts and labels: JSONL (or a JSON list) of records with "text"/"prompt" and "expert"/"label",
+    CSV/TSV with a header row naming such columns (``.csv``, ``.tsv``), or plain text.
 
     Plain text is one prompt per line, optionally ``expert<TAB>prompt``. A prompt without a
     label gets None (to be filled by `label_by_embedding`).
@@ -174,6 +175,8 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     content = read_utf8(path, f"--labeled {path}")
     if path.suffix.lower() in (".csv", ".tsv"):
         return _labeled_table(path, content, "\t" if path.suffix.lower() == ".tsv" else ",")
+    if path.suffix.lower() == ".json" or content.lstrip().startswith("[") and _is_json_list(content):
+        return _labeled_list(path, content)  # not "[INST] ..." prompt lines
     for n, line in enumerate(content.splitlines(), 1):
         if not line.strip():
             continue
@@ -235,3 +238,34 @@ def _labeled_table(path: Path, text: str, delimiter: str) -> tuple[list[str], li
         raise ConfigError(f"--labeled {path}: holds no prompt under its {column!r} column")
     return ([row[column].strip() for row in kept],
             [((row.get(label) or "").strip() or None) if label else None for row in kept])
+
+
+def _labeled_list(path: Path, content: str) -> tuple[list[str], list[Optional[str]]]:
+    """A JSON list of records with "text"/"prompt" and "expert"/"label" (what a JSONL file holds, as one list)."""
+    try:
+        rows = json.loads(content)
+    except RecursionError:
+        raise ConfigError(f"--labeled {path}: not valid JSON (nested too deeply)") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--labeled {path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"--labeled {path}: expected a JSON list of records with \"text\" and \"expert\" fields")
+    prompts, labels, problems = [], [], []
+    for i, row in enumerate(rows):
+        text = row.get("text", row.get("prompt")) if isinstance(row, dict) else None
+        label = row.get("expert", row.get("label")) if isinstance(row, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            problems.append(f"--labeled {path}: item {i}: no prompt text (a record needs a \"text\" or \"prompt\" field)")
+            continue
+        prompts.append(text.strip())
+        labels.append(label.strip() if isinstance(label, str) and label.strip() else None)
+    if problems:
+        raise ConfigError(*problems)
+    return prompts, labels
+
+
+def _is_json_list(content: str) -> bool:
+    try:
+        return isinstance(json.loads(content), list)
+    except (ValueError, RecursionError):
+        return False
