@@ -15,7 +15,6 @@ It does not print anything; `prompt_cli.routing_tables` renders a `RoutingScore`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -25,7 +24,7 @@ import torch
 from moe_upcycle.recipe.params import ExpertPrompts
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.inputs.records import json_line, table_rows
+from moe_upcycle.inputs.records import is_json_list, json_document, json_line, table_rows
 from moe_upcycle.inputs.text import read_utf8
 
 
@@ -175,7 +174,7 @@ def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]
     content = read_utf8(path, f"--labeled {path}")
     if path.suffix.lower() in (".csv", ".tsv"):
         return _labeled_table(path, content, "\t" if path.suffix.lower() == ".tsv" else ",")
-    if path.suffix.lower() == ".json" or content.lstrip().startswith("[") and _is_json_list(content):
+    if path.suffix.lower() == ".json" or content.lstrip().startswith("[") and is_json_list(content):
         return _labeled_list(path, content)  # not "[INST] ..." prompt lines
     for n, line in enumerate(content.splitlines(), 1):
         if not line.strip():
@@ -242,12 +241,7 @@ def _labeled_table(path: Path, text: str, delimiter: str) -> tuple[list[str], li
 
 def _labeled_list(path: Path, content: str) -> tuple[list[str], list[Optional[str]]]:
     """A JSON list of records with "text"/"prompt" and "expert"/"label" (what a JSONL file holds, as one list)."""
-    try:
-        rows = json.loads(content)
-    except RecursionError:
-        raise ConfigError(f"--labeled {path}: not valid JSON (nested too deeply)") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--labeled {path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    rows = json_document(path, content, "--labeled ")
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"--labeled {path}: expected a JSON list of records with \"text\" and \"expert\" fields")
     prompts, labels, problems = [], [], []
@@ -262,10 +256,3 @@ def _labeled_list(path: Path, content: str) -> tuple[list[str], list[Optional[st
     if problems:
         raise ConfigError(*problems)
     return prompts, labels
-
-
-def _is_json_list(content: str) -> bool:
-    try:
-        return isinstance(json.loads(content), list)
-    except (ValueError, RecursionError):
-        return False

@@ -56,15 +56,21 @@ def json_line(path: Path, n: int, line: str) -> tuple[Any, Optional[str]]:
         return None, f"{path}:{n}: not valid JSON ({exc.msg})"
 
 
-def json_list_prompts(path: Path, text: str) -> list[str]:
-    """A JSON list of strings or of records (as a JSONL record each)."""
+def json_document(path: Path, text: str, where: str = "") -> Any:
+    """`text` (the whole of file `path`) as JSON; `ConfigError` naming the file and line (after `where`, e.g. the
+    option) when it is not JSON."""
     try:
-        rows = json.loads(text)
-    except RecursionError:
-        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+        return json.loads(text)
+    except RecursionError:  # json raises it, not a decode error, for nesting past Python's limit
+        raise ConfigError(f"{where}{path}: not valid JSON (nested too deeply)") from None
     except json.JSONDecodeError as exc:
         jsonl = " (one record per line is JSONL: name the file .jsonl)" if "Extra data" in exc.msg else ""
-        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}){jsonl}") from None
+        raise ConfigError(f"{where}{path}:{exc.lineno}: not valid JSON ({exc.msg}){jsonl}") from None
+
+
+def json_list_prompts(path: Path, text: str) -> list[str]:
+    """A JSON list of strings or of records (as a JSONL record each)."""
+    rows = json_document(path, text)
     if isinstance(rows, dict):
         lists = [k for k, v in rows.items() if isinstance(v, list)]
         hint = f"; the prompts may be its {lists[0]!r} list: give a file holding that list" if len(lists) == 1 else ""
@@ -128,3 +134,11 @@ def record_text(row: Any) -> tuple[Optional[str], Optional[str]]:
             return None, f"its {name!r} list has no user turn with text"
     keys = ", ".join(repr(k) for k in list(row)[:8]) or "none"
     return None, f"needs {WANTED}; this record's fields: {keys}"
+
+
+def is_json_list(text: str) -> bool:
+    """Whether `text` as a whole is a JSON list (a file of prompt lines may start with ``[INST]`` and be none)."""
+    try:
+        return isinstance(json.loads(text), list)
+    except (ValueError, RecursionError):
+        return False

@@ -10,14 +10,13 @@ strings or records, a CSV or TSV file with a header row — give one prompt per 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Union
 
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.inputs.records import json_list_prompts, jsonl_prompts, table_prompts
+from moe_upcycle.inputs.records import is_json_list, json_list_prompts, jsonl_prompts, table_prompts
 from moe_upcycle.inputs.text import read_utf8
 
 PoolFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "paragraphs", "lines"]
@@ -47,7 +46,7 @@ def detect_format(path: Path, text: str) -> str:
     first = next((ln for ln in text.splitlines() if ln.strip()), "").lstrip()
     if first.startswith("{"):
         return "jsonl"
-    if first.startswith("[") and _json_list(text):  # not "[INST] Write a poem" lines
+    if first.startswith("[") and is_json_list(text):  # not "[INST] Write a poem" lines
         return "json"
     return "paragraphs" if re.search(r"\n[ \t]*\n", text.strip()) else "lines"
 
@@ -90,10 +89,3 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
         raise ConfigError(f"--pool {path}: holds no prompt (the file is empty or blank); give candidate prompts, "
                           f"separated by blank lines or one per line")
     return Pool(prompts, fmt)
-
-
-def _json_list(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), list)
-    except (ValueError, RecursionError):
-        return False

@@ -9,11 +9,11 @@ tokenizing and windowing happen in `gates`.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.inputs.records import json_line
 from moe_upcycle.inputs.text import decode_utf8
 from moe_upcycle.terminal.hints import variable_hint
 
@@ -68,12 +68,9 @@ def _read_jsonl(file: Path) -> list[str]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except RecursionError:
-            raise ConfigError(f"calibration_text: {file}:{number}: not valid JSON (nested too deeply)") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"calibration_text: {file}:{number}: not valid JSON ({exc.msg})") from None
+        item, problem = json_line(file, number, line)
+        if problem:
+            raise ConfigError(f"calibration_text: {problem}")
         text = item.get("text") if isinstance(item, dict) else item
         if not isinstance(text, str):
             raise ConfigError(f"calibration_text: {file}:{number}: expected a JSON string or an object with a "
