@@ -238,8 +238,9 @@ def test_a_mergekit_moe_command_line_says_what_to_run(tiny_llama, tmp_path, monk
     assert result.exit_code == 1 and "No such option" not in text
     assert ("--copy-tokenizer, --allow-crimes, --out-shard-size 1B, --lazy-unpickle, --cuda are mergekit-moe's "
             "options, not moe-upcycle's") in text
-    assert "--out-shard-size 1B: mergekit counts 1B as a billion bytes → --max-shard-size 1GB" in text
-    assert "Run: moe-upcycle build config.yml merge --max-shard-size 1GB --device cuda" in text
+    assert ("--out-shard-size 1B: mergekit counts parameters per shard, not bytes: 1B parameters are 2GB in bfloat16 "
+            "or float16 (4GB in float32) → --max-shard-size 2GB") in text
+    assert "Run: moe-upcycle build config.yml merge --max-shard-size 2GB --device cuda" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yml"]
     # the command it gives runs (on the CPU here)
     run = shlex.split(text.split("Run: ")[1])[1:]
@@ -251,7 +252,7 @@ def test_a_mergekit_moe_command_line_says_what_to_run(tiny_llama, tmp_path, monk
 
 @pytest.mark.parametrize("args, run", [
     (["config.yml", "merge"], "moe-upcycle build config.yml merge"),
-    (["Config.YAML", "out", "--copy-tokenizer", "--out-shard-size", "2B"], "moe-upcycle build Config.YAML out --max-shard-size 2GB"),
+    (["Config.YAML", "out", "--copy-tokenizer", "--out-shard-size", "2B"], "moe-upcycle build Config.YAML out --max-shard-size 4GB"),
 ])
 def test_a_recipe_where_the_command_goes_says_which_command(args, run):
     """`moe-upcycle config.yml merge` (mergekit-moe's argument order): before, "No such command 'config.yml'"."""

@@ -2,7 +2,8 @@
 
 ``mergekit-moe config.yaml merge --copy-tokenizer --allow-crimes --out-shard-size 1B --lazy-unpickle``
 is how many published MoEs say they were made. Given to ``build`` or ``plan``, such options would end
-in the parser's bare "No such option". `explain` says instead, for each, what moe-upcycle does or
+in the parser's bare "No such option". (mergekit's ``--out-shard-size`` counts parameters, not bytes: its
+``1B`` is 2GB of bfloat16.) `explain` says instead, for each, what moe-upcycle does or
 takes in its place, and gives the command line to run; nothing is run with a guess.
 """
 
@@ -49,7 +50,8 @@ FLAGS = {
     "--cuda": Flag(0, "runs the models on the GPU", ("--device", "cuda")),
     "--no-cuda": Flag(0, "runs the models on the CPU", ("--device", "cpu")),
     "--read-to-gpu": Flag(0, "runs the models on the GPU", ("--device", "cuda")),
-    "--out-shard-size": Flag(1, "mergekit counts 1B as a billion bytes", ("--max-shard-size", "{size}")),
+    "--out-shard-size": Flag(1, "mergekit counts parameters per shard, not bytes: {value} parameters are {size} in "
+                                "bfloat16 or float16 ({size32} in float32)", ("--max-shard-size", "{size}")),
     "--random-seed": Flag(1, "set it in the recipe: seed: {value}"),
     "--num-threads": Flag(1, "not needed"),
     "--transformers-cache": Flag(1, "set HF_HOME (or HF_HUB_CACHE) to that folder instead"),
@@ -64,7 +66,7 @@ def explain(command: str, args: list[str]) -> Optional[str]:
 
     Example:
         >>> print(explain("build", ["config.yml", "merge", "--copy-tokenizer", "--out-shard-size", "1B"]))
-        --copy-tokenizer, --out-shard-size 1B are mergekit-moe's options, not moe-upcycle's: --copy-tokenizer: the base's tokenizer is always copied; --out-shard-size 1B: mergekit counts 1B as a billion bytes → --max-shard-size 1GB. Run: moe-upcycle build config.yml merge --max-shard-size 1GB
+        --copy-tokenizer, --out-shard-size 1B are mergekit-moe's options, not moe-upcycle's: --copy-tokenizer: the base's tokenizer is always copied; --out-shard-size 1B: mergekit counts parameters per shard, not bytes: 1B parameters are 2GB in bfloat16 or float16 (4GB in float32) → --max-shard-size 2GB. Run: moe-upcycle build config.yml merge --max-shard-size 2GB
     """
     if command not in COMMANDS:
         return None
@@ -91,22 +93,28 @@ def translate(command: str, args: list[str]) -> tuple[list[str], list[str], str]
         i += 1 + (flag.values if not eq else 0)
         shown = f"{name} {value}".strip()
         found.append(shown)
-        ours = [part.format(size=_size(value), value=value) for part in flag.ours if part != "@quiet"]
+        sizes = {"size": _bytes(value, 2), "size32": _bytes(value, 4), "value": value}
+        ours = [part.format(**sizes) for part in flag.ours if part != "@quiet"]
         quiet = quiet or "@quiet" in flag.ours
         kept += ours
-        said.append(f"{shown}: {flag.instead.format(value=value)}" + (f" → {' '.join(ours)}" if ours else ""))
+        said.append(f"{shown}: {flag.instead.format(**sizes)}" + (f" → {' '.join(ours)}" if ours else ""))
     run = " ".join(["moe-upcycle", *(["-q"] if quiet else []), command, *(shlex.quote(a) for a in kept)])
     return found, said, run
 
 
-def _size(value: str) -> str:
-    """mergekit's size (``1B`` a billion bytes, ``500M``, ``2K``, a plain number of bytes) in our units.
+def _bytes(value: str, per_parameter: int) -> str:
+    """mergekit's shard size (parameters: ``1B`` a billion, ``500M``, ``2K``, a plain number) as bytes in our units,
+    at `per_parameter` bytes each (2 for bfloat16 and float16, 4 for float32).
 
     Example:
-        >>> _size("1B"), _size("500m"), _size("2K"), _size("5000000000")
-        ('1GB', '500MB', '2KB', '5000000000')
+        >>> _bytes("1B", 2), _bytes("500m", 2), _bytes("2K", 4), _bytes("5000000000", 2)
+        ('2GB', '1GB', '8KB', '10GB')
     """
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMbB]?)\s*", value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMbB]?)\s*", value)
     if not m:
         return value
-    return m.group(1) + {"k": "KB", "m": "MB", "b": "GB", "": ""}[m.group(2).lower()]
+    count = float(m.group(1)) * {"k": 1e3, "m": 1e6, "b": 1e9, "": 1}[m.group(2).lower()] * per_parameter
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= size:
+            return f"{count / size:g}{unit}"
+    return f"{count:g}"
