@@ -293,3 +293,23 @@ def test_demo_where_nothing_can_be_written_is_named():
     text = " ".join(output.split())
     assert code == 1 and "Traceback" not in text, text
     assert "demo folder /proc/moe-upcycle-demo-test: cannot write there" in text and "moe-upcycle demo demo_out" in text
+
+
+@pytest.mark.parametrize("output, words", [
+    ("'D:\\models\\my-moe'", ["output D:\\models\\my-moe is a Windows path (drive D:; under WSL that is "
+                              "/mnt/d/models/my-moe)", "a folder named D:\\models\\my-moe in the current folder"]),
+    ("C:/Users/me/moe", ["output C:/Users/me/moe is a Windows path (drive C:;", "a folder named C: in the current"]),
+    ("'runs\\moe'", ["output runs\\moe is a path with Windows backslashes", "(runs/moe)"]),
+])
+@pytest.mark.parametrize("command", ["build", "plan"])
+def test_a_windows_output_path_from_a_recipe_is_refused(output, words, command, tiny_llama, tmp_path, monkeypatch):
+    """A recipe written on Windows made a folder literally named `D:\\models\\my-moe` (or `C:`) here."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n"
+                                       f"output: {output}\n")
+    code, text = cli(command, "cfg.yaml")
+    flat = " ".join(text.split())
+    assert code == 1 and "Traceback" not in flat, flat
+    for w in words:
+        assert w in flat, flat
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]

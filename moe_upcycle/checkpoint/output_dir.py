@@ -88,7 +88,7 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
                 f"cannot load a tokenizer from such a folder; choose a name of ordinary characters")
     if target.exists() and not target.is_dir():
         return f"output {target} exists and is a file; choose another output path"
-    variable = _unexpanded_variable(target)
+    variable = _unexpanded_variable(target) or _windows_path(target)
     if variable:
         return variable
     reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
@@ -138,7 +138,8 @@ def made_parent(target: Path) -> Iterator[None]:
         OutputError: a parent cannot be created (a file is in the way, no permission).
     """
     parent = Path(target).expanduser().resolve().parent
-    blocking = _unexpanded_variable(Path(target).expanduser().resolve()) or _file_in_the_way(target)
+    resolved = Path(target).expanduser().resolve()
+    blocking = _unexpanded_variable(resolved) or _windows_path(resolved) or _file_in_the_way(target)
     if blocking:  # mkdir would only say "File exists" or "Not a directory"
         raise OutputError(blocking)
     missing = [p for p in (parent, *parent.parents) if not p.exists()][::-1]  # outermost first
@@ -183,6 +184,23 @@ def _exists(path: Path) -> bool:
         return path.exists()
     except OSError:  # a name too long to even look up
         return False
+
+
+def _windows_path(target: Path) -> Optional[str]:
+    """Why `target` (resolved) is a Windows path written in a recipe made on Windows (``output: D:\\models\\moe``,
+    ``C:/Users/me/moe``): here it would make a folder named ``D:\\models\\moe`` or ``C:`` in the current folder.
+    None when it is not one, or when that folder exists already (then it is the user's)."""
+    odd = next((part for part in [target, *target.parents] if not _exists(part)
+                and (re.fullmatch(r"[A-Za-z]:", part.name) or "\\" in part.name)), None)
+    if odd is None:
+        return None
+    written = os.path.relpath(target)
+    drive = re.match(r"^([A-Za-z]):[\\/]", written)
+    posix = "/".join(part for part in re.split(r"[\\/]+", written[drive.end():] if drive else written) if part)
+    where = (f"a Windows path (drive {drive.group(1).upper()}:; under WSL that is /mnt/{drive.group(1).lower()}/{posix})"
+             if drive else f"a path with Windows backslashes, which are ordinary characters in a name here ({posix})")
+    return (f"output {written} is {where}: here it would make a folder named {odd.name} in the current folder, so "
+            f"nothing is made — write the output folder as this machine names it")
 
 
 def _unexpanded_variable(target: Path) -> Optional[str]:
