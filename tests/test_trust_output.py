@@ -313,3 +313,19 @@ def test_a_windows_output_path_from_a_recipe_is_refused(output, words, command, 
     for w in words:
         assert w in flat, flat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]
+
+
+def test_windows_paths_to_prompt_files_and_calibration_text_say_what_to_write(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (f"base_model: {tiny_llama}\ngate_mode: hidden\nexperts:\n  - source_model: {tiny_llama}\n"
+         f"    positive_prompts_from: prompts\\code.txt\n  - source_model: {tiny_llama}\n    positive_prompts: [x]\n",
+         "experts[0].positive_prompts_from: 'prompts\\code.txt' is not an existing file: it separates folders with "
+         "Windows backslashes, which are ordinary characters in a name here: write forward slashes (prompts/code.txt)"),
+        (f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: kmeans\ncalibration_text: D:\\data\\c.txt\n",
+         "calibration_text: D:\\data\\c.txt does not exist; it is a Windows path (drive D:)"),
+    ]
+    for text, words in cases:
+        (tmp_path / "cfg.yaml").write_text(text)
+        code, output = cli("plan", "cfg.yaml")
+        assert code == 1 and words in " ".join(output.split()), output

@@ -15,7 +15,7 @@ from pathlib import Path
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.inputs.records import json_line
 from moe_upcycle.inputs.text import decode_utf8
-from moe_upcycle.terminal.hints import variable_hint
+from moe_upcycle.terminal.hints import variable_hint, windows_path_hint
 
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 KMEANS_MAX_POINTS = 16384  # calibration tokens k-means keeps per layer, at most ...
@@ -48,7 +48,8 @@ def read_documents(path: str | Path) -> list[str]:
         raise ConfigError(f"calibration_text: {root} is not a regular file; give a .txt/.jsonl file or a folder")
     else:
         raise ConfigError(f"calibration_text: {root} does not exist; "
-                          + (variable_hint(str(path)) or "give a .txt/.jsonl file or a folder"))
+                          + (variable_hint(str(path)) or windows_path_hint(str(path))
+                             or "give a .txt/.jsonl file or a folder"))
     docs: list[str] = []
     for file in files:
         docs += _read_jsonl(file) if file.suffix.lower() in JSONL_SUFFIXES else _read_text(file)

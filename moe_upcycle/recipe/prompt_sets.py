@@ -22,7 +22,7 @@ import yaml
 
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.yaml_load import load_yaml_text
-from moe_upcycle.terminal.hints import variable_hint
+from moe_upcycle.terminal.hints import show_ref, variable_hint, windows_path_hint
 from moe_upcycle.inputs.records import json_list_prompts, jsonl_prompts, table_prompts
 from moe_upcycle.inputs.text import check_texts, read_utf8
 
@@ -91,9 +91,9 @@ def resolve_reference(ref: str) -> Path:
     if path.is_dir():
         raise ValueError(f"{ref!r} is a folder; give the path of a YAML/JSON/text prompt file in it, or name a "
                          f"prompt set ({', '.join(set_names()) or 'none found'})")
-    variable = variable_hint(ref)
-    if variable:
-        raise ValueError(f"{ref!r} is not an existing file: {variable}")
+    written = variable_hint(ref) or windows_path_hint(ref)
+    if written:
+        raise ValueError(f"{show_ref(ref)} is not an existing file: {written}")
     raise ValueError(f"{ref!r} is neither a prompt set ({', '.join(set_names()) or 'none found'}) nor an "
                      f"existing file; name a set or give the path of a YAML/JSON/text prompt file")
 

@@ -199,7 +199,7 @@ def windows_path_hint(ref: str) -> str:
     if drive:
         letter = drive.group(1).lower()
         return (f"it is a Windows path (drive {letter.upper()}:), and this machine names folders "
-                f"POSIX-style: give the model's folder as it is named here (under WSL drive {letter.upper()}: is "
+                f"POSIX-style: give the path as it is named here (under WSL drive {letter.upper()}: is "
                 f"/mnt/{letter}: /mnt/{letter}/{posix})")
     return (f"it separates folders with Windows backslashes, which are ordinary characters in a name "
             f"here: write forward slashes ({posix})")
