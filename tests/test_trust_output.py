@@ -259,7 +259,9 @@ def test_output_named_after_an_environment_variable_is_refused(output, command, 
     code, text = cli(command, "cfg.yaml")
     variable = next(part for part in output.split("/") if part.startswith("$"))
     assert code == 1, text
-    assert f"{variable} is an environment variable, which a recipe does not expand" in " ".join(text.split())
+    flat = " ".join(text.split())
+    assert "it names an environment variable, which a recipe does not expand" in flat, flat
+    assert f"here it would make a folder named {variable} in the current folder, so nothing is made" in flat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]  # no `$HOME` folder, no `out`
 
 
@@ -296,10 +298,10 @@ def test_demo_where_nothing_can_be_written_is_named():
 
 
 @pytest.mark.parametrize("output, words", [
-    ("'D:\\models\\my-moe'", ["output D:\\models\\my-moe is a Windows path (drive D:; under WSL that is "
-                              "/mnt/d/models/my-moe)", "a folder named D:\\models\\my-moe in the current folder"]),
-    ("C:/Users/me/moe", ["output C:/Users/me/moe is a Windows path (drive C:;", "a folder named C: in the current"]),
-    ("'runs\\moe'", ["output runs\\moe is a path with Windows backslashes", "(runs/moe)"]),
+    ("'D:\\models\\my-moe'", ["output D:\\models\\my-moe: it is a Windows path (drive D:)",
+                              "/mnt/d/models/my-moe", "a folder named D:\\models\\my-moe in the current folder"]),
+    ("C:/Users/me/moe", ["output C:/Users/me/moe: it is a Windows path (drive C:)", "a folder named C: in the current"]),
+    ("'runs\\moe'", ["output runs\\moe: it separates folders with Windows backslashes", "(runs/moe)"]),
 ])
 @pytest.mark.parametrize("command", ["build", "plan"])
 def test_a_windows_output_path_from_a_recipe_is_refused(output, words, command, tiny_llama, tmp_path, monkeypatch):

@@ -117,11 +117,10 @@ def label_indices(labels: Sequence[Union[str, int]], expert_names: Sequence[str]
             out.append(lookup[label])
         else:
             meant = loose.get(" ".join(str(label).split()).casefold())
-            which = (f"prompt {n + 1} ({_short(prompts[n])}) has label {label!r}" if prompts is not None
-                     else f"labels[{n}]: {label!r}")
-            bad.append(f"{where}: {which}, which is not an expert; " if prompts is not None else f"{which} is not an "
-                       f"expert; ")
-            bad[-1] += (f"did you mean {meant}? " if meant else "") + f"expected one of {', '.join(expert_names)}"
+            which = (f"{where}: prompt {n + 1} ({_short(prompts[n])}) has label {label!r}, which" if prompts is not None
+                     else f"{where}[{n}]: {label!r}")
+            bad.append(f"{which} is not an expert; {f'did you mean {meant}? ' if meant else ''}"
+                       f"expected one of {', '.join(expert_names)}")
     if bad:
         raise ConfigError(*bad)
     return out

@@ -10,14 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from moe_upcycle.errors import SourceError
-
-
-def changed_message(path: Path, then: "FileStamp", now: os.stat_result) -> str:
-    return (f"{path}: the file changed on disk after the build read its header ({then.difference(FileStamp.of(now))}); "
-            f"the MoE would mix two versions of the model, so nothing was written — run the build again once nothing "
-            f"is writing to {path.parent}")
 
 
 @dataclass(frozen=True)
@@ -41,13 +36,17 @@ class FileStamp:
             return f"{self.size} bytes, now {now.size}"
         return "modified"
 
-    def check(self, path: Path) -> None:
-        """Raise `SourceError` when `path` is gone or is no longer this version of the file."""
-        try:
-            now = os.stat(path)
-        except OSError as exc:
-            raise SourceError(f"{path}: the file is gone or unreadable since the build read its header "
-                              f"({exc.strerror or exc}); nothing was written — run the build again once nothing is "
-                              f"changing the model folder") from None
+    def check(self, path: Path, now: Optional[os.stat_result] = None) -> None:
+        """Raise `SourceError` when `path` is gone or is no longer this version of the file (`now`: its stat, when
+        the caller has the file open and took it with ``fstat``)."""
+        if now is None:
+            try:
+                now = os.stat(path)
+            except OSError as exc:
+                raise SourceError(f"{path}: the file is gone or unreadable since the build read its header "
+                                  f"({exc.strerror or exc}); nothing was written — run the build again once nothing "
+                                  f"is changing the model folder") from None
         if FileStamp.of(now) != self:
-            raise SourceError(changed_message(path, self, now))
+            raise SourceError(f"{path}: the file changed on disk after the build read its header "
+                              f"({self.difference(FileStamp.of(now))}); the MoE would mix two versions of the model, so "
+                              f"nothing was written — run the build again once nothing is writing to {path.parent}")

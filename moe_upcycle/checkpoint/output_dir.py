@@ -88,7 +88,7 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
                 f"cannot load a tokenizer from such a folder; choose a name of ordinary characters")
     if target.exists() and not target.is_dir():
         return f"output {target} exists and is a file; choose another output path"
-    variable = _unexpanded_variable(target) or _windows_path(target)
+    variable = _foreign_path(target)
     if variable:
         return variable
     reason = protected_reason(target, [*sources, *inputs]) if target.exists() else None
@@ -139,7 +139,7 @@ def made_parent(target: Path) -> Iterator[None]:
     """
     parent = Path(target).expanduser().resolve().parent
     resolved = Path(target).expanduser().resolve()
-    blocking = _unexpanded_variable(resolved) or _windows_path(resolved) or _file_in_the_way(target)
+    blocking = _foreign_path(resolved) or _file_in_the_way(target)
     if blocking:  # mkdir would only say "File exists" or "Not a directory"
         raise OutputError(blocking)
     missing = [p for p in (parent, *parent.parents) if not p.exists()][::-1]  # outermost first
@@ -186,32 +186,24 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _windows_path(target: Path) -> Optional[str]:
-    """Why `target` (resolved) is a Windows path written in a recipe made on Windows (``output: D:\\models\\moe``,
-    ``C:/Users/me/moe``): here it would make a folder named ``D:\\models\\moe`` or ``C:`` in the current folder.
-    None when it is not one, or when that folder exists already (then it is the user's)."""
-    odd = next((part for part in [target, *target.parents] if not _exists(part)
-                and (re.fullmatch(r"[A-Za-z]:", part.name) or "\\" in part.name)), None)
+def _foreign_path(target: Path) -> Optional[str]:
+    """Why `target` (resolved) was written for another shell or system, or None: a folder it would make is named
+    after an environment variable (``output: $HOME/moe``: a folder named ``$HOME`` here) or is part of a Windows
+    path (``D:\\models\\moe``, ``C:/Users/me/moe``: a folder named ``D:\\models\\moe`` or ``C:``). A folder of such
+    a name that exists already is the user's."""
+    from moe_upcycle.terminal.hints import variable_hint, windows_path_hint
+
+    to_make = [part for part in [target, *target.parents] if not _exists(part)]
+    written = os.path.relpath(target)
+    odd = next((part for part in to_make if variable_hint(part.name)), None)
+    hint = variable_hint(written) if odd is not None else ""
+    if odd is None:
+        odd = next((part for part in to_make if re.fullmatch(r"[A-Za-z]:", part.name) or "\\" in part.name), None)
+        hint = windows_path_hint(written) if odd is not None else ""
     if odd is None:
         return None
-    written = os.path.relpath(target)
-    drive = re.match(r"^([A-Za-z]):[\\/]", written)
-    posix = "/".join(part for part in re.split(r"[\\/]+", written[drive.end():] if drive else written) if part)
-    where = (f"a Windows path (drive {drive.group(1).upper()}:; under WSL that is /mnt/{drive.group(1).lower()}/{posix})"
-             if drive else f"a path with Windows backslashes, which are ordinary characters in a name here ({posix})")
-    return (f"output {written} is {where}: here it would make a folder named {odd.name} in the current folder, so "
-            f"nothing is made — write the output folder as this machine names it")
-
-
-def _unexpanded_variable(target: Path) -> Optional[str]:
-    """Why `target` (resolved) names a folder to make after an environment variable (``output: $HOME/moe``, which
-    would make a folder named ``$HOME`` here), or None. A folder of that name that exists already is the user's."""
-    variable = next((part for part in [target, *target.parents] if not part.exists()
-                     and re.match(r"^\$\{?[A-Za-z_]\w*\}?", part.name)), None)
-    if variable is None:
-        return None
-    return (f"output {target}: {variable.name} is an environment variable, which a recipe does not expand (the shell "
-            f"does, YAML does not), so a folder named {variable.name} would be made; write the path itself")
+    return (f"output {written}: {hint}; here it would make a folder named {odd.name} in the current folder, so "
+            f"nothing is made")
 
 
 def _remove_empty(folders: list[Path]) -> None:

@@ -29,7 +29,7 @@ from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_prob
 from moe_upcycle.inputs.paths import broken_link
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
-from moe_upcycle.checkpoint.file_stamp import FileStamp, changed_message
+from moe_upcycle.checkpoint.file_stamp import FileStamp
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
 from moe_upcycle.checkpoint.lora import Adapter, reference_parts
 from moe_upcycle.checkpoint.model_refs import repo_and_revision, resolve_model
@@ -177,9 +177,8 @@ class Checkpoint:
             self.adapter.check_unchanged()
 
     def _same_file(self, file: str, now: os.stat_result) -> None:
-        then = self.stamps.get(file)
-        if then is not None and then != FileStamp.of(now):
-            raise SourceError(changed_message(self.path / file, then, now))
+        if file in self.stamps:
+            self.stamps[file].check(self.path / file, now)
 
 
 def open_sources(refs: dict[str, str],
