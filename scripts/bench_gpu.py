@@ -6,8 +6,10 @@ Three parts, each printed as a table (``--json`` for machine-readable output):
 1. ``capture``: for each model shape (hidden x layers, random Llama weights made directly on the
    device in bf16) and batch size, tokens/s of the plain decoder forward and of
    `capture.capture_router_inputs` on the same batches (8 experts x 32 prompts from the shipped
-   prompt sets, tokenized with stories260K's tokenizer), and their ratio (target >= 0.9).
-   Timings are the best of ``--repeats`` interleaved rounds, with ``torch.cuda.synchronize``.
+   prompt sets, tokenized with stories260K's tokenizer), and their ratio (target >= 0.9); beside it the
+   ratio of the capture with every layer reduced as it comes (what holding consecutive layers saves).
+   Timings are the best of ``--repeats`` interleaved rounds, with ``torch.cuda.synchronize``; the median of
+   the rounds' own ratios is printed beside (at small batches the forward is bound by the host, whose speed drifts).
 2. ``upcycle``: seconds for `upcycle_model` of the first shape's dense model (on the device, bf16) into
    8 experts, per init; and whether all parameters stayed on the device and in bf16.
 3. ``round trip``: stories260K in bf16 on the device, per init: upcycle to 4 experts, ``--steps``
@@ -70,19 +72,37 @@ def loaded_model(model: torch.nn.Module, tokenizer) -> cap.LoadedModel:
     return cap.LoadedModel(model, tokenizer, norms, model.get_input_embeddings().weight.device, 2048)
 
 
-def best_times(fns: dict, device: str, repeats: int) -> dict:
-    """Best wall time of each function, run interleaved (a, b, a, b...) after one warm-up each."""
+def best_times(fns: dict, device: str, repeats: int) -> tuple[dict, list[dict]]:
+    """Best wall time of each function, run interleaved (a, b, a, b...) after one warm-up each; and every round's
+    times (a round's ratios are the least disturbed by a host that slows down for a while)."""
     best = {name: float("inf") for name in fns}
+    rounds = []
     for fn in fns.values():
         fn()
     for _ in range(repeats):
+        rounds.append({})
         for name, fn in fns.items():
             sync(device)
             start = time.perf_counter()
             fn()
             sync(device)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            rounds[-1][name] = time.perf_counter() - start
+            best[name] = min(best[name], rounds[-1][name])
+    return best, rounds
+
+
+def median_ratio(rounds: list[dict], base: str, other: str) -> float:
+    ratios = sorted(r[base] / r[other] for r in rounds)
+    return round((ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2, 3)
+
+
+def per_layer_capture(loaded, encoded, groups, batch_size):
+    """The capture with every layer reduced as it comes (nothing held): the launches that holding layers saves."""
+    held, cap._PENDING_BYTES = cap._PENDING_BYTES, 0
+    try:
+        return cap.capture_router_inputs(loaded, encoded, groups, EXPERTS, "mean", batch_size)
+    finally:
+        cap._PENDING_BYTES = held
 
 
 def bench_capture(shapes, batch_sizes, device, repeats, tokenizer) -> list[dict]:
@@ -96,14 +116,17 @@ def bench_capture(shapes, batch_sizes, device, repeats, tokenizer) -> list[dict]
         model = random_llama(hidden, layers, device, torch.bfloat16 if device != "cpu" else torch.float32)
         loaded = loaded_model(model, tokenizer)
         for bs in batch_sizes:
-            times = best_times({
+            times, rounds = best_times({
                 "plain": lambda m=loaded, b=bs: plain_pass(m, encoded, b, full=False),
                 "gates": lambda m=loaded, b=bs: cap.capture_router_inputs(m, encoded, groups, EXPERTS, "mean", b),
+                "per_layer": lambda m=loaded, b=bs: per_layer_capture(m, encoded, groups, b),
             }, device, repeats)
             rows.append({"hidden": hidden, "layers": layers, "batch_size": bs, "tokens": tokens,
                          "plain_tokens_per_s": round(tokens / times["plain"]),
                          "gates_tokens_per_s": round(tokens / times["gates"]),
-                         "ratio": round(times["plain"] / times["gates"], 3)})
+                         "ratio": round(times["plain"] / times["gates"], 3),
+                         "ratio_median_round": median_ratio(rounds, "plain", "gates"),
+                         "ratio_per_layer": round(times["plain"] / times["per_layer"], 3)})
         del model, loaded
         if device != "cpu":
             torch.cuda.empty_cache()
@@ -218,7 +241,8 @@ def main() -> None:
     for r in out.get("capture", []):
         print(f"capture {r['hidden']}x{r['layers']} batch {r['batch_size']:>3}: "
               f"plain {r['plain_tokens_per_s']:>9} tok/s, gates {r['gates_tokens_per_s']:>9} tok/s, "
-              f"ratio {r['ratio']:.3f} (target >= 0.9)")
+              f"ratio {r['ratio']:.3f}, median round {r['ratio_median_round']:.3f} (target >= 0.9; "
+              f"each layer reduced alone: {r['ratio_per_layer']:.3f})")
     for r in out.get("upcycle", []):
         print(f"upcycle_model {r['hidden']}x{r['layers']} -> {EXPERTS} experts ({r['params_b']} B params), "
               f"{r['init']:<5}: {r['seconds']:6.2f} s, device and dtype kept: {r['device_and_dtype_kept']}")

@@ -30,9 +30,9 @@ def load_dense(folder, dtype, placement: str):
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     if placement == "cuda":
         model = model.to("cuda")
-    else:  # weights really on both devices (main_device cpu: nothing offloaded to meta)
-        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
-                      "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": 0}
+    else:  # weights really on both devices (main_device cpu: nothing offloaded to meta): layer 0 on the GPU
+        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": "cpu", "lm_head": 0}
+        device_map |= {f"model.layers.{i}": 0 if i == 0 else "cpu" for i in range(model.config.num_hidden_layers)}
         model = dispatch_model(model, device_map=device_map, main_device="cpu")
     return model, AutoTokenizer.from_pretrained(str(folder))
 
@@ -62,7 +62,7 @@ def test_every_init_on_cuda_trains_saves_reloads_and_generates(stories, tmp_path
     # same dtype, each layer where the dense layer was
     assert {p.dtype for p in moe.parameters()} == {dtype}
     where = devices_of(moe)
-    for layer in range(2):
+    for layer in range(dense.config.num_hidden_layers):
         dense_dev = str(dense.model.layers[layer].mlp.gate_proj.weight.device)
         assert {d for n, d in where.items() if n.startswith(f"model.layers.{layer}.")} == {dense_dev}
     if placement == "cuda":
@@ -79,8 +79,17 @@ def test_every_init_on_cuda_trains_saves_reloads_and_generates(stories, tmp_path
     moe.eval().save_pretrained(tmp_path / "trained")
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype="auto", device_map="cuda")
     assert next(reloaded.parameters()).dtype == dtype
+    saved, trained = reloaded.state_dict(), moe.state_dict()  # the very values trained, wherever they were
+    assert all(torch.equal(saved[k].cpu(), trained[k].cpu()) for k in trained)
     ids_gpu = ids.to("cuda")
-    close(logits(reloaded, ids_gpu), logits(moe, ids), 1e-5 if dtype == torch.float32 else 3e-2)
+    if placement == "cuda":  # the same kernels: the same logits
+        close(logits(reloaded, ids_gpu), logits(moe, ids), 1e-5 if dtype == torch.float32 else 3e-2)
+    else:  # spread, in-memory layers 1.. ran on the CPU: reloaded onto the same devices, the same logits
+        from accelerate import dispatch_model
+
+        again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype="auto")
+        again = dispatch_model(again, device_map=moe.hf_device_map, main_device="cpu")
+        close(logits(again, ids), logits(moe, ids), 1e-5 if dtype == torch.float32 else 3e-2)
     with torch.inference_mode():
         out = reloaded.generate(input_ids=ids_gpu, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
     assert out.shape == (1, ids.shape[1] + 8)
@@ -109,6 +118,13 @@ def test_gate_capture_on_cuda_matches_cpu(stories):
     last_ref = cap.capture_router_inputs(cpu, enc, groups, 2, "last", batch_size=3)
     last_gpu = cap.capture_router_inputs(gpu, enc, groups, 2, "last", batch_size=3)
     close(last_gpu.sums, last_ref.sums, 1e-4)
+    # a model spread over the GPU and the CPU: each device's layers reduced there, summed at the end
+    dense, tok = load_dense(stories, torch.float32, "spread")
+    spread = cap.LoadedModel(dense, tok, [layer.post_attention_layernorm for layer in dense.model.layers],
+                             dense.get_input_embeddings().weight.device, cpu.max_length)
+    for reduce in ("mean", "last"):
+        want = cap.capture_router_inputs(cpu, enc, groups, 2, reduce, batch_size=3)
+        close(cap.capture_router_inputs(spread, enc, groups, 2, reduce, batch_size=3).sums, want.sums, 1e-4)
     pts_ref = cap.capture_router_inputs(cpu, enc, groups, 2, "tokens", batch_size=3).points
     pts_gpu = cap.capture_router_inputs(gpu, enc, groups, 2, "tokens", batch_size=3).points
     assert [p.shape for p in pts_gpu] == [p.shape for p in pts_ref]

@@ -83,6 +83,29 @@ def test_padding_does_not_change_the_vector(loaded, side, reduce):
     assert_close_rel(padded, alone)
 
 
+@pytest.mark.parametrize("held", ["all layers", "a few layers", "one layer"])
+@pytest.mark.parametrize("reduce", ["mean", "last", "tokens"])
+def test_layers_reduced_together_as_on_a_gpu_give_the_per_layer_results(loaded, monkeypatch, reduce, held):
+    """On a GPU consecutive layers' router inputs are held and reduced together (fewer launches); run here on the
+    CPU, whatever the number of layers held at once, the sums, norms and token points are those of one layer at a
+    time, and nothing is left held between batches."""
+    texts = [STORY[2], CODE[6], "The cat sat.", STORY[5], CODE[1]]
+    enc = cap.encode(loaded.tokenizer, texts, loaded.max_length)
+    ref = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
+    # one layer's router input is 2 texts x 38..43 tokens x 64 x 4 bytes (19-22 KB): 40 KB holds 2 or 3 of the 5
+    budget = {"all layers": 64 << 20, "a few layers": 40_000, "one layer": 1}[held]
+    monkeypatch.setattr(cap, "_EACH_LAYER_ON", frozenset())
+    monkeypatch.setattr(cap, "_PENDING_BYTES", budget)
+    got = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
+    assert got.sums.shape == ref.sums.shape and got.token_norm.shape == (5,)
+    torch.testing.assert_close(got.sums, ref.sums, rtol=0, atol=1e-5 * float(ref.sums.abs().max()) if ref.sums.numel() else 0)
+    torch.testing.assert_close(got.token_norm, ref.token_norm, rtol=1e-6, atol=0)
+    if reduce == "tokens":
+        assert [p.shape for p in got.points] == [p.shape for p in ref.points]
+        for p, r in zip(got.points, ref.points):
+            torch.testing.assert_close(p, r, rtol=0, atol=1e-5 * float(r.abs().max()))
+
+
 def test_negative_prompts_move_the_vector(loaded, stories):
     plain = _experts(stories)
     with_neg = _experts(stories, negative_prompts=STORY[6:9])

@@ -86,6 +86,20 @@ def test_hidden_gates_on_cpu_hold_fp32_weights_and_one_batch(monkeypatch):
     assert any("float32" in line and "tokens" in line for line in m.assumptions)
 
 
+@pytest.mark.parametrize("prompt_bytes, held", [(98, 3 * 64 * 2**20), (8, 3 * 32 * 4 * 10 * 4096 * 2)])
+def test_hidden_gates_on_a_gpu_count_the_router_inputs_held_together(monkeypatch, prompt_bytes, held):
+    """On a GPU the capture holds consecutive layers' router inputs (at most 64 MiB) to reduce them together: they,
+    their stack and its masked copy count in the GPU memory, in bf16; all 32 layers' when they fit."""
+    monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: True)
+    experts = [{"source_model": REF, "positive_prompts": ["x" * prompt_bytes, "short"]},
+               {"source_model": REF, "positive_prompts": ["y" * prompt_bytes, "other"]}]
+    m = estimate(num_experts=None, gate_mode="hidden", experts=experts)
+    tokens = prompt_bytes + 2
+    acts = 4 * tokens * (4 * 14336 + 6 * 4096) * 4
+    assert m.gpu_bytes == 2 * PARAMS + acts + held
+    assert any("hidden gates on the GPU" in line and "reduced together" in line for line in m.assumptions)
+
+
 def test_kmeans_counts_its_token_sample(monkeypatch):
     monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: False)
     m = estimate(gate_mode="kmeans", calibration_text="corpus.txt", device="cpu")

@@ -7,7 +7,9 @@ never changes a result) and runs forward passes whose hooks fold each batch into
 running sums over real tokens (no pad, no special tokens). The forward pass stops after the last
 router input. Hidden states of all prompts are never kept. The hooks never wait for the device:
 sums stay on the device the layer runs on, in fp32, reduced straight from the model-dtype
-activations (no fp32 copy of a layer's output), and come to the CPU once, at the end.
+activations (no fp32 copy of a layer's output), and come to the CPU once, at the end. On a GPU the
+router inputs of consecutive layers (up to 64 MiB) are reduced together: a few kernel launches per
+batch instead of per layer, which at small batches cost as much as the layers themselves.
 
 It computes no gate rows: `hidden_gates` does, and `route` reuses the batching here.
 """
@@ -26,7 +28,7 @@ import torch
 from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
 from moe_upcycle.errors import ConfigError, DependencyError, SourceError, UpcycleWarning
 from moe_upcycle.inputs.text import check_texts, check_token_ids
-from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW
+from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, HELD_ROUTER_INPUTS_BYTES
 from moe_upcycle.recipe.values import device_problem
 from moe_upcycle.terminal.hints import install_hint
 from moe_upcycle.terminal.progress import stage
@@ -328,11 +330,12 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
                 dev = loaded.input_device
                 check_token_ids(ids, loaded.model.get_input_embeddings().num_embeddings, tok)
                 # the mask goes to the device with the inputs, before the forward pass: a host-to-device
-                # copy from inside a hook would wait for every kernel queued before it
+                # copy from inside a hook would wait for every kernel queued before it. All of them are queued
+                # from pinned memory, so the host prepares the next batch while the GPU runs this one.
                 state.update(rows=rows, real_cpu=real, real={torch.device(dev): to_device(real, dev)})
                 try:
-                    decoder(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
-                            use_cache=False)
+                    decoder(input_ids=to_device(ids, dev), attention_mask=to_device(attn, dev),
+                            position_ids=to_device(positions, dev), use_cache=False)
                 except _StopForward:
                     pass
     finally:
@@ -360,11 +363,12 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     """
     n_layers = len(loaded.norms)
     group_of = torch.tensor(groups, dtype=torch.long) if groups else torch.zeros(0, dtype=torch.long)
-    acc: dict[int, torch.Tensor] = {}  # layer -> (G, H) fp32 on the layer's device
-    norm_acc: dict[int, torch.Tensor] = {}  # layer -> () fp64 on the layer's device
+    acc: dict[torch.device, torch.Tensor] = {}  # device -> (L, G, H) fp32: the rows of the layers run there
+    norm_acc: dict[torch.device, torch.Tensor] = {}  # device -> (L,) fp64
     points: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
     n_tokens = sum(sum(e.real) for e in encoded)  # counted on the host, from the tokenizer's output
     batch: dict = {"rows": None}  # per-batch values derived once per device, reused by every layer
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, router input, mask) of consecutive layers
 
     def per_batch(rows: list[int], real: torch.Tensor, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         if batch["rows"] is not rows:
@@ -376,38 +380,53 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
         return batch[key]
 
     def on_output(layer: int, x: torch.Tensor, real: torch.Tensor, rows: list[int]) -> None:
-        # x: (B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply.
+        # On a GPU a layer's reductions are a handful of tiny kernels, as many launches as a small batch's layer
+        # costs: the router inputs of consecutive layers are kept (the MLP only reads them) and reduced together.
+        if pending and pending[0][1].device != x.device:  # a model spread over devices: reduce each one's layers
+            reduce_layers(rows)
+        pending.append((layer, x, real))
+        held = sum(t.numel() * t.element_size() for _, t, _ in pending)
+        if x.device.type in _EACH_LAYER_ON or layer == n_layers - 1 or held >= _PENDING_BYTES:
+            reduce_layers(rows)
+
+    def reduce_layers(rows: list[int]) -> None:
+        # x: (L', B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply.
         # Nothing here reads a value back to the host: every reduction stays queued on x's device.
-        xm = torch.where(real[..., None], x, 0)  # (B, T, H) model dtype
-        norm = torch.linalg.vector_norm(xm, dim=-1, dtype=torch.float32).sum()  # fp32 accumulation
-        if layer not in norm_acc:
-            norm_acc[layer] = torch.zeros((), dtype=torch.float64, device=x.device)
-        norm_acc[layer] += norm
+        first, real = pending[0][0], pending[0][2]
+        dev, layers = real.device, slice(first, first + len(pending))
+        x = torch.stack([t for _, t, _ in pending]) if len(pending) > 1 else pending[0][1][None]
+        pending.clear()
+        xm = torch.where(real[None, ..., None], x, 0)  # (L', B, T, H) model dtype
+        if dev not in norm_acc:
+            norm_acc[dev] = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+        # fp32 accumulation
+        norm_acc[dev][layers] += torch.linalg.vector_norm(xm, dim=-1, dtype=torch.float32).sum(dim=(1, 2))
         if reduce == "tokens":  # bounded k-means samples, kept on the device until the end
             flat = per_batch(rows, real, "flat", lambda: real.flatten().nonzero().squeeze(1))  # one sync per batch
-            points[layer].append(xm.flatten(0, 1).index_select(0, flat).float())
+            for layer, kept in zip(range(first, layers.stop), xm.flatten(1, 2).index_select(1, flat).float()):
+                points[layer].append(kept)
             return
         if reduce == "mean":
             count = per_batch(rows, real, "count", lambda: real.sum(dim=1, keepdim=True))  # (B, 1)
-            per = xm.sum(dim=1, dtype=torch.float32) / count  # (B, H) fp32
+            per = xm.sum(dim=2, dtype=torch.float32) / count  # (L', B, H) fp32
         else:  # last real token of each row
             last = per_batch(rows, real, "last", lambda: real.shape[1] - 1 - real.flip(1).int().argmax(dim=1))
-            per = xm[torch.arange(x.shape[0], device=x.device), last].float()
-        if layer not in acc:
-            acc[layer] = torch.zeros(num_groups, x.shape[-1], dtype=torch.float32, device=x.device)
-        index = per_batch(rows, real, "groups", lambda: to_device(group_of[rows], real.device))
-        acc[layer].index_add_(0, index, per)
+            per = xm[:, torch.arange(x.shape[1], device=dev), last].float()
+        if dev not in acc:
+            acc[dev] = torch.zeros(n_layers, num_groups, x.shape[-1], dtype=torch.float32, device=dev)
+        index = per_batch(rows, real, "groups", lambda: to_device(group_of[rows], dev))
+        acc[dev][layers].index_add_(1, index, per)
 
     run_batches(loaded, encoded, batch_size, on_output, padding_side)
     counts = torch.bincount(group_of, minlength=num_groups) if reduce != "tokens" else torch.zeros(num_groups)
-    sums = _to_cpu([acc[i] for i in range(n_layers)]) if acc else torch.zeros(0)
-    norms = _to_cpu([norm_acc[i] for i in range(n_layers)]) if norm_acc else torch.zeros(n_layers, dtype=torch.float64)
+    sums = sum(t.cpu() for t in acc.values()) if acc else torch.zeros(0)  # each layer's rows are on one device
+    norms = sum(t.cpu() for t in norm_acc.values()) if norm_acc else torch.zeros(n_layers, dtype=torch.float64)
     token_norm = (norms / max(n_tokens, 1)).float()
     pts = [torch.cat(p).cpu() if p else torch.zeros(0) for p in points] if reduce == "tokens" else None
     return RouterInputs(sums, counts, token_norm, pts)
 
 
-def _to_cpu(per_layer: list[torch.Tensor]) -> torch.Tensor:
-    """Stack per-layer accumulators (on one or several devices) into one CPU tensor: one transfer at the end."""
-    first = per_layer[0].device
-    return torch.stack([t.to(first) for t in per_layer]).cpu()
+# Router inputs held for one reduction on a GPU: enough to make its launches negligible, little beside the model.
+# On the CPU an operation costs no launch: each layer is reduced as it comes, holding nothing.
+_PENDING_BYTES = HELD_ROUTER_INPUTS_BYTES
+_EACH_LAYER_ON = frozenset({"cpu"})

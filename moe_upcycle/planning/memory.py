@@ -38,7 +38,7 @@ from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, CheckParams, GateParams, WriteParams
-from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, kmeans_sample_budget
+from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, HELD_ROUTER_INPUTS_BYTES, kmeans_sample_budget
 
 RUNTIME_BYTES = 165 * 10**6  # Python + torch + moe_upcycle imported, CLI running
 TRANSFORMERS_BYTES = 155 * 10**6  # transformers imported, a model class built, a tokenizer loaded
@@ -176,9 +176,12 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
         notes.append(f"hidden gates on the CPU: base weights in {dtype} ({model // MB} MB) + activations of "
                      f"{batch} × {tokens} tokens ({acts // MB} MB; tokens ≤ UTF-8 bytes of the longest prompt)")
         return private + model + acts, files, 0, notes
-    notes.append(f"hidden gates on the GPU: {(model + acts) // MB} MB of GPU memory (weights and one batch; "
-                 f"not measured); host memory is the runtime only")
-    return private, files, model + acts, notes
+    # the router inputs of consecutive layers held to be reduced together, their stack and its masked copy
+    held = 3 * min(HELD_ROUTER_INPUTS_BYTES, plan.num_layers * batch * tokens * int(plan.base_config["hidden_size"])
+                   * DTYPES[gating.dtype or "bfloat16"].itemsize)
+    notes.append(f"hidden gates on the GPU: {(model + acts + held) // MB} MB of GPU memory (weights, one batch and "
+                 f"the router inputs reduced together; not measured); host memory is the runtime only")
+    return private, files, model + acts + held, notes
 
 
 def gate_device(gating: GateParams) -> str:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 16 in one call, for a lent GPU machine (the `device` tool) or any CUDA box:
+#   bash scripts/gpu_check.sh [LOG_DIR]
+# 1. `pytest -m cuda` (every init x {on CUDA, spread CUDA + CPU} x {fp32, bf16}; capture on CUDA vs CPU);
+# 2. scripts/bench_gpu.py: capture vs a plain forward, upcycle_model on the GPU, the train/save/reload round trip;
+# 3. the build/gates/route tests with the GPU present (device "auto" picks it), in parallel.
+# Each step has its own time limit and writes its log to LOG_DIR (default: $OUT or ./gpu_logs); a failing step
+# does not stop the next. Wheels in .whl/ (not shipped: pip download them beside the repo) are put first on the path.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-${OUT:-gpu_logs}}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+step() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s"
+  tail -n 25 "$LOG/$name.log"
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"; } 2>&1 | tee "$LOG/env.log"
+step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs
+step bench_gpu 180 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 3 --steps 50
+step gpu_present_tests "${GPU_SUITE_SECONDS:-110}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -x \
+  --tb=short -rfE tests/test_hidden_gates.py tests/test_research_path.py tests/test_cli_build.py tests/test_route.py
