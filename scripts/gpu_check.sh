@@ -5,7 +5,11 @@
 # 2. scripts/bench_gpu.py: capture vs a plain forward, upcycle_model on the GPU, the train/save/reload round trip;
 # 3. the build/gates/route tests with the GPU present (device "auto" picks it), in parallel.
 # Each step has its own time limit and writes its log to LOG_DIR (default: $OUT or ./gpu_logs); a failing step
-# does not stop the next. Wheels in .whl/ (not shipped: pip download them beside the repo) are put first on the path.
+# does not stop the next. Wheels in .whl/ (git-ignored; for a machine without a registry) are installed to /tmp/site
+# and put first on the path. For the lent H100 image (Python 3.12, no pydantic, ruamel.yaml; another transformers):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 \
+#     pydantic==2.13.4 pydantic-core==2.46.4 annotated-types typing-inspection ruamel.yaml
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-gpu_logs}}
@@ -31,5 +35,5 @@ step() {  # name, seconds, command...
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"; } 2>&1 | tee "$LOG/env.log"
 step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs
 step bench_gpu 180 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 3 --steps 50
-step gpu_present_tests "${GPU_SUITE_SECONDS:-110}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -x \
+step gpu_present_tests "${GPU_SUITE_SECONDS:-240}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -x \
   --tb=short -rfE tests/test_hidden_gates.py tests/test_research_path.py tests/test_cli_build.py tests/test_route.py
