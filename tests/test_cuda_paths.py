@@ -1,6 +1,6 @@
 """The research path on a GPU (issue 16): every init x {model on CUDA, spread CUDA + CPU} keeps its devices and
-dtype, is deterministic per seed, trains, saves, reloads with dtype="auto" and generates; gate capture on CUDA
-matches the CPU's. Run with ``pytest -m cuda``; every test skips without CUDA.
+dtype, is deterministic per seed, trains, saves, reloads with dtype="auto" and generates; so does every output
+architecture (Mixtral, Qwen2-MoE, Qwen3-MoE); gate capture on CUDA matches the CPU's. Run with ``pytest -m cuda``; every test skips without CUDA.
 """
 
 from __future__ import annotations
@@ -93,6 +93,37 @@ def test_every_init_on_cuda_trains_saves_reloads_and_generates(stories, tmp_path
     with torch.inference_mode():
         out = reloaded.generate(input_ids=ids_gpu, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
     assert out.shape == (1, ids.shape[1] + 8)
+
+
+@pytest.mark.parametrize("family, architecture", [("stories", "mixtral"), ("stories", "qwen2_moe"),
+                                                  ("qwen3", "qwen3_moe")])
+def test_every_output_architecture_on_cuda_round_trips(stories, tmp_path, family, architecture, device="cuda"):
+    """Each output architecture a dense family can become, from a bf16 model on the GPU: parameters stay on the GPU
+    in bf16, copy experts give the dense logits, one step trains, and save -> from_pretrained(dtype="auto") gives the
+    same weights, the same logits and generates."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    folder = stories if family == "stories" else make_dense_model(tmp_path / family, family=family, seed=0)
+    dense = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(device).eval()
+    ids = torch.tensor([[1, 403, 257, 118, 30, 37, 13, 400, 267, 94]], device=device) % dense.config.vocab_size
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, architecture=architecture, seed=0)
+    assert type(moe).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                  "qwen3_moe": "Qwen3MoeForCausalLM"}[architecture]
+    assert {(p.device.type, p.dtype) for p in moe.parameters()} == {(device, torch.bfloat16)}
+    close(logits(moe, ids), logits(dense, ids), 3e-2)
+    moe.train()(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(moe.parameters(), lr=0.05).step()
+    moe.eval().save_pretrained(tmp_path / "trained")
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype="auto").to(device).eval()
+    assert type(back) is type(moe)
+    saved, trained = back.state_dict(), moe.state_dict()
+    assert all(torch.equal(saved[k], trained[k]) for k in trained)
+    close(logits(back, ids), logits(moe, ids), 1e-2)
+    with torch.inference_mode():
+        out = back.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, ids.shape[1] + 4)
 
 
 @pytest.mark.parametrize("init", ["noise", "drop", "split"])
