@@ -369,6 +369,7 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     n_tokens = sum(sum(e.real) for e in encoded)  # counted on the host, from the tokenizer's output
     batch: dict = {"rows": None}  # per-batch values derived once per device, reused by every layer
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, router input, mask) of consecutive layers
+    held = 0  # bytes of the router inputs pending
 
     def per_batch(rows: list[int], real: torch.Tensor, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         if batch["rows"] is not rows:
@@ -382,10 +383,11 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     def on_output(layer: int, x: torch.Tensor, real: torch.Tensor, rows: list[int]) -> None:
         # On a GPU a layer's reductions are a handful of tiny kernels, as many launches as a small batch's layer
         # costs: the router inputs of consecutive layers are kept (the MLP only reads them) and reduced together.
+        nonlocal held
         if pending and pending[0][1].device != x.device:  # a model spread over devices: reduce each one's layers
             reduce_layers(rows)
         pending.append((layer, x, real))
-        held = sum(t.numel() * t.element_size() for _, t, _ in pending)
+        held += x.numel() * x.element_size()
         if x.device.type in _EACH_LAYER_ON or layer == n_layers - 1 or held >= _PENDING_BYTES:
             reduce_layers(rows)
 
@@ -394,8 +396,10 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
         # Nothing here reads a value back to the host: every reduction stays queued on x's device.
         first, real = pending[0][0], pending[0][2]
         dev, layers = real.device, slice(first, first + len(pending))
+        nonlocal held
         x = torch.stack([t for _, t, _ in pending]) if len(pending) > 1 else pending[0][1][None]
         pending.clear()
+        held = 0
         xm = torch.where(real[None, ..., None], x, 0)  # (L', B, T, H) model dtype
         if dev not in norm_acc:
             norm_acc[dev] = torch.zeros(n_layers, dtype=torch.float64, device=dev)
