@@ -139,6 +139,38 @@ def test_trained_moe_saves_reloads_with_dtype_auto_and_generates(stories_dense, 
     assert torch.equal(out_disk, out_mem)
 
 
+@pytest.mark.parametrize("family, architecture", [("stories", "qwen2_moe"), ("qwen3", "qwen3_moe")])
+@pytest.mark.parametrize("init", INITS)
+def test_every_init_into_every_output_architecture_trains_saves_and_reloads(stories, tmp_path, init, family,
+                                                                            architecture):
+    """Beside Mixtral (above): every init into Qwen2-MoE (from stories260K) and Qwen3-MoE (from a tiny Qwen3), in
+    bf16: dtype kept, one step trains, save -> from_pretrained(dtype="auto") gives the trained weights bit for bit,
+    the same logits and the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    folder = stories if family == "stories" else make_dense_model(tmp_path / family, family=family, seed=0)
+    dense = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[1, 403, 257, 118, 30, 37, 13, 400, 267, 94]]) % dense.config.vocab_size
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init=INITS[init], seed=1,
+                        architecture=architecture)
+    assert type(moe).__name__ == {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[architecture]
+    assert {p.dtype for p in moe.parameters()} == {torch.bfloat16}
+    moe.train()(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(moe.parameters(), lr=0.05).step()
+    moe.eval().save_pretrained(tmp_path / "trained")
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype="auto").eval()
+    assert type(back) is type(moe)
+    saved, trained = back.state_dict(), moe.state_dict()
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k]) for k in trained)
+    close(logits(back, ids), logits(moe, ids), 1e-2)
+    with torch.inference_mode():
+        a = moe.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        b = back.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert a.shape == (1, ids.shape[1] + 6) and torch.equal(a, b)
+
+
 def test_fp32_master_weights_cast_to_bf16_save_and_generate(stories, tmp_path):
     """The README recipe: train fp32 master weights, cast to bf16, save; the bf16 reload runs generate."""
     from transformers import AutoModelForCausalLM
