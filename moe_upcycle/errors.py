@@ -1,8 +1,9 @@
 """Error types for moe-upcycle.
 
 Every problem caused by the user's input (config, checkpoints, output folder) is an
-`UpcycleError`. The CLI catches only these, prints them and exits 1; anything else is a bug
-and keeps its traceback. Messages say what is wrong, where (field, file, tensor) and what to do.
+`UpcycleError`. The CLI catches these (and running out of GPU or machine memory, `cli.out_of_memory`),
+prints them and exits 1; anything else is a bug and keeps its traceback. Messages say what is wrong,
+where (field, file, tensor) and what to do.
 """
 
 from __future__ import annotations

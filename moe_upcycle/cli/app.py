@@ -20,6 +20,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from moe_upcycle.cli.mergekit_flags import explain, translate
+from moe_upcycle.cli.out_of_memory import out_of_memory
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import symlink_loop
 from moe_upcycle.terminal.allocator import return_large_frees
@@ -101,7 +102,13 @@ def cli_errors(fn: Callable) -> Callable:
             for problem in exc.problems:
                 console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            message = out_of_memory(exc, fn.__name__, kwargs)
+            if message is not None and not DEBUG["on"]:  # the model, batch or machine too small: not a bug
+                said = "; nothing was written under the output name" if fn.__name__ in _WRITERS else ""
+                with contextlib.suppress(OSError):
+                    console.print(f"[bold red]error:[/] {escape(message)}{said}", highlight=False, soft_wrap=True)
+                raise typer.Exit(1)
             stream = _failed_console(exc) if isinstance(exc, OSError) and not DEBUG["on"] else None
             if stream is not None:  # results on a full disk (`> /dev/full`): the stream, not a bug
                 if stream is out:

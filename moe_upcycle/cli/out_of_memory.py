@@ -1,0 +1,68 @@
+"""What a command says when the GPU or the machine runs out of memory, instead of a traceback.
+
+torch raises ``torch.OutOfMemoryError`` (a RuntimeError) when a GPU allocation fails and a RuntimeError
+"DefaultCPUAllocator: can't allocate memory" when a CPU one does; Python raises MemoryError. None of them
+is a bug: the model, the batch or the machine is too small for the other. Each command names the options
+that make it fit. The message is found without importing torch (the CLI starts without it).
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from typing import Optional
+
+from moe_upcycle.checkpoint.disk_space import human_bytes
+
+
+def out_of_memory(exc: BaseException, command: str, options: dict) -> Optional[str]:
+    """The message for `exc` when it is running out of memory, else None.
+
+    Args:
+        command: the command's function name (``build``, ``route``, ``verify_cmd``, ``lint``...).
+        options: the command's keyword arguments (``batch_size``, ``device``), to say what they are now.
+
+    Example:
+        >>> out_of_memory(MemoryError(), "route", {"batch_size": 8})
+        'the machine ran out of memory; lower --batch-size (now 8)'
+        >>> out_of_memory(ValueError("out of range"), "build", {}) is None
+        True
+    """
+    gpu = type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
+    cpu = (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
+           or (isinstance(exc, RuntimeError) and re.search(r"can't allocate memory|not enough memory", str(exc))))
+    if not (gpu or cpu):
+        return None
+    what = "the GPU ran out of memory" if gpu else "the machine ran out of memory"
+    said = _what_torch_said(exc, gpu)
+    batch = options.get("batch_size")
+    now = f" (now {batch})" if batch else ""
+    if command == "build" and gpu:  # only hidden-state gates use the GPU
+        todo = (f"lower --batch-size{now} for hidden-state gates (batch_size: in the recipe), compute them on the CPU "
+                f"with --device cpu, or load the base in 8 bit (quantize: 8bit); `moe-upcycle plan CONFIG` shows the GPU "
+                f"memory they need")
+    elif command == "build":
+        todo = (f"`moe-upcycle plan CONFIG` shows what the build holds in each phase; close other programs, lower "
+                f"--batch-size{now} if it computes hidden-state gates, or build on a machine with more memory")
+    elif command in ("route", "lint"):
+        todo = f"lower --batch-size{now}" + (" or use --device cpu" if gpu and command == "route" else "")
+    elif command == "verify_cmd":
+        todo = "use --device cpu" if gpu else "verify on a machine with more memory (it loads the MoE and its dense model)"
+    else:
+        todo = "free memory (close other programs) and run it again"
+    close = "; other processes on the GPU hold memory too (nvidia-smi lists them)" if gpu else ""
+    return f"{what}{f' ({said})' if said else ''}; {todo}{close}"
+
+
+def _what_torch_said(exc: BaseException, gpu: bool) -> str:
+    """The useful part of the allocator's message: for a GPU its first sentences (what was asked, what is free),
+    for the CPU allocator the size it was asked for."""
+    text = " ".join(str(exc).split())
+    if gpu:
+        return ". ".join(text.split(". ")[:3]).rstrip(".")[:240]
+    asked = re.search(r"tried to allocate (\d+) bytes", text)
+    if asked:
+        return f"an allocation of {human_bytes(int(asked.group(1)))} failed"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return text[:160]
