@@ -394,9 +394,9 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     def reduce_layers(rows: list[int]) -> None:
         # x: (L', B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply.
         # Nothing here reads a value back to the host: every reduction stays queued on x's device.
+        nonlocal held
         first, real = pending[0][0], pending[0][2]
         dev, layers = real.device, slice(first, first + len(pending))
-        nonlocal held
         x = torch.stack([t for _, t, _ in pending]) if len(pending) > 1 else pending[0][1][None]
         pending.clear()
         held = 0
