@@ -5,7 +5,7 @@ Three parts, each printed as a table (``--json`` for machine-readable output):
 
 1. ``capture``: for each model shape (hidden x layers, random Llama weights made directly on the
    device in bf16) and batch size, tokens/s of the plain decoder forward and of
-   `capture.capture_router_inputs` on the same batches (8 experts x 32 prompts from the shipped
+   `capture.capture_router_inputs` on the same batches (8 experts x 32 prompts, ``--prompts-per-expert``, from the shipped
    prompt sets, tokenized with stories260K's tokenizer), and their ratio (target >= 0.9); beside it the
    ratio of the capture with every layer reduced as it comes (what holding consecutive layers saves).
    Timings are the best of ``--repeats`` interleaved rounds, with ``torch.cuda.synchronize``; the median of
@@ -105,10 +105,10 @@ def per_layer_capture(loaded, encoded, groups, batch_size):
         cap._PENDING_BYTES = held
 
 
-def bench_capture(shapes, batch_sizes, device, repeats, tokenizer) -> list[dict]:
+def bench_capture(shapes, batch_sizes, device, repeats, tokenizer, per_expert: int = PROMPTS_PER_EXPERT) -> list[dict]:
     pool = [p for name in set_names() for p in load_prompts(name, "bench")]
-    texts = [pool[i % len(pool)] for i in range(EXPERTS * PROMPTS_PER_EXPERT)]
-    groups = [i // PROMPTS_PER_EXPERT for i in range(len(texts))]
+    texts = [pool[i % len(pool)] for i in range(EXPERTS * per_expert)]
+    groups = [i // per_expert for i in range(len(texts))]
     encoded = cap.encode(tokenizer, texts, 2048)
     tokens = sum(len(e.ids) for e in encoded)
     rows = []
@@ -212,6 +212,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="2048x16,4096x32", help="hidden x layers, comma separated")
     parser.add_argument("--batch-sizes", default="8,32,256")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts-per-expert", type=int, default=PROMPTS_PER_EXPERT,
+                        help="capture: prompts per expert (8 experts); more make each timed pass longer and steadier")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--windows", type=int, default=32, help="round trip: 64-token windows of text (batches of 16)")
     parser.add_argument("--skip", default="", help="parts to skip: capture,upcycle,roundtrip")
@@ -229,7 +231,8 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     out = {"device": device_name, "torch": torch.__version__}
     if "capture" not in skip:
-        out["capture"] = bench_capture(shapes, batch_sizes, args.device, args.repeats, tokenizer)
+        out["capture"] = bench_capture(shapes, batch_sizes, args.device, args.repeats, tokenizer,
+                                       args.prompts_per_expert)
     if "upcycle" not in skip:
         out["upcycle"] = bench_upcycle(shapes[0], args.device)
     if "roundtrip" not in skip:

@@ -35,7 +35,8 @@ step() {  # name, seconds, command...
   python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"; } 2>&1 | tee "$LOG/env.log"
 step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs
-step bench_gpu 180 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 5 --steps 50
+step bench_gpu 300 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 5 \
+  --prompts-per-expert 96 --steps 50
 step gpu_present_tests "${GPU_SUITE_SECONDS:-240}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 \
   --tb=short -rfE tests/test_hidden_gates.py tests/test_research_path.py tests/test_cli_build.py tests/test_route.py \
   tests/test_plan_memory.py tests/test_trust_recipe.py  # -v: each result is logged as it ends, a cut-off run too
