@@ -4,8 +4,8 @@
 # 1. `pytest -m cuda` (every init x {on CUDA, spread CUDA + CPU} x {fp32, bf16}; capture on CUDA vs CPU);
 # 2. scripts/bench_gpu.py: capture vs a plain forward, upcycle_model on the GPU, the train/save/reload round trip;
 # 3. the build/gates/route tests with the GPU present (device "auto" picks it), in parallel.
-# Each step has its own time limit and writes its log to LOG_DIR (default: $OUT or ./gpu_logs); a failing step
-# does not stop the next. Wheels in .whl/ (git-ignored; for a machine without a registry) are installed to /tmp/site
+# Each step has its own time limit (80 + 300 + 200 s: under the device tool's 600 s per call) and writes its log
+# to LOG_DIR (default: $OUT or ./gpu_logs); a failing step does not stop the next. Wheels in .whl/ (git-ignored; for a machine without a registry) are installed to /tmp/site
 # and put first on the path. For the lent H100 image (Python 3.12, no pydantic, ruamel.yaml; another transformers):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 \
@@ -34,9 +34,9 @@ step() {  # name, seconds, command...
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"; } 2>&1 | tee "$LOG/env.log"
-step cuda_tests 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs
+step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs
 step bench_gpu 300 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 5 \
   --prompts-per-expert 96 --steps 50
-step gpu_present_tests "${GPU_SUITE_SECONDS:-240}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 \
+step gpu_present_tests "${GPU_SUITE_SECONDS:-200}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 \
   --tb=short -rfE tests/test_hidden_gates.py tests/test_research_path.py tests/test_cli_build.py tests/test_route.py \
   tests/test_plan_memory.py tests/test_trust_recipe.py  # -v: each result is logged as it ends, a cut-off run too
