@@ -6,7 +6,8 @@
 # 3. the build/gates/route tests with the GPU present (device "auto" picks it), in parallel.
 # Each step has its own time limit (80 + 300 + 200 s: under the device tool's 600 s per call) and writes its log
 # to LOG_DIR (default: $OUT or ./gpu_logs); a failing step does not stop the next. Wheels in .whl/ (git-ignored;
-# for a machine without a registry) are installed to /tmp/site and put first on the path. For the lent H100 image (Python 3.12, no pydantic, ruamel.yaml; another transformers):
+# for a machine without a registry) are installed to /tmp/site and put first on the path. For the lent H100
+# image (Python 3.12, no pydantic or ruamel.yaml, another transformers):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 \
 #     pydantic==2.13.4 pydantic-core==2.46.4 annotated-types typing-inspection ruamel.yaml
