@@ -87,3 +87,22 @@ def test_other_runtime_errors_stay_bugs_with_their_traceback(tmp_path, monkeypat
     monkeypatch.setattr(moe_upcycle.check.verify, "verify", raises(RuntimeError("shape mismatch in layer 3")))
     result = CliRunner().invoke(app, ["verify", str(tmp_path), "--device", "cpu"])
     assert isinstance(result.exception, RuntimeError) and "shape mismatch" in str(result.exception)
+
+
+def test_no_memory_for_the_writers_buffers_is_memory_not_the_output(tiny_llama, tmp_path, monkeypatch):
+    """ENOMEM while the writer sets up a shard (its staging buffers; seen for real under `ulimit -v` in the demo) is
+    the machine's memory: before, "output error: creating .../.moe.partial-N/model-00001-of-00001.safetensors
+    failed: Cannot allocate memory" named a staging file as if the output were at fault."""
+    import errno
+
+    import moe_upcycle.checkpoint.writer
+
+    cfg = tmp_path / "experts.yaml"
+    cfg.write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: random\n")
+    monkeypatch.setattr(moe_upcycle.checkpoint.writer, "ShardFile",
+                        raises(OSError(errno.ENOMEM, "Cannot allocate memory")))
+    code, output = cli("build", cfg, tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", [
+        "error: the machine ran out of memory (Cannot allocate memory);", "moe-upcycle plan CONFIG",
+        "nothing was written under the output name"])
+    assert "output error" not in output and ".partial-" not in output

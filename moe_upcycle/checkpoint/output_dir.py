@@ -242,6 +242,8 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
             yield stage
             _publish(stage, target, force)
     except OSError as exc:
+        if exc.errno == errno.ENOMEM:  # the machine's memory, not the output: the command says so (cli.out_of_memory)
+            raise
         raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
                           f"{target}" + _space_hint(exc, target.parent)) from None
     finally:

@@ -15,6 +15,7 @@ It does not decide where the folder goes or how it is made atomic: see `output_d
 
 from __future__ import annotations
 
+import errno
 import json
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -162,6 +163,7 @@ class ShardedWriter:
         try:
             self._file = ShardFile(path, self.checksums)
         except OSError as exc:
+            _memory_is_not_the_output(exc)
             raise OutputError(f"creating {path} failed: {exc.strerror or exc}") from None
         header = _header(self.shards[k], self.metadata)
         self._write(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -170,6 +172,7 @@ class ShardedWriter:
         try:
             self._file.write(data)
         except OSError as exc:
+            _memory_is_not_the_output(exc)
             raise self._write_failed(self._file, exc) from None
 
     def _finish_file(self) -> None:
@@ -179,6 +182,7 @@ class ShardedWriter:
                 digest = file.finish()
             except OSError as exc:
                 file.abort()
+                _memory_is_not_the_output(exc)
                 raise self._write_failed(file, exc) from None
             self._finished_bytes += file.size
             self._flushes.append(self._flusher.submit(_sync_and_close, file))
@@ -230,4 +234,12 @@ def _sync_and_close(file: ShardFile) -> None:
     try:
         file.sync_and_close()
     except OSError as exc:
+        _memory_is_not_the_output(exc)
         raise OutputError(f"flushing {file.path} to disk failed: {exc.strerror or exc}") from None
+
+
+def _memory_is_not_the_output(exc: OSError) -> None:
+    """Re-raise ENOMEM as it is: the machine's memory ran out (staging buffers, threads), not the output's disk or
+    file, and the command says so with what to do (`cli.out_of_memory`)."""
+    if exc.errno == errno.ENOMEM:
+        raise exc
