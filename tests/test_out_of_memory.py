@@ -63,7 +63,11 @@ def test_machine_out_of_memory_while_writing(tiny_llama, tmp_path, monkeypatch):
 @pytest.mark.parametrize("exc, words", [
     (MemoryError(), ["error: the machine ran out of memory; lower --batch-size (now 4)"]),
     (torch.OutOfMemoryError(GPU_OOM), ["error: the GPU ran out of memory (CUDA out of memory.",
-                                       "lower --batch-size (now 4) or use --device cpu"])])
+                                       "lower --batch-size (now 4) or use --device cpu"]),
+    (ImportError("/site-packages/scipy/linalg/_fblas.cpython-311-x86_64-linux-gnu.so: failed to map segment from "
+                 "shared object"),  # a library loaded late, under `ulimit -v` (seen for real in verify)
+     ["error: the machine ran out of memory (the library _fblas.cpython-311-x86_64-linux-gnu.so could not be "
+      "loaded); lower --batch-size (now 4)"])], ids=["MemoryError", "CUDA", "library"])
 def test_route_out_of_memory(tmp_path, monkeypatch, exc, words):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a story\n")
@@ -83,10 +87,13 @@ def test_verify_out_of_memory_on_the_gpu(tmp_path, monkeypatch):
     assert "; use --device cpu;" in flat
 
 
-def test_other_runtime_errors_stay_bugs_with_their_traceback(tmp_path, monkeypatch):
-    monkeypatch.setattr(moe_upcycle.check.verify, "verify", raises(RuntimeError("shape mismatch in layer 3")))
+@pytest.mark.parametrize("exc", [RuntimeError("shape mismatch in layer 3"), ImportError("cannot import name 'x'"),
+                                 ImportError("libfoo.so: failed to map segment from shared object: Operation not "
+                                             "permitted")])  # a noexec mount, not memory
+def test_other_errors_stay_bugs_with_their_traceback(tmp_path, monkeypatch, exc):
+    monkeypatch.setattr(moe_upcycle.check.verify, "verify", raises(exc))
     result = CliRunner().invoke(app, ["verify", str(tmp_path), "--device", "cpu"])
-    assert isinstance(result.exception, RuntimeError) and "shape mismatch" in str(result.exception)
+    assert result.exception is exc
 
 
 def test_no_memory_for_the_writers_buffers_is_memory_not_the_output(tiny_llama, tmp_path, monkeypatch):
@@ -106,3 +113,59 @@ def test_no_memory_for_the_writers_buffers_is_memory_not_the_output(tiny_llama, 
         "error: the machine ran out of memory (Cannot allocate memory);", "moe-upcycle plan CONFIG",
         "nothing was written under the output name"])
     assert "output error" not in output and ".partial-" not in output
+
+
+MMAP_ENOMEM = "unable to mmap 90868376 bytes from file </models/minilm/model.safetensors>: Cannot allocate memory (12)"
+
+
+def test_a_base_that_did_not_fit_is_not_called_broken(tiny_llama, tmp_path, monkeypatch):
+    """verify's dense base failing to load for want of memory (seen under `ulimit -v`: "can't start new thread") is
+    memory, not "dense base ... does not load; pass a working --base DENSE" as before."""
+    from moe_upcycle import upcycle
+    from moe_upcycle.check.compare import load_causal_lm
+
+    out = upcycle({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe").output
+    calls = []
+
+    def second_fails(*args, **kwargs):  # the MoE loads; the dense base, loaded second, does not fit
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise RuntimeError("can't start new thread")
+        return load_causal_lm(*args, **kwargs)
+
+    monkeypatch.setattr(moe_upcycle.check.verify, "load_causal_lm", second_fails)
+    code, output = cli("verify", out, "--device", "cpu", "--skip-hashes")
+    flat = " ".join(output.split())
+    assert code == 1 and "Traceback" not in output and len(calls) == 2, output
+    assert "error: the machine ran out of memory (can't start new thread); verify on a machine with more memory" in flat
+    assert "does not load" not in flat and "--base" not in flat
+
+
+def test_an_embedder_that_did_not_fit_is_memory(write_yaml, tiny_llama, monkeypatch):
+    """lint's embedder whose weights could not be mapped (seen for real under `ulimit -v`: a traceback before)."""
+    import moe_upcycle.prompts.embed
+
+    cfg = write_yaml({"base_model": str(tiny_llama), "gate_mode": "cheap_embed", "experts": [
+        {"source_model": str(tiny_llama), "positive_prompts": ["a story"]},
+        {"source_model": str(tiny_llama), "positive_prompts": ["some code"]}]})
+    monkeypatch.setattr(moe_upcycle.prompts.embed, "load_embedder", raises(RuntimeError(MMAP_ENOMEM)))
+    code, output = cli("lint", cfg)
+    flat = " ".join(output.split())
+    assert code == 1 and "Traceback" not in output, output
+    assert ("error: the machine ran out of memory (mapping 90.9 MB of /models/minilm/model.safetensors failed); "
+            "lower --batch-size (now 64)") in flat
+
+
+@pytest.mark.parametrize("exc", [MemoryError(), RuntimeError(MMAP_ENOMEM)], ids=["MemoryError", "mmap-ENOMEM"])
+def test_a_source_that_did_not_fit_is_not_called_damaged(tiny_llama_bin_tied, tmp_path, monkeypatch, exc):
+    """A source tensor that could not be read for want of memory: before, "cannot read tensor ...; the file is
+    damaged or truncated — re-download it" (a re-download of a model that only did not fit)."""
+    import moe_upcycle.checkpoint.source
+
+    cfg = tmp_path / "experts.yaml"
+    cfg.write_text(f"base_model: {tiny_llama_bin_tied}\nnum_experts: 2\ngate_mode: random\n")
+    monkeypatch.setattr(moe_upcycle.checkpoint.source.Checkpoint, "_open", raises(exc))
+    code, output = cli("build", cfg, tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", ["error: the machine ran out of memory",
+                                                          "nothing was written under the output name"])
+    assert "damaged" not in output and "re-download" not in output

@@ -22,6 +22,7 @@ import torch
 
 from moe_upcycle.check.continuations import continue_from_drafts, eos_ids, usable_draft
 from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
+from moe_upcycle.errors import reraise_if_out_of_memory
 from moe_upcycle.inputs.text import check_token_ids
 
 MAX_TEXT_TOKENS = 1024  # perplexity text is cut to this (and to the model's max_position_embeddings)
@@ -115,6 +116,7 @@ def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32,
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises; say it is the tokenizer
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise TokenizerLoadError(f"its tokenizer does not load with transformers AutoTokenizer "
                                  f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
                                  + ("; the folder holds no tokenizer.json, tokenizer.model or vocab.json — copy the "

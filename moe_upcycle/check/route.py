@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from moe_upcycle.check.moe_folder import require_moe
-from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError
+from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError, reraise_if_out_of_memory
 from moe_upcycle.checkpoint.manifest_file import load_manifest
 from moe_upcycle.checkpoint.output_file import write_file
 from moe_upcycle.gates.capture import encode, pad_batch, padding_id, resolve_device
@@ -151,6 +151,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
             model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs).eval()
     except Exception as exc:
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise SourceError(f"{folder}: cannot load the MoE with transformers ({type(exc).__name__}: {exc})") from None
     n_experts = int(getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0))
     k = int(getattr(model.config, "num_experts_per_tok", 1))

@@ -54,7 +54,7 @@ from moe_upcycle.checkpoint.model_refs import resolve_model
 from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.weight_files import index_files
 from moe_upcycle.checkpoint.writer import INDEX_NAME
-from moe_upcycle.errors import ConfigError, SourceError, UpcycleError
+from moe_upcycle.errors import ConfigError, SourceError, UpcycleError, reraise_if_out_of_memory
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build, recorded_config
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
@@ -288,6 +288,7 @@ def verify(
         result.problems.append(str(exc))
         return result
     except Exception as exc:  # any loading failure is the finding, whatever transformers raises
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         result.problems.append(f"does not load with transformers AutoModelForCausalLM: {_first_line(exc)}")
         return result
     result.loaded_class = moe.class_name
@@ -307,6 +308,7 @@ def verify(
     try:
         user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=as_written)
     except Exception as exc:  # e.g. grouped_mm on unaligned bf16 experts: the output does not run as written
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         result.problems.append(f"loads but does not run in transformers ({result.loaded_dtype}, experts: "
                                f"{result.experts_implementation}): {_first_line(exc)}")
         return result
@@ -339,6 +341,7 @@ def verify(
         except SourceError:
             raise
         except Exception as exc:  # the reference itself is broken: the user must fix --base
+            reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
             raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
                               f"{exc}); pass a working --base DENSE") from None
         _note_tokenizer_difference(dense.tokenizer, prompt_list, inputs, result)

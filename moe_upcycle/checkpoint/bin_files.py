@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
-from moe_upcycle.errors import SourceError
+from moe_upcycle.errors import SourceError, reraise_if_out_of_memory
 
 
 def load_bin(file: Path) -> dict[str, torch.Tensor]:
@@ -38,6 +38,7 @@ def load_bin(file: Path) -> dict[str, torch.Tensor]:
     except OSError:
         raise  # cannot read the file at all: `open_checkpoint` says so
     except Exception as exc:
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise SourceError(f"{file}: not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict):
         raise SourceError(f"{file}: expected a dict of tensors, got {type(state).__name__}")

@@ -24,6 +24,7 @@ from typing import Any
 
 from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
 from moe_upcycle.checkpoint.names import tokenizer_files
+from moe_upcycle.errors import reraise_if_out_of_memory
 from moe_upcycle.inputs.paths import broken_link
 
 # largest sane values: far above any released model, far below what makes the planner hang
@@ -174,6 +175,7 @@ def _tokenizer_problems(file: Path, raw: bytes) -> list[str]:
     try:
         Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001 - the Rust library's error types
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         return [f"{file}: not a tokenizer the tokenizers library can read ({str(exc)[:160]}); it is copied into the "
                 f"MoE, whose tokenizer would not load — re-download it"]
     return []

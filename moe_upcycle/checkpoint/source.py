@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from safetensors import safe_open
 
-from moe_upcycle.errors import SourceError
+from moe_upcycle.errors import SourceError, reraise_if_out_of_memory
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_problem
 from moe_upcycle.inputs.paths import broken_link
@@ -91,6 +91,7 @@ class Checkpoint:
             except SourceError:
                 raise
             except Exception as exc:  # a damaged adapter file
+                reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
                 raise SourceError(f"{self.adapter.file}: cannot merge LoRA weights for {key!r} ({exc}); the adapter "
                                   f"file is damaged — save it again") from None
         return tensor
@@ -125,6 +126,7 @@ class Checkpoint:
         except SourceError:
             raise
         except Exception as exc:  # a damaged file (or one changed since its header was read): name it
+            reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
             raise SourceError(f"{self.path / info.file}: cannot read tensor {key!r} ({exc}); "
                               f"the file is damaged or truncated — re-download it") from None
 

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from moe_upcycle.errors import SourceError, UpcycleWarning
+from moe_upcycle.errors import SourceError, UpcycleWarning, reraise_if_out_of_memory
 
 # transformers' order of preference for a local folder (use_safetensors left at its default)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -110,6 +110,7 @@ def index_files(index: Path) -> dict[str, Optional[set[str]]]:
     except OSError:
         raise  # unreadable: `open_checkpoint` says so
     except Exception as exc:
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise SourceError(f"{index}: not a valid index (needs a weight_map object): {exc}") from None
     if not weight_map:
         raise SourceError(f"{index}: its weight_map lists no tensors; the index is damaged — re-download it")

@@ -102,7 +102,7 @@ def cli_errors(fn: Callable) -> Callable:
             for problem in exc.problems:
                 console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
-        except (RuntimeError, OSError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        except (RuntimeError, OSError, MemoryError, ImportError) as exc:  # torch.OutOfMemoryError: a RuntimeError
             message = out_of_memory(exc, fn.__name__, kwargs)
             if message is not None and not DEBUG["on"]:  # the model, batch or machine too small: not a bug
                 said = "; nothing was written under the output name" if fn.__name__ in _WRITERS else ""

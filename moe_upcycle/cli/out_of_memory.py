@@ -1,18 +1,17 @@
 """What a command says when the GPU or the machine runs out of memory, instead of a traceback.
 
-torch raises ``torch.OutOfMemoryError`` (a RuntimeError) when a GPU allocation fails and a RuntimeError
-"DefaultCPUAllocator: can't allocate memory" when a CPU one does; Python raises MemoryError. None of them
-is a bug: the model, the batch or the machine is too small for the other. Each command names the options
-that make it fit. The message is found without importing torch (the CLI starts without it).
+`errors.memory_ran_out` tells (torch's GPU and CPU allocators, MemoryError, ENOMEM as the libraries word it).
+None of them is a bug: the model, the batch or the machine is too small for the other. Each command names
+the options that make it fit. Nothing here imports torch (the CLI starts without it).
 """
 
 from __future__ import annotations
 
-import errno
 import re
 from typing import Optional
 
 from moe_upcycle.checkpoint.disk_space import human_bytes
+from moe_upcycle.errors import memory_ran_out
 
 
 def out_of_memory(exc: BaseException, command: str, options: dict) -> Optional[str]:
@@ -28,11 +27,10 @@ def out_of_memory(exc: BaseException, command: str, options: dict) -> Optional[s
         >>> out_of_memory(ValueError("out of range"), "build", {}) is None
         True
     """
-    gpu = type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
-    cpu = (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM)
-           or (isinstance(exc, RuntimeError) and re.search(r"can't allocate memory|not enough memory", str(exc))))
-    if not (gpu or cpu):
+    kind = memory_ran_out(exc)
+    if kind is None:
         return None
+    gpu = kind == "GPU"
     what = "the GPU ran out of memory" if gpu else "the machine ran out of memory"
     said = _what_torch_said(exc, gpu)
     batch = options.get("batch_size")
@@ -63,6 +61,12 @@ def _what_torch_said(exc: BaseException, gpu: bool) -> str:
     asked = re.search(r"tried to allocate (\d+) bytes", text)
     if asked:
         return f"an allocation of {human_bytes(int(asked.group(1)))} failed"
+    mapped = re.search(r"unable to mmap (\d+) bytes from file <(.*?)>", text)
+    if mapped:
+        return f"mapping {human_bytes(int(mapped.group(1)))} of {mapped.group(2)} failed"
+    library = re.search(r"([^/\s]+\.so[^/\s:]*): failed to map segment from shared object", text)
+    if library:
+        return f"the library {library.group(1)} could not be loaded"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return text[:160]

@@ -26,7 +26,8 @@ from typing import Callable, Literal, Optional
 import torch
 
 from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
-from moe_upcycle.errors import ConfigError, DependencyError, SourceError, UpcycleWarning
+from moe_upcycle.errors import (ConfigError, DependencyError, SourceError, UpcycleWarning,
+                                reraise_if_out_of_memory)
 from moe_upcycle.inputs.text import check_texts, check_token_ids
 from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, HELD_ROUTER_INPUTS_BYTES
 from moe_upcycle.recipe.values import device_problem
@@ -122,6 +123,7 @@ def load_tokenizer(path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise SourceError(f"base_model: loading the tokenizer of {path} for hidden-state gates failed "
                           f"({type(exc).__name__}: {exc}); use gate_mode: random, or add the tokenizer files") from None
     if tokenizer.pad_token is None:  # in memory only; the saved tokenizer is copied unmodified
@@ -192,6 +194,7 @@ def load_base(path: Path, device: str = "auto", dtype: Optional[str] = None,
     except SourceError:
         raise
     except Exception as exc:
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise SourceError(f"base_model: loading {path} with transformers for hidden-state gates failed "
                           f"({type(exc).__name__}: {exc}); use gate_mode: random or cheap_embed, or fix the model "
                           f"folder") from None

@@ -42,7 +42,7 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.planning import inits
 from moe_upcycle.gates.capture import load_base
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
-from moe_upcycle.errors import ConfigError
+from moe_upcycle.errors import ConfigError, reraise_if_out_of_memory
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.checkpoint.lora import Adapter
 from moe_upcycle.checkpoint.source import Checkpoint
@@ -57,6 +57,7 @@ def mergekit_tokenizer(path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise ConfigError(f"gate_source: mergekit needs the base model's tokenizer, which failed to load from {path} "
                           f"({exc}); add tokenizer files or use gate_mode: random") from None
     tokenizer.padding_side = "left"

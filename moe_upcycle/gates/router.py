@@ -26,7 +26,7 @@ import torch
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
-from moe_upcycle.errors import ConfigError
+from moe_upcycle.errors import ConfigError, reraise_if_out_of_memory
 from moe_upcycle.planning import inits
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
@@ -113,6 +113,7 @@ def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint, field: 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(base.path))
     except Exception as exc:
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
         raise ConfigError(f"gate_mode: cheap_embed needs the base model's tokenizer, which failed to load from "
                           f"{base.path} ({exc}); use gate_mode: random or add tokenizer files") from None
     embed = base.read(names.EMBED).float()  # (V, H)
