@@ -169,3 +169,34 @@ def test_a_source_that_did_not_fit_is_not_called_damaged(tiny_llama_bin_tied, tm
     assert_clean_failure(code, output, tmp_path / "moe", ["error: the machine ran out of memory",
                                                           "nothing was written under the output name"])
     assert "damaged" not in output and "re-download" not in output
+
+
+def test_an_embedder_library_that_did_not_fit_is_not_a_missing_install(write_yaml, tiny_llama, monkeypatch):
+    """sentence-transformers failing to import because a library of it could not be mapped (seen for real under
+    `ulimit -v` in `prompts grow`): before, "installed but does not import ...; pip install -U sentence-transformers"."""
+    import sys
+
+    import moe_upcycle.prompts.embed as embed
+
+    class Unmappable:
+        def find_spec(self, name, path=None, target=None):
+            if name == "sentence_transformers":
+                raise ImportError("libgfortran-8f1e9814.so.5.0.0: failed to map segment from shared object")
+            return None
+
+    cfg = write_yaml({"base_model": str(tiny_llama), "gate_mode": "cheap_embed", "experts": [
+        {"source_model": str(tiny_llama), "positive_prompts": ["a story"]},
+        {"source_model": str(tiny_llama), "positive_prompts": ["some code"]}]})
+    monkeypatch.delitem(sys.modules, "sentence_transformers", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Unmappable(), *sys.meta_path])
+    embed._embedder.cache_clear()  # loaded once per process: load it again, now
+    embed._load_model.cache_clear()
+    try:
+        code, output = cli("lint", cfg)
+    finally:
+        embed._embedder.cache_clear()
+        embed._load_model.cache_clear()
+    flat = " ".join(output.split())
+    assert code == 1 and "Traceback" not in output, output
+    assert "error: the machine ran out of memory (the library libgfortran-8f1e9814.so.5.0.0 could not be loaded)" in flat
+    assert "pip install" not in flat

