@@ -235,7 +235,8 @@ def _pyplot():
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except ImportError as exc:
+        reraise_if_out_of_memory(exc)  # installed, but a library of it could not be mapped
         from moe_upcycle.terminal.hints import install_hint
 
         raise DependencyError(f"--plot needs matplotlib, which is not installed; {install_hint('plot')}, "
