@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence
 
 from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # noqa: F401 (our manifest's name)
 from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
-from moe_upcycle.errors import OutputError, UpcycleWarning
+from moe_upcycle.errors import OutputError, UpcycleWarning, reraise_if_out_of_memory
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 
 MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
@@ -137,8 +137,8 @@ def made_parent(target: Path) -> Iterator[None]:
     Raises:
         OutputError: a parent cannot be created (a file is in the way, no permission).
     """
-    parent = Path(target).expanduser().resolve().parent
     resolved = Path(target).expanduser().resolve()
+    parent = resolved.parent
     blocking = _foreign_path(resolved) or _file_in_the_way(target)
     if blocking:  # mkdir would only say "File exists" or "Not a directory"
         raise OutputError(blocking)
@@ -242,8 +242,7 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
             yield stage
             _publish(stage, target, force)
     except OSError as exc:
-        if exc.errno == errno.ENOMEM:  # the machine's memory, not the output: the command says so (cli.out_of_memory)
-            raise
+        reraise_if_out_of_memory(exc)  # the machine's memory, not the output: the command says so (cli.out_of_memory)
         raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
                           f"{target}" + _space_hint(exc, target.parent)) from None
     finally:

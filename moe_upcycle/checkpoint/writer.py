@@ -15,7 +15,6 @@ It does not decide where the folder goes or how it is made atomic: see `output_d
 
 from __future__ import annotations
 
-import errno
 import json
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +24,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from moe_upcycle.errors import OutputError
+from moe_upcycle.errors import OutputError, reraise_if_out_of_memory
 from moe_upcycle.checkpoint.disk_space import disk_hint
 from moe_upcycle.checkpoint.shard_file import ShardFile
 from moe_upcycle.checkpoint.headers import DTYPE_NAMES, tensor_nbytes
@@ -163,7 +162,7 @@ class ShardedWriter:
         try:
             self._file = ShardFile(path, self.checksums)
         except OSError as exc:
-            _memory_is_not_the_output(exc)
+            reraise_if_out_of_memory(exc)  # the machine's memory, not the output
             raise OutputError(f"creating {path} failed: {exc.strerror or exc}") from None
         header = _header(self.shards[k], self.metadata)
         self._write(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -172,7 +171,7 @@ class ShardedWriter:
         try:
             self._file.write(data)
         except OSError as exc:
-            _memory_is_not_the_output(exc)
+            reraise_if_out_of_memory(exc)  # the machine's memory, not the output
             raise self._write_failed(self._file, exc) from None
 
     def _finish_file(self) -> None:
@@ -182,7 +181,7 @@ class ShardedWriter:
                 digest = file.finish()
             except OSError as exc:
                 file.abort()
-                _memory_is_not_the_output(exc)
+                reraise_if_out_of_memory(exc)  # the machine's memory, not the output
                 raise self._write_failed(file, exc) from None
             self._finished_bytes += file.size
             self._flushes.append(self._flusher.submit(_sync_and_close, file))
@@ -234,12 +233,6 @@ def _sync_and_close(file: ShardFile) -> None:
     try:
         file.sync_and_close()
     except OSError as exc:
-        _memory_is_not_the_output(exc)
+        reraise_if_out_of_memory(exc)  # the machine's memory, not the output
         raise OutputError(f"flushing {file.path} to disk failed: {exc.strerror or exc}") from None
 
-
-def _memory_is_not_the_output(exc: OSError) -> None:
-    """Re-raise ENOMEM as it is: the machine's memory ran out (staging buffers, threads), not the output's disk or
-    file, and the command says so with what to do (`cli.out_of_memory`)."""
-    if exc.errno == errno.ENOMEM:
-        raise exc

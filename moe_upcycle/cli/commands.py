@@ -253,8 +253,9 @@ def route(
         from moe_upcycle.check.route import expert_names
         from moe_upcycle.check.route_eval import label_indices
 
-        # a label that names no expert, before the model loads (minutes for a large one)
-        label_indices(labels, expert_names(model, require_moe(model, command="route")), texts, f"--labeled {labeled}")
+        # a label that names no expert, before the model loads (minutes for a large one); scored by index after it
+        labels = label_indices(labels, expert_names(model, require_moe(model, command="route")), texts,
+                               f"--labeled {labeled}")
     else:
         texts, labels = read_prompts(prompts), None
     result = route_prompts(model, texts, device=device, batch_size=batch_size)
