@@ -83,8 +83,8 @@ def test_kmeans_gates_deterministic_and_every_expert_routed(stories, corpus):
     encoded = cap.encode_windows(loaded.tokenizer, read_documents(corpus))
     counts = torch.zeros(5, 4, dtype=torch.long)
 
-    def on_output(layer, x, real, rows):
-        top = (x.float() @ first[layer].T).argmax(dim=-1)[real]
+    def on_output(layer, x, batch):
+        top = (x.float() @ first[layer].T).argmax(dim=-1)[batch.real]
         counts[layer] += torch.bincount(top, minlength=4)
 
     cap.run_batches(loaded, encoded, 8, on_output)

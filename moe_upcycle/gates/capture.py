@@ -9,7 +9,8 @@ router input. Hidden states of all prompts are never kept. The hooks never wait 
 sums stay on the device the layer runs on, in fp32, reduced straight from the model-dtype
 activations (no fp32 copy of a layer's output), and come to the CPU once, at the end. On a GPU the
 router inputs of consecutive layers (up to 64 MiB) are reduced together: a few kernel launches per
-batch instead of per layer, which at small batches cost as much as the layers themselves.
+batch instead of per layer, which at small batches cost as much as the layers themselves; and a
+batch's inputs (ids, masks, positions, group indices) go to the device in one copy from pinned memory.
 
 It computes no gate rows: `hidden_gates` does, and `route` reuses the batching here.
 """
@@ -295,12 +296,12 @@ def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
 
 
 def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
-                on_output: Callable[[int, torch.Tensor, torch.Tensor, list[int]], None],
-                padding_side: Optional[str] = None) -> None:
-    """Run every text through the base model in batches; call ``on_output(layer, x, real, rows)``
-    with each layer's router input ``x`` (B, T, H), the real-token mask (B, T) on x's device, and
-    the indices of the batch's texts. Texts are batched by length (less padding); the forward pass
-    stops right after the last layer's router input.
+                on_output: Callable[[int, torch.Tensor, "Batch"], None],
+                padding_side: Optional[str] = None, row_values: Optional[torch.Tensor] = None) -> None:
+    """Run every text through the base model in batches; call ``on_output(layer, x, batch)`` with each
+    layer's router input ``x`` (B, T, H) and the `Batch` (its texts, real-token mask and `row_values`,
+    on x's device). Texts are batched by length (less padding); the forward pass stops right after the
+    last layer's router input.
     """
     tok = loaded.tokenizer
     side = padding_side or getattr(tok, "padding_side", "right")
@@ -312,38 +313,75 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
     def hook_for(layer: int):
         def hook(module, args, output):
             x = output[0] if isinstance(output, tuple) else output
-            real = state["real"].get(x.device)
-            if real is None:  # a layer on another device (device_map spread): device to device
-                real = state["real"][x.device] = next(iter(state["real"].values())).to(x.device)
-            on_output(layer, x, real, state["rows"])
-            state["stage"].advance(len(state["rows"]))
+            batch = state["on"].get(x.device)
+            if batch is None:  # a layer on another device (device_map spread): device to device
+                batch = state["on"][x.device] = next(iter(state["on"].values())).to(x.device)
+            on_output(layer, x, batch)
+            state["stage"].advance(len(batch.rows))
             if layer == last:
                 raise _StopForward
         return hook
 
     handles = [norm.register_forward_hook(hook_for(i)) for i, norm in enumerate(loaded.norms)]
     decoder = loaded.model.base_model
+    dev = torch.device(loaded.input_device)
     try:
         with torch.inference_mode(), stage("router inputs", total=len(order) * len(loaded.norms),
                                            unit="prompts×layers") as state["stage"]:
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
                 ids, attn, real = pad_batch([encoded[i] for i in rows], pad_id, side)
-                positions = (attn.cumsum(1) - 1).clamp_min(0)  # same positions whatever the padding
-                dev = loaded.input_device
                 check_token_ids(ids, loaded.model.get_input_embeddings().num_embeddings, tok)
-                # the mask goes to the device with the inputs, before the forward pass: a host-to-device
-                # copy from inside a hook would wait for every kernel queued before it. All of them are queued
-                # from pinned memory, so the host prepares the next batch while the GPU runs this one.
-                state.update(rows=rows, real_cpu=real, real={torch.device(dev): to_device(real, dev)})
+                # Everything the batch needs on the device goes there in one copy, before the forward pass:
+                # a host-to-device copy from inside a hook would wait for every kernel queued before it, and
+                # from pinned memory the copy is queued, so the host prepares the next batch meanwhile.
+                on = on_device(rows, ids, attn, real, row_values, dev)
+                state["on"] = {dev: on.batch}
                 try:
-                    decoder(input_ids=to_device(ids, dev), attention_mask=to_device(attn, dev),
-                            position_ids=to_device(positions, dev), use_cache=False)
+                    decoder(input_ids=on.ids, attention_mask=on.attn, position_ids=on.positions, use_cache=False)
                 except _StopForward:
                     pass
     finally:
         for h in handles:
             h.remove()
+
+
+def on_device(rows: list[int], ids: torch.Tensor, attn: torch.Tensor, real: torch.Tensor,
+              row_values: Optional[torch.Tensor], device: torch.device) -> "Inputs":
+    """The batch's inputs on `device`, packed into one int64 buffer on the host and copied once."""
+    n = ids.numel()
+    positions = (attn.cumsum(1) - 1).clamp_min(0)  # the same positions whatever the padding
+    parts = [ids.flatten(), attn.flatten(), positions.flatten(), real.flatten().long()]
+    if row_values is not None:
+        parts.append(row_values[rows].long())
+    packed = to_device(torch.cat(parts), device)
+    shape = ids.shape
+    values = packed[4 * n:] if row_values is not None else None
+    batch = Batch(rows, packed[3 * n:4 * n].view(shape).bool(), values)
+    return Inputs(packed[:n].view(shape), packed[n:2 * n].view(shape), packed[2 * n:3 * n].view(shape), batch)
+
+
+@dataclass
+class Batch:
+    """One batch as a layer's hook sees it, on that layer's device."""
+
+    rows: list[int]  # indices of the batch's texts
+    real: torch.Tensor  # (B, T) bool: the tokens that count
+    values: Optional[torch.Tensor]  # (B,) run_batches' row_values of these texts, if given
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.rows, self.real.to(device),
+                     None if self.values is None else self.values.to(device))
+
+
+@dataclass
+class Inputs:
+    """The forward pass's inputs of one batch, views of one buffer on the input device."""
+
+    ids: torch.Tensor
+    attn: torch.Tensor
+    positions: torch.Tensor
+    batch: Batch
 
 
 def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: list[int], num_groups: int,
@@ -370,35 +408,35 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     norm_acc: dict[torch.device, torch.Tensor] = {}  # device -> (L,) fp64
     points: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
     n_tokens = sum(sum(e.real) for e in encoded)  # counted on the host, from the tokenizer's output
-    batch: dict = {"rows": None}  # per-batch values derived once per device, reused by every layer
-    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, router input, mask) of consecutive layers
+    derived: dict = {"batch": None}  # per-batch values derived once per device, reused by every layer
+    pending: list[tuple[int, torch.Tensor, Batch]] = []  # (layer, router input, batch) of consecutive layers
     held = 0  # bytes of the router inputs pending
 
-    def per_batch(rows: list[int], real: torch.Tensor, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if batch["rows"] is not rows:
-            batch.clear()
-            batch["rows"] = rows
-        key = (what, real.device)
-        if key not in batch:
-            batch[key] = make()
-        return batch[key]
+    def per_batch(batch: Batch, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if derived["batch"] is not batch:
+            derived.clear()
+            derived["batch"] = batch
+        if what not in derived:
+            derived[what] = make()
+        return derived[what]
 
-    def on_output(layer: int, x: torch.Tensor, real: torch.Tensor, rows: list[int]) -> None:
+    def on_output(layer: int, x: torch.Tensor, batch: Batch) -> None:
         # On a GPU a layer's reductions are a handful of tiny kernels, as many launches as a small batch's layer
         # costs: the router inputs of consecutive layers are kept (the MLP only reads them) and reduced together.
         nonlocal held
         if pending and pending[0][1].device != x.device:  # a model spread over devices: reduce each one's layers
-            reduce_layers(rows)
-        pending.append((layer, x, real))
+            reduce_layers()
+        pending.append((layer, x, batch))
         held += x.numel() * x.element_size()
         if x.device.type in _EACH_LAYER_ON or layer == n_layers - 1 or held >= _PENDING_BYTES:
-            reduce_layers(rows)
+            reduce_layers()
 
-    def reduce_layers(rows: list[int]) -> None:
+    def reduce_layers() -> None:
         # x: (L', B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply.
         # Nothing here reads a value back to the host: every reduction stays queued on x's device.
         nonlocal held
-        first, real = pending[0][0], pending[0][2]
+        first, batch = pending[0][0], pending[0][2]
+        real = batch.real
         dev, layers = real.device, slice(first, first + len(pending))
         x = torch.stack([t for _, t, _ in pending]) if len(pending) > 1 else pending[0][1][None]
         pending.clear()
@@ -409,22 +447,22 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
         # fp32 accumulation
         norm_acc[dev][layers] += torch.linalg.vector_norm(xm, dim=-1, dtype=torch.float32).sum(dim=(1, 2))
         if reduce == "tokens":  # bounded k-means samples, kept on the device until the end
-            flat = per_batch(rows, real, "flat", lambda: real.flatten().nonzero().squeeze(1))  # one sync per batch
+            flat = per_batch(batch, "flat", lambda: real.flatten().nonzero().squeeze(1))  # one sync per batch
             for layer, kept in zip(range(first, layers.stop), xm.flatten(1, 2).index_select(1, flat).float()):
                 points[layer].append(kept)
             return
         if reduce == "mean":
-            count = per_batch(rows, real, "count", lambda: real.sum(dim=1, keepdim=True))  # (B, 1)
+            count = per_batch(batch, "count", lambda: real.sum(dim=1, keepdim=True))  # (B, 1)
             per = xm.sum(dim=2, dtype=torch.float32) / count  # (L', B, H) fp32
         else:  # last real token of each row
-            last = per_batch(rows, real, "last", lambda: real.shape[1] - 1 - real.flip(1).int().argmax(dim=1))
+            last = per_batch(batch, "last", lambda: real.shape[1] - 1 - real.flip(1).int().argmax(dim=1))
             per = xm[:, torch.arange(x.shape[1], device=dev), last].float()
         if dev not in acc:
             acc[dev] = torch.zeros(n_layers, num_groups, x.shape[-1], dtype=torch.float32, device=dev)
-        index = per_batch(rows, real, "groups", lambda: to_device(group_of[rows], dev))
-        acc[dev][layers].index_add_(1, index, per)
+        acc[dev][layers].index_add_(1, batch.values, per)
 
-    run_batches(loaded, encoded, batch_size, on_output, padding_side)
+    run_batches(loaded, encoded, batch_size, on_output, padding_side,
+                row_values=group_of if reduce != "tokens" else None)
     counts = torch.bincount(group_of, minlength=num_groups) if reduce != "tokens" else torch.zeros(num_groups)
     sums = sum(t.cpu() for t in acc.values()) if acc else torch.zeros(0)  # each layer's rows are on one device
     norms = sum(t.cpu() for t in norm_acc.values()) if norm_acc else torch.zeros(n_layers, dtype=torch.float64)
