@@ -37,7 +37,7 @@ from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.execute import iter_tensors
 from moe_upcycle.gates.router import compute_gates
 from moe_upcycle.planning.model_config import moe_config
-from moe_upcycle.planning.guards import check_tied_head
+from moe_upcycle.planning.guards import check_tied_head, refuse_non_float
 from moe_upcycle.planning.plan import Plan, make_plan
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
@@ -179,6 +179,7 @@ def upcycle_model(
         source = state_dict_source(dense_model)
         sources = {IN_MEMORY_REF: source}
         plan = make_plan(config, sources)
+        refuse_non_float(plan, sources)  # an integer parameter would be copied into float experts as numbers
         check_tied_head(plan, source, IN_MEMORY_REF)  # a head untied in memory under a config that ties it
         gates = compute_gates(gate_params(config), plan, source, device=placement.main)
         router = router_fields(config)

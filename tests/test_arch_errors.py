@@ -105,6 +105,15 @@ def test_mlp_biases_fit_no_output():
            "output architecture can hold it" in got
 
 
+def test_an_mlp_tensor_that_is_no_bias_is_not_called_one():
+    base = meta("b")
+    base.tensors["model.layers.0.mlp.extra.weight"] = base.tensors["model.norm.weight"]
+    got = problems({"base_model": "b", "num_experts": 2, "gate_mode": "random"}, base)
+    assert "mixtral: the base has a tensor in its MLP that is not a projection's weight (mlp.extra.weight), which " \
+           "Mixtral experts cannot hold → no supported output architecture can hold it" in got, got
+    assert not any("MLP biases" in line for line in got), got
+
+
 def test_shared_experts_need_qwen2_moe():
     got = problems({"base_model": "llama", "num_experts": 2, "gate_mode": "random", "architecture": "mixtral",
                     "shared_experts": [{"source_model": "llama"}]}, meta("llama"))

@@ -665,6 +665,38 @@ def test_markup_in_paths_names_and_prompts_is_printed_literally(stories, tmp_pat
     assert code == 0 and "Traceback" not in output and "[/] closing tag" in output, output
 
 
+def test_control_characters_in_names_are_shown_not_sent(tiny_llama, tmp_path):
+    """A checkpoint names its own tensors: an escape sequence in a name would clear the screen or recolour what
+    follows, a newline fake a line of the tool's output. Names are shown the way Python writes them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def with_tensor(folder: Path, name: str) -> Path:
+        shutil.copytree(tiny_llama, folder)
+        state = load_file(str(folder / "model.safetensors"))
+        save_file({**state, name: torch.zeros(3)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+
+    def recipe(base: Path) -> Path:
+        cfg = tmp_path / f"{base.name}.yaml"
+        cfg.write_text(f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n")
+        return cfg
+
+    outside = with_tensor(tmp_path / "outside", "\x1b[2J\x1b[32mplan ok\nfake line")  # noted, not copied
+    code, output = cli("build", recipe(outside), tmp_path / "moe")
+    assert code == 0 and "\x1b" not in output and "fake line\n" not in output, output
+    assert "are not copied: '\\x1b[2J\\x1b[32mplan ok\\nfake line'" in " ".join(output.split()), output
+    inside = with_tensor(tmp_path / "inside", "model.layers.0.self_attn.\x1b[31mX\r.weight")  # refused
+    code, output = cli("plan", recipe(inside))
+    assert code == 1 and "\x1b" not in output and "\r" not in output, output
+    assert "the base has the tensor ('self_attn.\\x1b[31mX\\r.weight')" in " ".join(output.split()), output
+    prompts = tmp_path / "p.txt"  # and text the user gives, echoed back
+    prompts.write_text("bell\x07 and \x1b[2J clear\n")
+    code, output = cli("route", tmp_path / "moe", "--prompts", prompts)
+    assert code == 0 and "\x1b" not in output and "\x07" not in output and "\\x1b[2J clear" in output, output
+
+
 # ---------------------------------------------------------------------------------------------
 # Endless or huge text inputs are refused after 64 MiB, not read until memory runs out
 

@@ -255,6 +255,22 @@ def test_a_head_untied_in_memory_under_a_tied_config_is_refused(stories):
     assert_close_rel(logits(moe, ids), logits(dense, ids), 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool])
+def test_integer_parameters_are_refused_as_files_are(dtype, stories):
+    """A build refuses integer weights; in memory they were copied into the float experts as numbers (an int8
+    up_proj full of 3s gave experts of 3.0), with no word."""
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.float32).eval()
+    mlp = dense.model.layers[1].mlp
+    mlp.up_proj.weight = torch.nn.Parameter(torch.ones_like(mlp.up_proj.weight, dtype=dtype), requires_grad=False)
+    with pytest.raises(PlanError) as info:
+        upcycle_model(dense, num_experts=2)
+    assert str(info.value) == (
+        f"dense_model: parameter 'model.layers.1.mlp.up_proj.weight' is {str(dtype).removeprefix('torch.')}, but "
+        f"weights must be floating point; upcycle the model before quantizing it, or give the parameter a float dtype")
+
+
 @pytest.mark.parametrize("change, words", [
     ("embedding", ["parameter 'model.embed_tokens.weight' has shape [", "but model.config implies [",
                    "(vocab_size, hidden_size)"]),

@@ -232,6 +232,31 @@ def test_bin_with_wrapped_weights_refused(wrapper, tiny_llama, tmp_path):
         f"torch.save(checkpoint['{wrapper}'], 'pytorch_model.bin')"])
 
 
+@pytest.mark.parametrize("kind,words", [
+    ("sparse", "is stored as a sparse_coo tensor, not a dense one"),
+    ("sparse_csr", "is stored as a sparse_csr tensor, not a dense one"),
+    ("meta", "has no values in the file (a tensor on the meta device)"),
+    ("quantized", "is a quantized tensor (qint8)"),
+])
+def test_bin_tensor_that_is_not_plain_values_refused(kind, words, tiny_llama, tmp_path):
+    """weights_only loading accepts sparse, meta and quantized tensors; a sparse one crashed the plan with a
+    traceback, a meta one (no values in the file) passed the plan and crashed the build midway."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    state = load_file(str(model / "model.safetensors"))
+    (model / "model.safetensors").unlink()
+    key = "model.layers.0.mlp.up_proj.weight"
+    w = state[key]
+    state[key] = {"sparse": w.to_sparse, "sparse_csr": w.to_sparse_csr, "meta": lambda: w.to("meta"),
+                  "quantized": lambda: torch.quantize_per_tensor(w, 0.01, 0, torch.qint8)}[kind]()
+    torch.save(state, model / "pytorch_model.bin")
+    for command in ("plan", "build"):
+        args = [tmp_path / "moe"] if command == "build" else []
+        code, output = cli(command, _recipe(tmp_path, model), *args)
+        assert_clean_failure(code, output, tmp_path / "moe", [
+            f"{model}/pytorch_model.bin: tensor '{key}' {words}", "Re-save the model"])
+
+
 # ---------------------------------------------------------------------------------------------
 # config.json fields that mean different things in the dense family and the MoE: sliding_window.
 

@@ -58,6 +58,28 @@ CASES = [
     ("hidden-act-unknown", {"hidden_act": "swiglu2"}, ["hidden_act 'swiglu2' is not an activation transformers knows"]),
     ("eps-null", {"rms_norm_eps": None}, ["rms_norm_eps is null"]),
     ("hidden-act-null", {"hidden_act": None}, ["hidden_act is null"]),
+    # rope dicts transformers cannot build the rotary embedding from: each built with exit 0 before, and the MoE
+    # (and the dense base) then failed to load with KeyError or TypeError
+    ("rope-type-unknown", {"rope_parameters": {"rope_type": "bogus", "rope_theta": 10000.0}},
+     ["rope_parameters.rope_type 'bogus' is not a rope type transformers knows", "known: default, linear"]),
+    ("rope-old-type-unknown", {"rope_scaling": {"type": "su", "factor": 2.0}},
+     ["rope_scaling.rope_type 'su' is not a rope type transformers knows"]),
+    ("rope-linear-no-factor", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}},
+     ["rope_parameters: rope_type 'linear' needs 'factor', which is missing"]),
+    ("rope-llama3-partial", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+     ["rope_type 'llama3' needs 'original_max_position_embeddings'", "needs 'high_freq_factor'"]),
+    ("rope-factor-string", {"rope_parameters": {"rope_type": "linear", "factor": "2", "rope_theta": 10000.0}},
+     ["rope_parameters.factor must be a positive finite number, got '2'"]),
+    ("rope-factor-bool", {"rope_scaling": {"type": "dynamic", "factor": True}},
+     ["rope_scaling.factor must be a positive finite number, got True"]),
+    ("rope-factor-zero", {"rope_scaling": {"rope_type": "yarn", "factor": 0}},
+     ["rope_scaling.factor must be a positive finite number, got 0"]),
+    ("rope-longrope-length", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3,
+                                               "long_factor": [1.0] * 8, "original_max_position_embeddings": 64}},
+     ["rope_scaling.short_factor has 3 numbers; the rotary dimension needs 8"]),
+    ("rope-longrope-strings", {"rope_scaling": {"rope_type": "longrope", "short_factor": "1,1",
+                                                "long_factor": [1.0] * 8}},
+     ["rope_scaling.short_factor must be a list of numbers, got '1,1'"]),
 ]
 
 
@@ -189,6 +211,30 @@ def test_same_settings_written_differently_still_build(tiny_llama, tmp_path):
             f"  - source_model: {expert}\n")
     code, output = cli("build", _recipe(tmp_path, text), tmp_path / "moe")
     assert code == 0, output
+
+
+def test_known_rope_types_are_transformers_own():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moe_upcycle.checkpoint.config_checks import ROPE_REQUIRED
+
+    assert set(ROPE_REQUIRED) == set(ROPE_INIT_FUNCTIONS) | {"default"}
+
+
+@pytest.mark.parametrize("rope", [
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+     "rope_type": "llama3"},  # Llama 3.1
+    {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},  # Qwen2.5, the old key
+    {"type": "dynamic", "factor": 2.0}, {"type": "linear", "factor": 2}, {"rope_type": "default", "rope_theta": 1e6},
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2] * 8, "factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {}])
+def test_real_rope_dicts_pass(rope):
+    from moe_upcycle.checkpoint.config_checks import value_problems
+
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": rope}
+    assert value_problems(config) == []
+    assert value_problems({**config, "rope_scaling": None, "rope_parameters": rope}) == []
 
 
 def test_known_activations_are_transformers_own():

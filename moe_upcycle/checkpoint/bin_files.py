@@ -53,7 +53,24 @@ def load_bin(file: Path) -> dict[str, torch.Tensor]:
                              f"under {k!r} (they are not the model it loads). If they are the model, save them "
                              f"unwrapped: torch.save(checkpoint[{k!r}], 'pytorch_model.bin')"
                              if isinstance(state[k], dict) else "; re-download or re-save the model"))
+    for key, t in state.items():
+        problem = _not_plain(t)
+        if problem:
+            raise SourceError(f"{file}: tensor {key!r} {problem}; a checkpoint's weights are plain dense tensors "
+                              f"with their values in the file. Re-save the model from a loaded copy "
+                              f"(model.save_pretrained) or re-download it")
     return state
+
+
+def _not_plain(t: torch.Tensor) -> str:
+    """What keeps a loaded tensor from being read as plain values ('' if nothing)."""
+    if t.layout != torch.strided:
+        return f"is stored as a {str(t.layout).removeprefix('torch.')} tensor, not a dense one"
+    if t.device.type != "cpu":  # map_location="cpu" moves every real device; a meta tensor has no values at all
+        return f"has no values in the file (a tensor on the {t.device.type} device)"
+    if t.is_quantized:
+        return f"is a quantized tensor ({str(t.dtype).removeprefix('torch.')})"
+    return ""
 
 
 def _unpickle_reason(exc: Exception) -> str:

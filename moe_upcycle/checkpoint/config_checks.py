@@ -4,7 +4,8 @@ A config.json edited by hand or half-downloaded must not build a broken model wi
 
 - `value_problems`: types and bounds (``tie_word_embeddings: "no"`` is not a boolean; sizes are
   positive integers of sane size, so ``num_hidden_layers: 1000000000`` is refused before anything
-  loops over it; eps and rope theta are positive finite numbers; heads divide evenly).
+  loops over it; eps and rope theta are positive finite numbers; heads divide evenly; a rope dict has a type
+  transformers knows, with the keys and numbers that type needs).
 - `side_file_problems`: tokenizer and generation files that cannot be read, JSON ones that do not
   parse, a tokenizer.json the tokenizers library cannot load (they are copied into the output unchanged).
 
@@ -37,6 +38,17 @@ OPTIONAL_INTS = ("num_attention_heads", "num_key_value_heads", "head_dim", "max_
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache")
 POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 ROPE_DICTS = ("rope_scaling", "rope_parameters")
+# the keys without which transformers cannot compute each rope type's frequencies (its ROPE_INIT_FUNCTIONS plus
+# "default"; a test checks every type here is one transformers knows)
+ROPE_REQUIRED = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "proportional": (),  # transformers 5 only
+}
+# the number fields a rope type reads, each a positive finite number when given
+ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "partial_rotary_factor")
 # transformers' ACT2FN names (5.x); importing transformers to ask would cost seconds per run, and a
 # test checks every name here is one transformers knows
 ACTIVATIONS = frozenset({
@@ -88,6 +100,8 @@ def value_problems(config: dict) -> list[str]:
     for key in ROPE_DICTS:
         if config.get(key) is not None and not isinstance(config[key], dict):
             out.append(f"{key} must be an object (or null), got {config[key]!r}")
+    out += [problem for key in ROPE_DICTS if isinstance(config.get(key), dict)
+            for problem in rope_problems(key, config[key], config)]
     params = config.get("rope_parameters")
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     if theta is not None and not (is_number(theta) and theta > 0):
@@ -117,6 +131,37 @@ def value_problems(config: dict) -> list[str]:
     if _is_int(heads) and heads > 0 and config.get("head_dim") is None and _is_int(hidden) and hidden % heads:
         out.append(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and there is no "
                    f"head_dim")
+    return out
+
+
+def rope_problems(key: str, rope: dict, config: dict) -> list[str]:
+    """A rope dict transformers cannot build the rotary embedding from: an unknown type, a missing key, a number
+    that is not one, longrope factors of the wrong length (each one a model that does not load, or crashes at its
+    first forward pass)."""
+    if not rope:
+        return []
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_REQUIRED:
+        return [f"{key}.rope_type {kind!r} is not a rope type transformers knows; the MoE would not load "
+                f"(known: {', '.join(ROPE_REQUIRED)})"]
+    out = [f"{key}: rope_type {kind!r} needs {need!r}, which is missing; the MoE would not load"
+           for need in ROPE_REQUIRED[kind] if rope.get(need) is None]
+    out += [f"{key}.{name} must be a positive finite number, got {rope[name]!r}" for name in ROPE_NUMBERS
+            if rope.get(name) is not None and not (is_number(rope[name]) and rope[name] > 0)]
+    if kind == "longrope":
+        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+        head_dim = config.get("head_dim") or (hidden // heads if _is_int(hidden) and _is_int(heads) and heads else None)
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        want = int(head_dim * partial) // 2 if _is_int(head_dim) and is_number(partial) else None
+        for name in ("short_factor", "long_factor"):
+            value = rope.get(name)
+            if value is None:
+                continue
+            if not (isinstance(value, list) and all(is_number(x) for x in value)):
+                out.append(f"{key}.{name} must be a list of numbers, got {value!r:.80}")
+            elif want is not None and len(value) != want:
+                out.append(f"{key}.{name} has {len(value)} numbers; the rotary dimension needs {want} "
+                           f"(half the rotated head dimension)")
     return out
 
 

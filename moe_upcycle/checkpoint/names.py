@@ -190,6 +190,17 @@ def fill(template: str, layer: Optional[int] = None, expert: Optional[int] = Non
 _LAYER_RE = re.compile(r"^(model\.layers\.)(\d+)(\..+)$")
 
 
+def shown(key: str) -> str:
+    r"""A tensor name as a message prints it: as it is, or as Python writes it when it holds characters that do
+    not print (a name from a file must not start a new line of the message, or move the cursor).
+
+    Example:
+        >>> shown("mlp.up_proj.weight"), shown("x\n.weight")
+        ('mlp.up_proj.weight', "'x\\n.weight'")
+    """
+    return key if key.isprintable() else repr(key)
+
+
 def split_layer(key: str) -> tuple[str, Optional[int]]:
     """Pull the layer index out of a key.
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from moe_upcycle.terminal.markup import escape
 from typer.core import TyperGroup
 
 from moe_upcycle.cli.mergekit_flags import explain, translate

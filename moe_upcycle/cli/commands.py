@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
+from moe_upcycle.terminal.markup import escape
 from rich.table import Table
 
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
+from moe_upcycle.terminal.markup import escape
 from rich.table import Table
 
 

@@ -48,15 +48,19 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
     seen_groups: set[str] = set()
     for suffix in suffixes:
         if suffix.startswith("mlp."):
-            if suffix not in {f"mlp.{p}.weight" for p in names.PROJS} and "mlp-bias" not in seen_groups:
-                seen_groups.add("mlp-bias")
-                out.append((f"the base has MLP biases ({suffix}), which {layout.label} experts cannot hold", suffix))
+            bias = suffix in {f"mlp.{p}.bias" for p in names.PROJS}
+            group = "mlp-bias" if bias else "mlp-other"
+            if suffix not in {f"mlp.{p}.weight" for p in names.PROJS} and group not in seen_groups:
+                seen_groups.add(group)
+                what = "MLP biases" if bias else "a tensor in its MLP that is not a projection's weight"
+                out.append((f"the base has {what} ({names.shown(suffix)}), which {layout.label} experts cannot "
+                            f"hold", suffix))
             continue
         if not layout.holds(suffix):
             group = names.TENSOR_GROUPS.get(suffix, "the tensor")
             if group not in seen_groups:
                 seen_groups.add(group)
-                out.append((f"the base has {group} ({suffix}), which {layout.label} cannot hold", suffix))
+                out.append((f"the base has {group} ({names.shown(suffix)}), which {layout.label} cannot hold", suffix))
     missing = [s for s in layout.layer_tensors if s not in suffixes]
     if missing:
         what = f"{names.TENSOR_GROUPS[missing[0]]} ({missing[0]})" if missing[0] in names.TENSOR_GROUPS else missing[0]

@@ -48,19 +48,12 @@ def check_source_dtypes(plan: Plan, sources: dict[str, Checkpoint]) -> list[str]
     Raises:
         PlanError: every used source tensor that is not floating point.
     """
-    problems: list[str] = []
+    refuse_non_float(plan, sources)
     per_source: dict[str, dict[torch.dtype, int]] = {}
     for ref, key in dict.fromkeys(s.source for s in plan.steps if s.source is not None):
         info = sources[ref].tensors[key]
-        if not info.dtype.is_floating_point:
-            problems.append(f"{_where(sources[ref], info.file)}: tensor {key!r} is "
-                            f"{str(info.dtype).removeprefix('torch.')}, but weights must be floating point; "
-                            f"the checkpoint is corrupt or not a model")
-            continue
         counts = per_source.setdefault(ref, {})
         counts[info.dtype] = counts.get(info.dtype, 0) + 1
-    if problems:
-        raise PlanError(*problems)
     found = sorted({d for counts in per_source.values() for d in counts}, key=str)
     lines = []
     if len(found) > 1:
@@ -71,6 +64,27 @@ def check_source_dtypes(plan: Plan, sources: dict[str, Checkpoint]) -> list[str]
     for line in lines:
         warnings.warn(line, UpcycleWarning, stacklevel=2)
     return lines
+
+
+def refuse_non_float(plan: Plan, sources: dict[str, Checkpoint]) -> None:
+    """Refuse every used source tensor that is not floating point (integer, bool, complex weights).
+
+    Raises:
+        PlanError: each such tensor, named with its file (or, in memory, the parameter).
+    """
+    problems = []
+    for ref, key in dict.fromkeys(s.source for s in plan.steps if s.source is not None):
+        info = sources[ref].tensors[key]
+        if not info.dtype.is_floating_point:
+            dtype = str(info.dtype).removeprefix("torch.")
+            if sources[ref].path is None:  # upcycle_model's in-memory model
+                problems.append(f"dense_model: parameter {key!r} is {dtype}, but weights must be floating point; "
+                                f"upcycle the model before quantizing it, or give the parameter a float dtype")
+            else:
+                problems.append(f"{_where(sources[ref], info.file)}: tensor {key!r} is {dtype}, but weights must "
+                                f"be floating point; the checkpoint is corrupt or not a model")
+    if problems:
+        raise PlanError(*problems)
 
 
 def check_tied_head(plan: Plan, base: Checkpoint, ref: str) -> None:

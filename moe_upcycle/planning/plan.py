@@ -119,7 +119,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
 
     dropped = []  # a value head, a stray buffer: the dense model's loader skips them too, so the logits are unchanged
     if extra:
-        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        shown = ", ".join(map(names.shown, extra[:5])) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         dropped.append(f"base_model: {len(extra)} tensor(s) outside the decoder layers, which transformers does not "
                        f"load into a {bcfg.get('model_type')} model either, are not copied: {shown}")
     has_bias = any(f"model.layers.{layer}.{b}" in base.tensors for layer in per_layer for b in layout.bias_tensors)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
-from rich.markup import escape
+from moe_upcycle.terminal.markup import escape
 from rich.table import Table
 
 from moe_upcycle.checkpoint import names
