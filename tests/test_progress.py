@@ -65,6 +65,26 @@ def test_rich_reporter_shows_bytes_of_total_not_question_marks():
     assert "/?" not in text
 
 
+@pytest.mark.parametrize("reporter", ["rich", "lines"])
+def test_paths_in_notes_are_printed_as_written(reporter):
+    """A note names a path or a tensor: on a terminal, a "[/]" in it was a MarkupError traceback from the
+    progress display (a build from such a folder crashed), and an escape sequence reached the terminal."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=120, color_system=None)
+    clock = Clock()
+    shown = RichReporter(console) if reporter == "rich" else LineReporter(console.print, interval=0, first=0,
+                                                                          clock=clock)
+    with reporting(shown):
+        with stage("load [/]base\x07", total=2, note="/data/o[/]x\x1b[2J") as st:
+            clock.now += 1
+            st.advance(1)
+            clock.now += 1
+            st.advance(1)
+    text = buffer.getvalue()
+    assert "load [/]base\\x07" in text and "/data/o[/]x\\x1b[2J" in text, text
+    assert "\x1b[2J" not in text and "\x07" not in text, text
+
+
 def test_no_reporter_means_no_output(capsys):
     with stage("write", total=10, unit="bytes") as st:
         st.advance(10)

@@ -23,4 +23,15 @@ def escape(text: str) -> str:
         >>> print(escape("[bold]w\x1b[2J\rdone"))
         \[bold]w\x1b[2J\rdone
     """
-    return escape_markup(_CONTROL.sub(lambda m: repr(m.group())[1:-1], text))
+    return escape_markup(printable(text))
+
+
+def printable(text: str) -> str:
+    r"""`text` with every control character but newline and tab shown the way Python writes it (for output
+    printed without markup).
+
+    Example:
+        >>> print(printable("a\x1b[2Jb\r"))
+        a\x1b[2Jb\r
+    """
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)

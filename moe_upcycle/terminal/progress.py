@@ -34,6 +34,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.table import Column
 from rich.text import Text
 
+from moe_upcycle.terminal.markup import escape, printable
+
 LINE_SECONDS = 5.0  # at most one plain progress line per stage this often
 FIRST_LINE_SECONDS = 2.0  # a stage that ends sooner prints no plain line at all
 
@@ -220,7 +222,7 @@ class LineReporter(Reporter):
         self.heartbeat = heartbeat
 
     def _print(self, line: str) -> None:
-        self.emit(line, highlight=False, soft_wrap=True, markup=False)
+        self.emit(printable(line), highlight=False, soft_wrap=True, markup=False)
 
     def started(self, st: Stage) -> None:
         st.started = self.clock()
@@ -313,19 +315,20 @@ class RichReporter(Reporter):
         if not self._running:
             self.progress.start()
             self._running = True
-        self._tasks[id(st)] = self.progress.add_task(st.name, total=st.total, unit=st.unit, note=st.note)
+        self._tasks[id(st)] = self.progress.add_task(escape(st.name), total=st.total, unit=st.unit,
+                                                     note=escape(st.note))
 
     def changed(self, st: Stage) -> None:
         task = self._tasks.get(id(st))
         if task is not None:
-            self.progress.update(task, completed=st.completed, total=st.total, note=st.note)
+            self.progress.update(task, completed=st.completed, total=st.total, note=escape(st.note))
 
     def finished(self, st: Stage) -> None:
         task = self._tasks.pop(id(st), None)
         if task is not None:  # an unknown total becomes what was done, so the bar ends full
             total = st.total if st.total else max(st.completed, 1)
             self.progress.update(task, completed=total if st.completed == 0 else st.completed, total=total,
-                                 note=st.note)
+                                 note=escape(st.note))
         if not self._tasks:  # nothing runs: stop the live display so results print below it, not inside
             self.close()
 
