@@ -100,8 +100,27 @@ def _fine_tuned_over_it(out: Path) -> str:
     return "config.json (changed since the build)"
 
 
+def _old_card_copied_over(out: Path) -> str:
+    """cp -p / rsync -a / tar x keep a file's old modification time: the card was replaced without a trace there
+    (only files newer than the manifest were hashed)."""
+    mine = out.parent / "my-card.md"
+    mine.write_text("my precious card\n")
+    os.utime(mine, (1577836800, 1577836800))  # 2020-01-01
+    shutil.copy2(mine, out / "README.md")
+    return "README.md (changed since the build)"
+
+
+def _old_config_moved_over(out: Path) -> str:
+    mine = out.parent / "my-config.json"
+    mine.write_text((out / "config.json").read_text().replace("{", '{"mine": 1, ', 1))
+    os.utime(mine, (1577836800, 1577836800))
+    os.replace(mine, out / "config.json")
+    return "config.json (changed since the build)"
+
+
 @pytest.mark.parametrize("change", [_add_file, _add_folder, _add_git, _add_link, _edit_config, _edit_card,
-                                    _fine_tuned_over_it], ids=lambda f: f.__name__.strip("_"))
+                                    _fine_tuned_over_it, _old_card_copied_over, _old_config_moved_over],
+                         ids=lambda f: f.__name__.strip("_"))
 def test_force_keeps_previous_build_holding_user_files(change, previous, tiny_llama, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(previous, out, symlinks=True)

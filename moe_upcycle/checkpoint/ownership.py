@@ -127,8 +127,9 @@ def foreign_entries(folder: Path) -> list[str]:
 
     An entry is foreign when its name is not in the manifest (the shards of a ``--no-checksums``
     build are known from the index), when it is a folder or a link (a build writes plain files
-    only), or when it is newer than the manifest and its sha256 differs from the recorded one
-    (only newer files are hashed: a build writes the manifest last). Names are given as
+    only), or when it was written or moved since the manifest (its status change time, which no tool
+    sets back, is not older) and its sha256 differs from the recorded one (only such files are hashed:
+    a build writes the manifest last). Names are given as
     ``name/`` for folders and ``name (changed since the build)`` for edited files.
     """
     folder = Path(folder)
@@ -164,9 +165,18 @@ def _foreign(paths: list[Path], folder: Path, written: set, digests: dict, since
             out.append(name + ("/" if path.is_dir() and not path.is_symlink() else ""))
         elif name not in written:
             out.append(name)
-        elif name in digests and path.stat().st_mtime_ns > since and _sha256(path) != digests[name]:
+        elif name in digests and _touched_since(path, since) and _sha256(path) != digests[name]:
             out.append(f"{name} (changed since the build)")
     return out
+
+
+def _touched_since(path: Path, since: int) -> bool:
+    """Whether `path` may have been written or replaced since the manifest (time `since`): its status change
+    time is not older. Tools set a file's modification time at will (``cp -p``, ``rsync -a``, ``tar x``,
+    ``touch -d``), never its status change time, which writing, replacing or moving the file sets to the
+    present; and a timestamp may be coarser than the time between a build's last file and its manifest."""
+    st = path.stat()
+    return st.st_ctime_ns >= since or st.st_mtime_ns >= since
 
 
 def _index_shards(folder: Path, digests: dict) -> set[str]:
