@@ -7,6 +7,7 @@ Broken checkpoints, output-folder safety and published configs are covered elsew
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -872,3 +873,79 @@ def test_float64_base_checkpoint_asks_for_a_dtype(stories, tmp_path):
         upcycle(recipe, tmp_path / "moe")
     assert not (tmp_path / "moe").exists()
     assert upcycle({**recipe, "dtype": "float32"}, tmp_path / "moe").plan.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths no one types on purpose (found by a hostile-YAML hunt): the ~ of a user who does not exist (the shell
+# leaves it as written) and a NUL were tracebacks; an output name with pasted or blank characters was made as is
+
+
+@pytest.mark.parametrize("where", ["argument", "yaml"])
+@pytest.mark.parametrize("name,words", [
+    ("~no-such-user-moe", ["the folder name '~no-such-user-moe'", "who does not exist here",
+                           "write ~/no-such-user-moe"]),
+    ("o3 ", ["the folder name 'o3 '", "spaces at its start or end"]),
+    (" o3", ["the folder name ' o3'", "spaces at its start or end"]),
+    ("o3\t", ["the folder name 'o3\\t'", "spaces at its start or end"]),
+    ("o3\u200b", ["U+200B zero-width space", "delete it: o3"]),
+    ("\u201co3\u201d", ["wrapped in curly quotes", "'o3'"]),
+])
+def test_output_names_no_one_types_on_purpose_are_refused(where, name, words, stories, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "cfg.yaml"
+    out_line = f"output: {json.dumps(name)}\n" if where == "yaml" else ""
+    cfg.write_text(f"base_model: {stories}\nnum_experts: 2\ngate_mode: random\n{out_line}")
+    code, output = cli("build", cfg, *([name] if where == "argument" else []))
+    assert_clean_failure(code, output, tmp_path / name, ["output error:", *words])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]  # nothing made
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("base_model", "~no-such-user-moe/base", ["base_model: model '~no-such-user-moe/base' not found",
+                                               "~no-such-user-moe is the home folder of a user", "write ~/"]),
+    ("base_model", "./ba\0se", ["base_model: model './ba\\x00se'", "holds a NUL character (\\x00)", "remove it"]),
+    ("output", "o3\0", ["output: 'o3\\x00' holds a NUL character"]),
+])
+def test_impossible_paths_in_the_recipe_are_named(field, value, words, stories, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fields = {"base_model": str(stories), "num_experts": 2, "gate_mode": "random", field: value}
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in fields.items()))
+    for command in ("plan", "build"):
+        code, output = cli(command, cfg, *(["out"] if command == "build" and field != "output" else []))
+        assert_clean_failure(code, output, tmp_path / "out", words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]
+
+
+@pytest.mark.parametrize("folder", ["~no-such-user-moe/d", "d "])
+def test_demo_folder_no_one_types_on_purpose_is_refused(folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, output = cli("demo", folder)
+    assert_clean_failure(code, output, tmp_path / folder, ["output error: demo folder", "nothing is made"])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("form", ["string", "mapping"])
+def test_mergekit_revision_on_a_local_folder_reads_the_folder(form, stories, tmp_path):
+    """mergekit reads `./model@rev` and {path:, revision:} from an existing folder, revision ignored; it was
+    'not found' here."""
+    base = (f"base_model: {stories}@main\n" if form == "string"
+            else f"base_model:\n  model:\n    path: {stories}\n    revision: main\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(base + "num_experts: 2\ngate_mode: random\n")
+    code, output = cli("build", cfg, tmp_path / "moe")
+    flat = " ".join(output.split())
+    assert code == 0 and f"is the folder {stories}; a folder has no revisions, so @main is ignored" in flat, output
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["num_local_experts"] == 2
+
+
+def test_an_embedder_that_cannot_embed_is_an_embedder_error(stories, tmp_path):
+    """sentence-transformers loads any transformers folder (mean pooling), but a causal LM without a pad token
+    cannot embed a batch: that was a ValueError traceback."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: hidden\nexperts:\n  - source_model: {stories}\n"
+                   f"    positive_prompts: [once upon a time]\n  - source_model: {stories}\n"
+                   f"    positive_prompts: [the cat sat]\n")
+    code, output = cli("lint", cfg, "--embedder", stories)
+    assert_clean_failure(code, output, tmp_path / "no-output", [
+        f"embedder error: embedder {stories}: loaded, but it could not embed the prompts", "not a language model"])

@@ -11,6 +11,7 @@ model.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -211,7 +212,7 @@ def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] =
         OutputError: the path is one of `inputs`, or a file is there and `force` is not given.
     """
     _pyplot()
-    out = Path(path).expanduser()
+    out = Path(os.path.expanduser(path))
     if out.is_dir():
         raise ConfigError(f"--plot {out}: is a folder; give an image file name such as {out / 'routing.png'}")
     if out.suffix.lower() not in PLOT_SUFFIXES:
@@ -221,7 +222,7 @@ def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] =
         raise ConfigError(f"--plot {out}: folder {out.parent} does not exist; create it or choose another path")
     resolved = out.resolve()
     for item in inputs:
-        if resolved == Path(item).expanduser().resolve():
+        if resolved == Path(os.path.expanduser(item)).resolve():
             raise OutputError(f"--plot {out}: that is an input of this command; it is never overwritten — "
                               f"choose another path")
     if (out.exists() or out.is_symlink()) and not force:

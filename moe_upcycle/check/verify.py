@@ -35,6 +35,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
@@ -238,7 +239,7 @@ def verify(
         >>> verify("tiny-moe").ok  # doctest: +SKIP
         True
     """
-    folder = Path(folder).expanduser().resolve()
+    folder = Path(os.path.expanduser(folder)).resolve()
     if not folder.exists():
         raise SourceError(f"OUT: {folder} does not exist; give the folder a build wrote")
     if not (folder / "config.json").is_file():

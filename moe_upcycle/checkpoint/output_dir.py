@@ -112,7 +112,7 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
 
 
 def _file_in_the_way(target: Path) -> Optional[str]:
-    parent = Path(target).expanduser().resolve().parent
+    parent = Path(os.path.expanduser(target)).resolve().parent
     blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
     if blocking is None:
         return None
@@ -137,7 +137,7 @@ def made_parent(target: Path) -> Iterator[None]:
     Raises:
         OutputError: a parent cannot be created (a file is in the way, no permission).
     """
-    resolved = Path(target).expanduser().resolve()
+    resolved = Path(os.path.expanduser(target)).resolve()
     parent = resolved.parent
     blocking = _foreign_path(resolved) or _file_in_the_way(target)
     if blocking:  # mkdir would only say "File exists" or "Not a directory"
@@ -191,10 +191,15 @@ def _foreign_path(target: Path) -> Optional[str]:
     after an environment variable (``output: $HOME/moe``: a folder named ``$HOME`` here) or is part of a Windows
     path (``D:\\models\\moe``, ``C:/Users/me/moe``: a folder named ``D:\\models\\moe`` or ``C:``). A folder of such
     a name that exists already is the user's."""
-    from moe_upcycle.terminal.hints import variable_hint, windows_path_hint
+    from moe_upcycle.terminal.hints import odd_folder_name, variable_hint, windows_path_hint
 
     to_make = [part for part in [target, *target.parents] if not _exists(part)]
     written = os.path.relpath(target)
+    for part in to_make:  # a name no one types on purpose: pasted characters, spaces at an end, ~ of no user
+        hint = odd_folder_name(part.name)
+        if hint:
+            return (f"output {written!r}: the folder name {part.name!r}: {hint}; nothing is made (a folder that "
+                    f"exists already is used as it is)")
     odd = next((part for part in to_make if variable_hint(part.name)), None)
     hint = variable_hint(written) if odd is not None else ""
     if odd is None:

@@ -89,7 +89,7 @@ def protected_reason(target: Path, inputs: Sequence[Path] = ()) -> Optional[str]
     if target == Path(target.anchor) or target == Path.home().resolve():
         return f"{target} is {'the filesystem root' if target == Path(target.anchor) else 'your home folder'}"
     for item in inputs:
-        item = Path(item).expanduser().resolve()
+        item = Path(os.path.expanduser(item)).resolve()
         if target == item or target in item.parents:
             return f"{target} holds {item}, an input of this command"
     return None
@@ -214,9 +214,17 @@ def prepare_demo_folder(folder: Path) -> Path:
     Raises:
         OutputError: the folder is a file, or holds files the demo did not write.
     """
-    folder = Path(folder).expanduser().resolve()
+    folder = Path(os.path.expanduser(folder)).resolve()
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"demo folder {folder} is a file; give a new or empty folder")
+    from moe_upcycle.terminal.hints import odd_folder_name
+
+    for part in [folder, *folder.parents]:
+        if part.exists():
+            break
+        hint = odd_folder_name(part.name)
+        if hint:
+            raise OutputError(f"demo folder {str(folder)!r}: the folder name {part.name!r}: {hint}; nothing is made")
     if folder.is_dir() and any(folder.iterdir()):
         if not is_demo(folder):  # a build's folder is ours too, but not the demo's to rewrite
             raise OutputError(f"demo folder {folder} is not empty (it holds {describe_contents(folder)}) and was not "
@@ -281,6 +289,6 @@ def input_paths(config_source: object, config: object, sources: Sequence[Path]) 
             getattr(e, f"{kind}_prompts_from", None)
             for e in list(getattr(config, "experts", [])) + list(getattr(config, "shared_experts", []))
             for kind in ("positive", "negative")]:
-        if isinstance(value, str) and Path(value).expanduser().exists():
+        if isinstance(value, str) and Path(os.path.expanduser(value)).exists():
             paths.append(Path(value))
     return paths

@@ -44,6 +44,11 @@ def resolve_or_raise(path: Path, error: Type[UpcycleError], where: str = "") -> 
     """`path.resolve()`, raising `error` (naming `where`, e.g. a YAML field) on a symlink loop."""
     try:
         return Path(path).resolve()
+    except ValueError as exc:  # "embedded null byte": no system call takes the path
+        if "null" not in str(exc):
+            raise
+        message = f"{str(path)!r} holds a NUL character (\\x00), which no file name can hold; remove it"
+        raise error(f"{where}: {message}" if where else message) from None
     except (RuntimeError, OSError) as exc:
         message = symlink_loop(exc)
         if message is None:

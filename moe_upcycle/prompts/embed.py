@@ -55,9 +55,18 @@ class Embedder:
         missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
         if missing:
             self.calls += 1
-            with torch.inference_mode():
-                vecs = self.model.encode(missing, batch_size=self.batch_size, convert_to_tensor=True,
-                                         normalize_embeddings=True, show_progress_bar=False)
+            try:
+                with torch.inference_mode():
+                    vecs = self.model.encode(missing, batch_size=self.batch_size, convert_to_tensor=True,
+                                             normalize_embeddings=True, show_progress_bar=False)
+            except (ValueError, RuntimeError, TypeError, KeyError, IndexError) as exc:
+                # a folder sentence-transformers loads (any transformers model gets mean pooling) but cannot run:
+                # a causal LM without a pad token, a vocabulary the weights do not cover
+                reraise_if_out_of_memory(exc)
+                raise EmbedderError(f"embedder {self.name}: loaded, but it could not embed the prompts "
+                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); give a "
+                                    f"sentence-transformers model (a folder with modules.json, e.g. "
+                                    f"all-MiniLM-L6-v2), not a language model") from None
             vecs = vecs.detach().to("cpu", torch.float32).clone()  # (M, D), a normal tensor again
             self._cache.update(zip(missing, vecs))
         return torch.stack([self._cache[t] for t in texts])

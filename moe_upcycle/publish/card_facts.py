@@ -9,6 +9,7 @@ the sources' ``config.json``; no tensors.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Mapping, Optional
@@ -24,7 +25,7 @@ LOCAL = "local model"
 def hub_id(ref: str, path: Optional[Path]) -> Optional[str]:
     """The hub id of a source: `ref` itself when it is one and no local folder of that name was
     used, else the ``_name_or_path`` its config.json records when that is a hub id; else None."""
-    local_folder = path is not None and Path(ref).expanduser().is_dir()
+    local_folder = path is not None and Path(os.path.expanduser(ref)).is_dir()
     if is_hub_id(ref) and not local_folder:
         return ref
     if path is not None and (Path(path) / "config.json").is_file():
@@ -32,7 +33,7 @@ def hub_id(ref: str, path: Optional[Path]) -> Optional[str]:
             named = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
         except (OSError, ValueError, AttributeError):
             named = None
-        if isinstance(named, str) and is_hub_id(named) and not Path(named).expanduser().exists():
+        if isinstance(named, str) and is_hub_id(named) and not Path(os.path.expanduser(named)).exists():
             return named
     return None
 
@@ -47,7 +48,7 @@ class Sources:
         # mergekit's model+adapter: named by its two parts (the model's folder is paths[ref])
         self.lora = {ref: split_ref(ref) for ref in self.refs if split_ref(ref)[1] is not None}
         self.hub = {ref: None if ref in self.lora else hub_id(ref, paths.get(ref)) for ref in self.refs}
-        self.part_hub = {part: hub_id(part if Path(part).expanduser().is_dir() else part.partition("@")[0],
+        self.part_hub = {part: hub_id(part if Path(os.path.expanduser(part)).is_dir() else part.partition("@")[0],
                                       paths.get(ref) if part == model else None)
                          for ref, (model, adapter) in self.lora.items() for part in (model, adapter)}
 
@@ -69,25 +70,25 @@ class Sources:
         h = self.hub.get(ref)
         if h:
             return f"[{h}](https://huggingface.co/{h})"
-        return f"{LOCAL} {code_span(Path(ref).expanduser().name or ref)}"
+        return f"{LOCAL} {code_span(Path(os.path.expanduser(ref)).name or ref)}"
 
     def shown(self, ref: str) -> str:
         """A reference as the card's recipe writes it: hub ids as they are, local folders by name only."""
         if ref in self.lora:
             return "+".join(self.part_hub.get(p) or self.shown(p) for p in self.lora[ref])
-        return self.hub.get(ref) or Path(ref).expanduser().name
+        return self.hub.get(ref) or Path(os.path.expanduser(ref)).name
 
     def _part(self, part: str, markdown: bool) -> str:
         h = self.part_hub.get(part)
         if h:
             return f"[{h}](https://huggingface.co/{h})" if markdown else h
-        name = Path(part.partition("@")[0] if not Path(part).expanduser().is_dir() else part).expanduser().name
+        name = Path(os.path.expanduser(part.partition("@")[0] if not Path(os.path.expanduser(part)).is_dir() else part)).name
         return f"{LOCAL} {code_span(name or part)}" if markdown else f"{LOCAL} {name or part}"
 
     def without_paths(self, text: str, paths: Mapping[str, Optional[Path]]) -> str:
         """`text` with every local source's reference and folder replaced by its plain name."""
         for ref in sorted(self.local(), key=len, reverse=True):
-            for form in {str(paths.get(ref) or ""), str(Path(ref).expanduser().resolve()), ref} - {""}:
+            for form in {str(paths.get(ref) or ""), str(Path(os.path.expanduser(ref)).resolve()), ref} - {""}:
                 text = text.replace(form, self.plain(ref))
         return text
 
@@ -96,7 +97,7 @@ class Sources:
         if ref in self.lora:
             model, adapter = self.lora[ref]
             return f"{self._part(model, False)} with LoRA {self._part(adapter, False)} merged in"
-        return self.hub.get(ref) or f"{LOCAL} {Path(ref).expanduser().name or ref}"
+        return self.hub.get(ref) or f"{LOCAL} {Path(os.path.expanduser(ref)).name or ref}"
 
 
 def cell(text: object) -> str:

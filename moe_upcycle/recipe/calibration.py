@@ -9,6 +9,7 @@ tokenizing and windowing happen in `gates`.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def read_documents(path: str | Path) -> list[str]:
         ConfigError: the path is missing, holds no usable file, a JSONL line is malformed, or no
             text was found. Messages name the file and line.
     """
-    root = Path(path).expanduser()
+    root = Path(os.path.expanduser(path))
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
         if not files:

@@ -14,6 +14,7 @@ with one prompt per line. This module reads prompts; it does not tokenize or run
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -83,7 +84,7 @@ def resolve_reference(ref: str) -> Path:
     folder = set_dir()
     if folder is not None and (folder / f"{ref}.yaml").is_file() and "/" not in ref:
         return folder / f"{ref}.yaml"
-    path = Path(ref).expanduser()
+    path = Path(os.path.expanduser(ref))
     if path.is_file():
         return path
     if path.is_symlink():

@@ -8,6 +8,7 @@ it is written atomically.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -50,9 +51,9 @@ def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] =
 def _refuse_inputs(target: Path, inputs: Sequence[Union[str, Path]], folder: Optional[Path] = None) -> None:
     """Refuse writing over a file the command reads (a relative one: from here, or from `folder`)."""
     for item in inputs:
-        places = {Path(item).expanduser().resolve()}
+        places = {Path(os.path.expanduser(item)).resolve()}
         if folder is not None:
-            places.add((folder / item).expanduser().resolve())
+            places.add(Path(os.path.expanduser(folder / item)).resolve())
         if target.resolve() in places:
             raise OutputError(f"-o {target}: that is an input of this command ({item}); it is never overwritten, "
                               f"even with --force — choose another -o")

@@ -66,6 +66,9 @@ def missing_model_hint(ref: str) -> str:
         return "a model reference has at most one '@' (org/name@revision: a branch, tag or commit)"
     if ref != ref.strip():
         return f"it has spaces at its start or end (inside quotes); remove them: {ref.strip()}"
+    home = unknown_home(ref)
+    if home:
+        return home
     pasted = pasted_characters(ref)
     if pasted:
         return pasted
@@ -90,8 +93,30 @@ def missing_model_hint(ref: str) -> str:
         return f"there is no model name after '{ref}': write {ref}name (the hub id), or give a folder"
     near = near_folder(ref)
     if near:
-        return f"there is no folder {Path(ref).expanduser()}; did you mean {near}?"
-    return f"check the path: there is no folder {Path(ref).expanduser()}; give the folder of a saved model"
+        return f"there is no folder {Path(os.path.expanduser(ref))}; did you mean {near}?"
+    return f"check the path: there is no folder {Path(os.path.expanduser(ref))}; give the folder of a saved model"
+
+
+def unknown_home(ref: str) -> str:
+    """What to write for ``~name/...`` when there is no user `name` (the shell leaves it as it is: ``~models``
+    typed for ``~/models``); empty otherwise.
+
+    Example:
+        >>> unknown_home("~no-such-user-here/moe")
+        "~no-such-user-here is the home folder of a user 'no-such-user-here', who does not exist here; for a folder in your home write ~/no-such-user-here/moe"
+    """
+    if not ref.startswith("~") or ref.startswith("~/") or ref == "~" or os.path.expanduser(ref) != ref:
+        return ""
+    user = ref[1:].split("/", 1)[0]
+    return (f"~{user} is the home folder of a user {user!r}, who does not exist here; for a folder in your home "
+            f"write ~/{ref[1:]}")
+
+
+def odd_folder_name(name: str) -> str:
+    """What is wrong with a folder name no one types on purpose (pasted characters, spaces at an end, the ``~``
+    of a user who does not exist), for a folder about to be made; empty when nothing is."""
+    return (pasted_characters(name) or unknown_home(name)
+            or ("it has spaces at its start or end; remove them" if name != name.strip() else ""))
 
 
 def near_folder(ref: str) -> str:
@@ -104,7 +129,7 @@ def near_folder(ref: str) -> str:
     import difflib
     import unicodedata
 
-    path = Path(ref).expanduser()
+    path = Path(os.path.expanduser(ref))
     parent, missing = path, []
     while not parent.is_dir():  # the deepest folder that exists, and the names below it
         if parent == parent.parent:
@@ -217,4 +242,4 @@ def show_ref(ref: str) -> str:
 
 def _present(ref: str) -> bool:
     """Whether a reference is a local folder (hub ids are not looked up here)."""
-    return Path(ref).expanduser().is_dir()
+    return Path(os.path.expanduser(ref)).is_dir()
