@@ -73,6 +73,9 @@ def resolve_output(config: UpcycleConfig, output: Union[str, Path, None]) -> Pat
     chosen = output if output is not None else config.output
     if not chosen:
         raise ConfigError("output: no output folder given; pass OUT (or -o/--output) or set output: in the YAML")
+    if str(chosen) == "-":
+        raise OutputError("output -: a model is a folder of files, not a stream for standard output; give a folder "
+                          "name (./- for a folder named '-')")
     target = resolve_or_raise(Path(os.path.expanduser(chosen)), OutputError, "output")
     too_long = name_too_long(target)
     if too_long:  # every later look at the path would raise "File name too long"

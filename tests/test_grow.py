@@ -46,13 +46,15 @@ def test_read_pool_jsonl_and_text(tmp_path):
     assert read_pool(text, "lines") == ["first prompt", "second prompt"]
     assert read_pool(text) == ["first prompt", "second prompt\nfirst prompt"]  # blank line: paragraphs
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"label": "x"}\nnot json\n')
+    bad.write_text('{"text": "ok"}\n{"label": "x"}\nnot json\n{"text": 1}\n{"prompt": null}\n')
     with pytest.raises(ConfigError) as err:
         read_pool(bad)
     assert err.value.problems == [f'{bad}:2: needs a "text" or "prompt" field (or instruction, question, query, '
                                   f'input; or a chat record\'s "messages" / "conversations", whose first user turn is '
                                   f"read); this record's fields: 'label'",
-                                  f"{bad}:3: not valid JSON (Expecting value)"]
+                                  f"{bad}:3: not valid JSON (Expecting value)",
+                                  f"{bad}:4: its 'text' is a JSON int, not the text of a prompt",
+                                  f"{bad}:5: its 'prompt' is null, not the text of a prompt"]
 
 
 def test_grow_picks_code_prompts_for_code_expert(config_path):

@@ -8,6 +8,7 @@ Broken checkpoints, output-folder safety and published configs are covered elsew
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,9 +204,10 @@ def files(tmp_path):
 
 
 VERIFY_CASES = [
-    ("device-gpu", ["--device", "gpu"], ["device: 'gpu' is not a device", "auto, cpu, cuda or cuda:N"]),
-    ("device-cuda-x", ["--device", "cuda:x"], ["device: 'cuda:x' is not a device"]),
-    ("device-cuda-no-gpu", ["--device", "cuda"], ["device: 'cuda' asks for a GPU but torch sees no CUDA device"]),
+    ("device-gpu", ["--device", "gpu"], ["--device 'gpu' is not a device", "auto, cpu, cuda or cuda:N"]),
+    ("device-cuda-x", ["--device", "cuda:x"], ["--device 'cuda:x' is not a device"]),
+    ("device-cuda-no-gpu", ["--device", "cuda"], ["--device 'cuda' asks for a GPU but torch sees no CUDA device",
+                                                   "use --device cpu (or auto)"]),
     ("max-new-tokens-huge", ["--max-new-tokens", "100000"], ["max_new_tokens: 100000", "from 1 to 1024"]),
     ("text-empty", ["--text", "{tmp}/empty.txt"], ["--text:", "empty.txt holds no text"]),
     ("text-blank", ["--text", "{tmp}/blank.txt"], ["--text:", "blank.txt holds no text"]),
@@ -256,8 +258,9 @@ def test_verify_library_options(kwargs, words, moe_folder):
 
 
 ROUTE_CASES = [
-    ("device-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "gpu"], ["device: 'gpu' is not a device"]),
-    ("device-cuda-no-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "cuda"], ["device: 'cuda' asks for a GPU"]),
+    ("device-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "gpu"], ["--device 'gpu' is not a device"]),
+    ("device-cuda-no-gpu", ["--prompts", "{tmp}/prompts.txt", "--device", "cuda"], ["--device 'cuda' asks for a GPU",
+                                                                                      "use --device cpu"]),
     ("prompts-empty", ["--prompts", "{tmp}/empty.txt"], ["empty.txt"]),
     ("prompts-dir", ["--prompts", "{tmp}/a_dir"], ["a_dir: is a folder, not a file"]),
     ("prompts-binary", ["--prompts", "{tmp}/binary.txt"], ["binary.txt"]),
@@ -949,3 +952,52 @@ def test_an_embedder_that_cannot_embed_is_an_embedder_error(stories, tmp_path):
     code, output = cli("lint", cfg, "--embedder", stories)
     assert_clean_failure(code, output, tmp_path / "no-output", [
         f"embedder error: embedder {stories}: loaded, but it could not embed the prompts", "not a language model"])
+
+
+@pytest.mark.parametrize("command", ["build", "plan", "grow"])
+def test_dash_as_an_output_is_refused_not_made(command, stories, tmp_path, monkeypatch):
+    """`-` reads as "standard output"; a model folder or grown recipe named '-' was made instead."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: hidden\nexperts:\n  - source_model: {stories}\n"
+                   f"    positive_prompts: [once upon a time]\n  - source_model: {stories}\n"
+                   f"    positive_prompts: [the cat sat]\n")
+    pool = tmp_path / "pool.txt"
+    pool.write_text("a dragon story\nwrite a loop in python\n")
+    args = {"build": ["build", cfg, "-"], "plan": ["plan", cfg, "-o", "-"],
+            "grow": ["prompts", "grow", cfg, "--pool", pool, "-o", "-"]}[command]
+    code, output = cli(*args)
+    words = (["-o -: the grown recipe is written to a file, not to standard output", "./- for a file named '-'"]
+             if command == "grow" else ["output -: a model is a folder of files, not a stream for standard output",
+                                        "./- for a folder named '-'"])
+    assert_clean_failure(code, output, tmp_path / "-", words)
+
+
+def test_two_adapters_on_local_folders_are_named_as_two(stories, tmp_path):
+    """'./base+./a+./b' said "there is no folder a" (the second '+' read as part of the adapter's name)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: random\nexperts:\n  - source_model: {stories}\n"
+                   f"  - source_model: {stories}+{stories}+{stories}\n")
+    code, output = cli("plan", cfg)
+    assert_clean_failure(code, output, tmp_path / "no-output", [
+        "experts[1].source_model:", "names more than one '+'", "merges one adapter (MODEL+ADAPTER)"])
+
+
+@pytest.mark.parametrize("value,words", [
+    ("''", ["experts[0].positive_prompts_from: '' is empty; name a prompt set"]),
+    ("x" * 300, ["experts[0].positive_prompts_from: 'xxx", "cannot be looked up (File name too long)"]),
+    ("{fifo}", ["experts[0].positive_prompts_from:", "is not a regular file (a pipe or a device)",
+                "write the prompts to a file"]),
+])
+def test_prompt_file_references_that_cannot_be_files_are_named(value, words, stories, tmp_path):
+    """'' was called a folder, a 300-character name an error of the package's own data folder, a pipe "not an
+    existing file"; each now names the field and what is wrong."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\ngate_mode: hidden\nexperts:\n  - source_model: {stories}\n"
+                   f"    positive_prompts_from: {value.format(fifo=fifo)}\n  - source_model: {stories}\n"
+                   f"    positive_prompts: [the cat sat]\n")
+    code, output = cli("plan", cfg)
+    assert_clean_failure(code, output, tmp_path / "no-output", words)
+    assert "moe_upcycle/data" not in output

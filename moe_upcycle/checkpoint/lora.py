@@ -67,6 +67,10 @@ def reference_parts(ref: str, field_name: str) -> tuple[str, Optional[str]]:
     if adapter is not None and (not model.strip() or not adapter.strip()):
         raise SourceError(f"{field_name}: {ref!r} has an empty {'model' if not model.strip() else 'adapter'} part; "
                           f"mergekit's model+LoRA form is MODEL+ADAPTER, each a folder or hub id")
+    if adapter is not None and "+" in adapter and not Path(os.path.expanduser(adapter)).is_dir():
+        raise SourceError(f"{field_name}: {ref!r} names more than one '+': mergekit's model+LoRA form merges one "
+                          f"adapter (MODEL+ADAPTER); merge the others into the model with peft first "
+                          f"(PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(folder))")
     return model, adapter
 
 

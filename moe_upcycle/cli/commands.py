@@ -151,7 +151,7 @@ def verify_cmd(
     from moe_upcycle.gates.capture import resolve_device
 
     result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
-                    hashes=hashes, max_new_tokens=max_new_tokens, device=resolve_device(device))
+                    hashes=hashes, max_new_tokens=max_new_tokens, device=resolve_device(device, "--device"))
     if as_json:
         out.out(json.dumps(result.to_dict(), indent=2, ensure_ascii=False), highlight=False)
     else:
@@ -243,7 +243,7 @@ def route(
         check_plot_path(plot, [p for p in (prompts, labeled) if p is not None], force=force)
     if label_by not in (None, "embedding"):
         raise ConfigError(f"--label-by: {label_by!r} is not supported; use --label-by embedding")
-    resolve_device(device)  # a wrong or missing device, before any file is read
+    resolve_device(device, "--device")  # a wrong or missing device, before any file is read
     if labeled is not None:
         from moe_upcycle.check.route_eval import read_labeled
 

@@ -84,24 +84,25 @@ class RouterInputs:
         return self.sums / self.counts.clamp_min(1)[None, :, None]
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` → ``cuda`` when a GPU is present, else ``cpu``; checks a requested GPU exists.
+def resolve_device(device: str, where: str = "device:") -> str:
+    """``auto`` → ``cuda`` when a GPU is present, else ``cpu``; checks a requested GPU exists. `where` is how
+    the user gave it, for messages (the recipe's ``device:``, a command's ``--device``).
 
     Raises:
         ConfigError: not a device name (``gpu``, ``cuda:x``).
         DependencyError: CUDA requested but not available, or GPU index out of range.
     """
     if device_problem(device):
-        raise ConfigError(f"device: {device_problem(device)}")
+        raise ConfigError(f"{where} {device_problem(device)}")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise DependencyError(f"device: {device!r} asks for a GPU but torch sees no CUDA device; "
-                                  f"use device: cpu (or auto)")
+            raise DependencyError(f"{where} {device!r} asks for a GPU but torch sees no CUDA device; "
+                                  f"use {where} cpu (or auto)")
         index = int(device.split(":")[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():
-            raise DependencyError(f"device: {device!r} but only {torch.cuda.device_count()} GPU(s) are visible; "
+            raise DependencyError(f"{where} {device!r} but only {torch.cuda.device_count()} GPU(s) are visible; "
                                   f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return device
 

@@ -118,6 +118,8 @@ def record_text(row: Any) -> tuple[Optional[str], Optional[str]]:
         ('Write a haiku', None)
         >>> record_text({"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]})
         ('Hi', None)
+        >>> record_text({"text": 1})
+        (None, "its 'text' is a JSON int, not the text of a prompt")
     """
     if not isinstance(row, dict):
         return None, f"a JSON {type(row).__name__}, not a record; give records with {WANTED}"
@@ -132,6 +134,11 @@ def record_text(row: Any) -> tuple[Optional[str], Optional[str]]:
             if isinstance(first, str) and first.strip():
                 return first.strip(), None
             return None, f"its {name!r} list has no user turn with text"
+    given = next((name for name in TEXT_FIELDS if name in row), None)
+    if given is not None:  # the field is there, its value is no text: say that, not that the field is missing
+        value = row[given]
+        what = "empty" if isinstance(value, str) else "null" if value is None else f"a JSON {type(value).__name__}"
+        return None, f"its {given!r} is {what}, not the text of a prompt"
     keys = ", ".join(repr(k) for k in list(row)[:8]) or "none"
     return None, f"needs {WANTED}; this record's fields: {keys}"
 

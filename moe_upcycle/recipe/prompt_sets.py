@@ -81,12 +81,23 @@ def resolve_reference(ref: str) -> Path:
     Raises:
         ValueError: neither a known set nor an existing file (lists the known sets).
     """
+    if not ref.strip():
+        raise ValueError(f"{ref!r} is empty; name a prompt set ({', '.join(set_names()) or 'none found'}) or give "
+                         f"the path of a YAML/JSON/text prompt file")
     folder = set_dir()
-    if folder is not None and (folder / f"{ref}.yaml").is_file() and "/" not in ref:
-        return folder / f"{ref}.yaml"
     path = Path(os.path.expanduser(ref))
-    if path.is_file():
-        return path
+    try:
+        if folder is not None and "/" not in ref and (folder / f"{ref}.yaml").is_file():
+            return folder / f"{ref}.yaml"
+        if path.is_file():
+            return path
+        exists = path.exists()
+    except OSError as exc:  # a name too long to look up, a folder that cannot be read
+        raise ValueError(f"{show_ref(ref)} cannot be looked up ({exc.strerror or exc}); give the path of a "
+                         f"YAML/JSON/text prompt file") from None
+    if exists and not path.is_dir():
+        raise ValueError(f"{show_ref(ref)} is not a regular file (a pipe or a device), and a recipe is read more "
+                         f"than once (plan, lint, build); write the prompts to a file")
     if path.is_symlink():
         raise ValueError(f"{ref!r} is a symbolic link that leads nowhere (a symlink loop or a broken link); fix it")
     if path.is_dir():

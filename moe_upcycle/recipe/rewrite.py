@@ -34,6 +34,9 @@ def grown_target(config_path: Union[str, Path], output: Union[str, Path, None] =
         if output is not None and Path(output).resolve() != src.resolve():
             raise OutputError(f"-o {output}: --in-place writes {src}; give one of -o and --in-place")
         return src.resolve() if src.is_symlink() else src  # a link to the recipe: the recipe changes, the link stays
+    if output is not None and str(output) == "-":
+        raise OutputError("-o -: the grown recipe is written to a file, not to standard output; give a file name "
+                          "(./- for a file named '-')")
     target = Path(output) if output is not None else src.with_name(f"{src.stem}.grown.yaml")
     if target.resolve() == src.resolve():
         raise OutputError(f"-o {target}: that is the input config; it is never overwritten unless you pass "
