@@ -278,7 +278,9 @@ ROUTE_CASES = [
     ("plot-missing-folder", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/no/x.png"],
      ["--plot", "folder", "does not exist"]),
     ("plot-unknown-format", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/x.xyz"], [".xyz is not an image format"]),
-    ("plot-no-suffix", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/heatmap"], ["no suffix is not an image"]),
+    ("plot-no-suffix", ["--prompts", "{tmp}/prompts.txt", "--plot", "{tmp}/heatmap"], ["the name has no suffix"]),
+    ("plot-dash", ["--prompts", "{tmp}/prompts.txt", "--plot", "-"], ["--plot -: the heatmap is written to an image "
+                                                                      "file, not to standard output"]),
 ]
 
 
@@ -381,10 +383,10 @@ def test_unused_device_does_not_stop_a_random_gate_build(stories, tmp_path):
 @pytest.mark.parametrize("case_id,make,words", [
     ("folder", lambda p: p.mkdir(), ["is a folder, not a config file"]),
     ("missing", lambda p: None, ["config file not found"]),
-    ("empty", lambda p: p.write_text(""), ["must be a YAML mapping", "got NoneType"]),
-    ("null", lambda p: p.write_text("null\n"), ["must be a YAML mapping", "got NoneType"]),
-    ("scalar", lambda p: p.write_text("42\n"), ["must be a YAML mapping", "got int"]),
-    ("list", lambda p: p.write_text("- base_model: x\n"), ["must be a YAML mapping", "got list"]),
+    ("empty", lambda p: p.write_text(""), ["must be a YAML mapping", "it is empty (or holds only comments or null)"]),
+    ("null", lambda p: p.write_text("null\n"), ["must be a YAML mapping", "it is empty"]),
+    ("scalar", lambda p: p.write_text("42\n"), ["must be a YAML mapping", "got a single value, 42"]),
+    ("list", lambda p: p.write_text("- base_model: x\n"), ["must be a YAML mapping", "got a list"]),
     ("binary", lambda p: p.write_bytes(bytes(range(256))), ["not a readable YAML file"]),
     ("device", None, ["/dev/zero: is not a regular file"]),
 ], ids=["folder", "missing", "empty", "null", "scalar", "list", "binary", "device"])

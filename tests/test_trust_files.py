@@ -611,7 +611,7 @@ def routed_moe(tiny_llama, tmp_path_factory) -> Path:
     ("same-prompts-png", ["--plot {p}: that is an input of this command; it is never overwritten"]),
     ("model-config", ["--plot {p}: .json is not an image format"]),
     ("model-folder", ["--plot {p}: is a folder; give an image file name"]),
-    ("no-suffix", ["--plot {p}: no suffix is not an image format", ".png"]),
+    ("no-suffix", ["--plot {p}: the name has no suffix; end the name with", ".png"]),
     ("missing-parent", ["--plot {p}: folder {parent} does not exist"]),
 ])
 def test_route_plot_path_refused_before_work(where, words, routed_moe, tmp_path):

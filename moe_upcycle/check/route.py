@@ -215,9 +215,12 @@ def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] =
     out = Path(os.path.expanduser(path))
     if out.is_dir():
         raise ConfigError(f"--plot {out}: is a folder; give an image file name such as {out / 'routing.png'}")
+    if str(path) == "-":
+        raise ConfigError("--plot -: the heatmap is written to an image file, not to standard output; give a file "
+                          "name such as routing.png")
     if out.suffix.lower() not in PLOT_SUFFIXES:
-        raise ConfigError(f"--plot {out}: {out.suffix or 'no suffix'} is not an image format; end the name with "
-                          f"{', '.join(PLOT_SUFFIXES)}")
+        what = f"{out.suffix} is not an image format" if out.suffix else "the name has no suffix"
+        raise ConfigError(f"--plot {out}: {what}; end the name with {', '.join(PLOT_SUFFIXES)}")
     if not out.parent.is_dir():
         raise ConfigError(f"--plot {out}: folder {out.parent} does not exist; create it or choose another path")
     resolved = out.resolve()

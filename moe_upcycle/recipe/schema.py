@@ -462,8 +462,9 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
         except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as exc:
             raise ConfigError(f"{path}: not a readable YAML file ({exc})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...), "
-                          f"got {type(data).__name__}")
+        got = ("it is empty (or holds only comments or null)" if data is None else
+               "got a list" if isinstance(data, list) else f"got a single value, {short_repr(data)}")
+        raise ConfigError(f"{where}: the config must be a YAML mapping of keys (base_model:, experts:, ...); {got}")
     if "base_model" not in data and ("model_type" in data or "architectures" in data):
         raise ConfigError(f"{where}: this is a model's config.json (model_type {data.get('model_type')!r}), not a "
                           f"recipe; write a recipe that names the model's folder, e.g. base_model: "
