@@ -1003,3 +1003,12 @@ def test_prompt_file_references_that_cannot_be_files_are_named(value, words, sto
     code, output = cli("plan", cfg)
     assert_clean_failure(code, output, tmp_path / "no-output", words)
     assert "moe_upcycle/data" not in output
+
+
+def test_a_model_path_too_long_says_so_and_is_not_echoed_whole(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: ./{'x' * 100_000}\nnum_experts: 2\ngate_mode: random\n")
+    code, output = cli("plan", cfg)
+    assert_clean_failure(code, output, tmp_path / "no-output", [
+        "base_model:", "(100000 characters) is longer than the file system allows", "give the path of the model's"])
+    assert len(output) < 2000 and "readable by you" not in output, len(output)

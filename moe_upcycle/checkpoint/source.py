@@ -13,6 +13,7 @@ a `lora.Adapter` attached, and `read` returns each adapted tensor with the adapt
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -218,8 +219,12 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     try:
         return _open_checkpoint(ref, field_name)
     except OSError as exc:  # a file or folder we may not read (permissions), an I/O error
-        where = exc.filename or ref
-        raise SourceError(f"{field_name}: cannot read {where} ({exc.strerror or exc}); check that the model folder "
+        where = str(exc.filename or ref)
+        shown = where if len(where) <= 200 else f"{where[:100]}...{where[-60:]} ({len(where)} characters)"
+        if exc.errno == errno.ENAMETOOLONG:  # a typo or a pasted blob, not a permission problem
+            raise SourceError(f"{field_name}: {shown} is longer than the file system allows for a name (255 bytes) "
+                              f"or a path (4096); give the path of the model's folder") from None
+        raise SourceError(f"{field_name}: cannot read {shown} ({exc.strerror or exc}); check that the model folder "
                           f"and its files are readable by you") from None
 
 
