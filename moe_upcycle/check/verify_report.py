@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from rich.console import Console
-from moe_upcycle.terminal.markup import escape
 from rich.table import Table
 
+from moe_upcycle.terminal.markup import escape
 from moe_upcycle import __version__
 from moe_upcycle.check.compare import LogitComparison
 

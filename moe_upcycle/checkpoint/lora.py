@@ -68,9 +68,9 @@ def reference_parts(ref: str, field_name: str) -> tuple[str, Optional[str]]:
         raise SourceError(f"{field_name}: {ref!r} has an empty {'model' if not model.strip() else 'adapter'} part; "
                           f"mergekit's model+LoRA form is MODEL+ADAPTER, each a folder or hub id")
     if adapter is not None and "+" in adapter and not Path(os.path.expanduser(adapter)).is_dir():
-        raise SourceError(f"{field_name}: {ref!r} names more than one '+': mergekit's model+LoRA form merges one "
-                          f"adapter (MODEL+ADAPTER); merge the others into the model with peft first "
-                          f"(PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(folder))")
+        from moe_upcycle.terminal.hints import missing_model_hint
+
+        raise SourceError(f"{field_name}: {missing_model_hint(ref)}")  # "names more than one '+'", and the fix
     return model, adapter
 
 

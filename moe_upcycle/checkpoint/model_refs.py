@@ -36,11 +36,12 @@ def resolve_model(ref: str, field_name: str) -> Path:
                           f"its config.json and weights ({resolve_or_raise(path, SourceError, field_name).parent})")
     looked = [str(resolve_or_raise(path, SourceError, f"{field_name}: model {ref!r}"))]
     folder, _, revision = ref.rpartition("@")
-    if folder and "@" not in folder and Path(os.path.expanduser(folder)).is_dir():
+    local = Path(os.path.expanduser(folder))
+    if folder and "@" not in folder and local.is_dir():
         # mergekit reads `path@revision` (and {path:, revision:}) from an existing folder as it is, revision ignored
         warnings.warn(f"{field_name}: {ref!r} is the folder {folder}; a folder has no revisions, so "
                       f"@{revision} is ignored (as mergekit does)", UpcycleWarning, stacklevel=2)
-        return Path(os.path.expanduser(folder)).resolve()
+        return local.resolve()
     # mergekit's `org/model@revision` (a branch, tag or commit) is looked up in the cache at that revision
     repo, _, revision = ref.partition("@") if ref.count("@") == 1 else (ref, "", "")
     repo = repo[:-1] if repo.endswith("/") and repo.count("/") == 2 else repo  # org/name/ (a folder's spelling)

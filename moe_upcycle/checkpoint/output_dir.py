@@ -191,15 +191,13 @@ def _foreign_path(target: Path) -> Optional[str]:
     after an environment variable (``output: $HOME/moe``: a folder named ``$HOME`` here) or is part of a Windows
     path (``D:\\models\\moe``, ``C:/Users/me/moe``: a folder named ``D:\\models\\moe`` or ``C:``). A folder of such
     a name that exists already is the user's."""
-    from moe_upcycle.terminal.hints import odd_folder_name, variable_hint, windows_path_hint
+    from moe_upcycle.terminal.hints import odd_new_folder, variable_hint, windows_path_hint
 
     to_make = [part for part in [target, *target.parents] if not _exists(part)]
     written = os.path.relpath(target)
-    for part in to_make:  # a name no one types on purpose: pasted characters, spaces at an end, ~ of no user
-        hint = odd_folder_name(part.name)
-        if hint:
-            return (f"output {written!r}: the folder name {part.name!r}: {hint}; nothing is made (a folder that "
-                    f"exists already is used as it is)")
+    odd = odd_new_folder(target)  # pasted characters, spaces at an end, the ~ of no user
+    if odd:
+        return f"output {written!r}: {odd}; nothing is made (a folder that exists already is used as it is)"
     odd = next((part for part in to_make if variable_hint(part.name)), None)
     hint = variable_hint(written) if odd is not None else ""
     if odd is None:

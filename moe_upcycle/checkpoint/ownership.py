@@ -217,14 +217,11 @@ def prepare_demo_folder(folder: Path) -> Path:
     folder = Path(os.path.expanduser(folder)).resolve()
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"demo folder {folder} is a file; give a new or empty folder")
-    from moe_upcycle.terminal.hints import odd_folder_name
+    from moe_upcycle.terminal.hints import odd_new_folder
 
-    for part in [folder, *folder.parents]:
-        if part.exists():
-            break
-        hint = odd_folder_name(part.name)
-        if hint:
-            raise OutputError(f"demo folder {str(folder)!r}: the folder name {part.name!r}: {hint}; nothing is made")
+    odd = odd_new_folder(folder)
+    if odd:
+        raise OutputError(f"demo folder {str(folder)!r}: {odd}; nothing is made")
     if folder.is_dir() and any(folder.iterdir()):
         if not is_demo(folder):  # a build's folder is ours too, but not the demo's to rewrite
             raise OutputError(f"demo folder {folder} is not empty (it holds {describe_contents(folder)}) and was not "

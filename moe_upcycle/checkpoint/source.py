@@ -13,7 +13,6 @@ a `lora.Adapter` attached, and `read` returns each adapted tensor with the adapt
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
@@ -27,7 +26,7 @@ from safetensors import safe_open
 from moe_upcycle.errors import SourceError, reraise_if_out_of_memory
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_problem
-from moe_upcycle.inputs.paths import broken_link
+from moe_upcycle.inputs.paths import broken_link, symlink_loop
 from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
 from moe_upcycle.checkpoint.file_stamp import FileStamp
@@ -219,12 +218,11 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     try:
         return _open_checkpoint(ref, field_name)
     except OSError as exc:  # a file or folder we may not read (permissions), an I/O error
-        where = str(exc.filename or ref)
-        shown = where if len(where) <= 200 else f"{where[:100]}...{where[-60:]} ({len(where)} characters)"
-        if exc.errno == errno.ENAMETOOLONG:  # a typo or a pasted blob, not a permission problem
-            raise SourceError(f"{field_name}: {shown} is longer than the file system allows for a name (255 bytes) "
-                              f"or a path (4096); give the path of the model's folder") from None
-        raise SourceError(f"{field_name}: cannot read {shown} ({exc.strerror or exc}); check that the model folder "
+        named = symlink_loop(exc)  # a link loop or a name too long: the path is wrong, not its permissions
+        if named:
+            raise SourceError(f"{field_name}: {named}") from None
+        where = exc.filename or ref
+        raise SourceError(f"{field_name}: cannot read {where} ({exc.strerror or exc}); check that the model folder "
                           f"and its files are readable by you") from None
 
 

@@ -235,4 +235,3 @@ def _sync_and_close(file: ShardFile) -> None:
     except OSError as exc:
         reraise_if_out_of_memory(exc)  # the machine's memory, not the output
         raise OutputError(f"flushing {file.path} to disk failed: {exc.strerror or exc}") from None
-

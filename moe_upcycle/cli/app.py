@@ -16,9 +16,9 @@ from typing import Callable, Iterator
 
 import typer
 from rich.console import Console
-from moe_upcycle.terminal.markup import escape
 from typer.core import TyperGroup
 
+from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli.mergekit_flags import explain, translate
 from moe_upcycle.cli.out_of_memory import out_of_memory
 from moe_upcycle.errors import UpcycleError, UpcycleWarning

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from moe_upcycle.terminal.markup import escape
 from rich.table import Table
 
+from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
 from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, app, cli_errors, console, note, out  # noqa: F401
 from moe_upcycle.errors import ConfigError, UpcycleError, UpcycleWarning

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from moe_upcycle.terminal.markup import escape
 
+from moe_upcycle.terminal.markup import escape
 from moe_upcycle.build import upcycle
 from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
 from moe_upcycle.checkpoint.tiny import make_dense_model

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from moe_upcycle.terminal.markup import escape
 from rich.table import Table
 
+from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli.app import app, cli_errors, console, out
 from moe_upcycle.cli.tables import lint_tables
 from moe_upcycle.terminal.progress import stage

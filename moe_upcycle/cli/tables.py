@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from moe_upcycle.terminal.markup import escape
 from rich.table import Table
+
+from moe_upcycle.terminal.markup import escape
 
 
 def lint_tables(report) -> list[Table]:

@@ -46,11 +46,12 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
     order = list(names.TENSOR_GROUPS)  # name a group by its first member (q_proj before k_proj), not file order
     suffixes.sort(key=lambda s: order.index(s) if s in order else len(order))
     seen_groups: set[str] = set()
+    projections = {f"mlp.{p}.weight" for p in names.PROJS}
     for suffix in suffixes:
         if suffix.startswith("mlp."):
             bias = suffix in {f"mlp.{p}.bias" for p in names.PROJS}
             group = "mlp-bias" if bias else "mlp-other"
-            if suffix not in {f"mlp.{p}.weight" for p in names.PROJS} and group not in seen_groups:
+            if suffix not in projections and group not in seen_groups:
                 seen_groups.add(group)
                 what = "MLP biases" if bias else "a tensor in its MLP that is not a projection's weight"
                 out.append((f"the base has {what} ({names.shown(suffix)}), which {layout.label} experts cannot "

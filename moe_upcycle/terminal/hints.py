@@ -64,14 +64,9 @@ def missing_model_hint(ref: str) -> str:
                 f"{missing_model_hint(model) if not _present(model) else missing_model_hint(adapter)}")
     if ref.count("@") > 1:
         return "a model reference has at most one '@' (org/name@revision: a branch, tag or commit)"
-    if ref != ref.strip():
-        return f"it has spaces at its start or end (inside quotes); remove them: {ref.strip()}"
-    home = unknown_home(ref)
-    if home:
-        return home
-    pasted = pasted_characters(ref)
-    if pasted:
-        return pasted
+    odd = odd_name(ref)
+    if odd:
+        return odd
     variable = variable_hint(ref)
     if variable:
         return variable
@@ -112,11 +107,27 @@ def unknown_home(ref: str) -> str:
             f"write ~/{ref[1:]}")
 
 
-def odd_folder_name(name: str) -> str:
-    """What is wrong with a folder name no one types on purpose (pasted characters, spaces at an end, the ``~``
-    of a user who does not exist), for a folder about to be made; empty when nothing is."""
-    return (pasted_characters(name) or unknown_home(name)
-            or ("it has spaces at its start or end; remove them" if name != name.strip() else ""))
+def odd_name(text: str) -> str:
+    """What is wrong with a path no one types on purpose (spaces at an end, the ``~`` of a user who does not
+    exist, characters pasted from a web page) and what to write; empty when nothing is."""
+    if text != text.strip():
+        return f"it has spaces at its start or end (inside quotes); remove them: {text.strip()}"
+    return unknown_home(text) or pasted_characters(text)
+
+
+def odd_new_folder(target: Path) -> str:
+    """For a folder about to be made: the first folder on its way not made yet whose name is odd (`odd_name`),
+    with what is wrong; empty when none is. A folder that exists is the user's, whatever its name."""
+    for part in [target, *target.parents]:
+        try:
+            if part.exists():
+                return ""
+        except OSError:  # a name too long to look up: not this check's to say
+            return ""
+        hint = odd_name(part.name)
+        if hint:
+            return f"the folder name {part.name!r}: {hint}"
+    return ""
 
 
 def near_folder(ref: str) -> str:
