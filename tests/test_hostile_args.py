@@ -327,19 +327,24 @@ HIDDEN = ("base_model: {base}\ngate_mode: hidden\nexperts:\n  - source_model: {b
           "  - source_model: {base}\n    positive_prompts: [the dog]\n")
 
 BUILD_OPTION_CASES = [
-    ("shard-zero", RANDOM, ["--max-shard-size", "0"], ["option max_shard_size: must be positive"]),
-    ("shard-negative-unit", RANDOM, ["--max-shard-size", "-1GB"], ["option max_shard_size: '-1GB' is not a size"]),
-    ("shard-unknown-unit", RANDOM, ["--max-shard-size", "1XB"], ["option max_shard_size: '1XB' is not a size"]),
-    ("shard-bare-fraction", RANDOM, ["--max-shard-size", "1.5"], ["option max_shard_size: '1.5' is not a whole"]),
+    ("shard-zero", RANDOM, ["--max-shard-size", "0"], ["option max_shard_size (--max-shard-size): must be positive"]),
+    ("shard-negative-unit", RANDOM, ["--max-shard-size", "-1GB"], ["option max_shard_size (--max-shard-size): '-1GB' is not a size"]),
+    ("shard-unknown-unit", RANDOM, ["--max-shard-size", "1XB"], ["option max_shard_size (--max-shard-size): '1XB' is not a size"]),
+    ("shard-bare-fraction", RANDOM, ["--max-shard-size", "1.5"], ["option max_shard_size (--max-shard-size): '1.5' is not a whole"]),
     ("shard-one-byte", RANDOM, ["--max-shard-size", "1B"],  # B is bytes: 1GB was meant (before: "e.g. 1BGB")
-     ["option max_shard_size: '1B' is 1 bytes, smaller than any weight matrix", "e.g. 1GB"]),
-    ("batch-zero", HIDDEN, ["--batch-size", "0"], ["option batch_size: 0 is too small; write at least 1"]),
-    ("batch-negative", HIDDEN, ["--batch-size", "-3"], ["option batch_size:"]),
-    ("batch-huge", HIDDEN, ["--batch-size", "10000000"], ["option batch_size: 10000000 is too large; write at most"]),
-    ("device-gpu", HIDDEN, ["--device", "gpu"], ["option device: 'gpu' is not a device"]),
-    ("device-cuda-x", RANDOM, ["--device", "cuda:x"], ["option device: 'cuda:x' is not a device"]),
-    ("device-cuda-no-gpu-hidden", HIDDEN, ["--device", "cuda"], ["device: 'cuda' asks for a GPU but torch sees no CUDA"]),
-    ("device-cuda-no-gpu-verify", RANDOM, ["--device", "cuda", "--verify"], ["device: 'cuda' asks for a GPU"]),
+     ["option max_shard_size (--max-shard-size): '1B' is 1 bytes, smaller than any weight matrix", "e.g. 1GB"]),
+    ("batch-zero", HIDDEN, ["--batch-size", "0"], ["option batch_size (--batch-size): 0 is too small; write at least 1"]),
+    ("batch-negative", HIDDEN, ["--batch-size", "-3"], ["option batch_size (--batch-size):"]),
+    ("batch-huge", HIDDEN, ["--batch-size", "10000000"], ["option batch_size (--batch-size): 10000000 is too large; write at most"]),
+    ("device-gpu", HIDDEN, ["--device", "gpu"], ["--device 'gpu' is not a device"]),
+    ("device-cuda-x", RANDOM, ["--device", "cuda:x"], ["--device 'cuda:x' is not a device"]),
+    ("device-gpu-dry-run", RANDOM, ["--device", "gpu", "--dry-run"], ["--device 'gpu' is not a device"]),
+    # the option is named as the option (was: "device: 'cuda' ... use device: cpu", a key the file may not hold)
+    ("device-cuda-no-gpu-hidden", HIDDEN, ["--device", "cuda"],
+     ["--device 'cuda' asks for a GPU but torch sees no CUDA", "use --device cpu (or auto)"]),
+    ("device-cuda-no-gpu-verify", RANDOM, ["--device", "cuda", "--verify"], ["--device 'cuda' asks for a GPU"]),
+    # asked for on the command line, a missing GPU is refused whatever the gate mode, as verify and route do
+    ("device-cuda-no-gpu-random", RANDOM, ["--device", "cuda"], ["--device 'cuda' asks for a GPU"]),
     ("recipe-device-cuda-no-gpu", HIDDEN + "device: cuda:1\n", [], ["device: 'cuda:1' asks for a GPU"]),
 ]
 
@@ -354,6 +359,8 @@ def test_build_bad_option_named_as_option(case_id, text, args, words, stories, t
     code, output = cli("build", cfg, target, *args)
     assert_clean_failure(code, output, target, words)
     assert "cfg.yaml: max_shard_size" not in output and "cfg.yaml: batch_size" not in output
+    if "--device" in args:
+        assert "device:" not in output  # the recipe holds no device: key
     assert "prompt lint" not in output  # refused before the (slow) lint of the prompts
 
 
@@ -507,10 +514,10 @@ def test_grow_library_limits(kwargs, words):
     ("verify-string", lambda g, p: (g,), {"verify": "no"}, ["verify: expected True or False"]),
     ("on-step-not-callable", lambda g, p: (g,), {"on_step": 5}, ["on_step: expected a function"]),
     ("dry-run-and-verify", lambda g, p: (g,), {"dry_run": True, "verify": True}, ["verify: a dry run writes nothing"]),
-    ("tensor-policy", lambda g, p: (g,), {"tensor_policy": "bogus"}, ["option tensor_policy: 'bogus' is not allowed"]),
+    ("tensor-policy", lambda g, p: (g,), {"tensor_policy": "bogus"}, ["option tensor_policy (--clone-tensors/--share-tensors): 'bogus' is not allowed"]),
     ("shard-bool", lambda g, p: (g,), {"max_shard_size": True}, ["option max_shard_size"]),
     ("device-int", lambda g, p: (g,), {"device": 5}, ["option device"]),
-    ("checksums-string", lambda g, p: (g,), {"checksums": "no"}, ["option checksums: 'no' is not a boolean"]),
+    ("checksums-string", lambda g, p: (g,), {"checksums": "no"}, ["option checksums (--checksums): 'no' is not a boolean"]),
 ])
 def test_upcycle_argument_types(case_id, make_args, kwargs, words, stories, tmp_path):
     from moe_upcycle import upcycle

@@ -60,6 +60,14 @@ def build(
         raise ConfigError(f"OUT is {out_dir} and -o/--output is {output}; give the output folder once")
     if dry_run and verify:
         raise ConfigError("--dry-run writes nothing, so there is nothing for --verify to check; drop one of them")
+    if device is not None:  # named as the option, as verify and route do; a GPU asked for must exist to build
+        from moe_upcycle.gates.capture import resolve_device
+        from moe_upcycle.recipe.values import device_problem
+
+        if device_problem(device):
+            raise ConfigError(f"--device {device_problem(device)}")
+        if not dry_run:
+            resolve_device(device, "--device")
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     gate_source = "mergekit" if mergekit else None

@@ -489,9 +489,24 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     try:
         return UpcycleConfig.model_validate(data)
     except ValidationError as exc:
-        # a value from an option is named as the option: the user would not find it in the file
-        raise ConfigError(*[f"option {line}" if re.match(r"[a-z_]*", line)[0] in given else f"{where}: {line}"
-                            for line in _format_errors(exc, unknown_option)]) from None
+        # a value from an option is named as the option (the command line's spelling beside the keyword's):
+        # the user would not find it in the file
+        raise ConfigError(*[_named(line, given, where) for line in _format_errors(exc, unknown_option)]) from None
+
+
+def _named(line: str, given: dict, where: str) -> str:
+    """``batch_size: 0 is too small`` → ``option batch_size (--batch-size): 0 is too small`` when the value came
+    from an option or keyword, ``FILE: batch_size: 0 is too small`` when it came from the file."""
+    key = re.match(r"[a-z_]*", line)[0]
+    if key not in given:
+        return f"{where}: {line}"
+    flag = f" ({_BUILD_FLAGS[key]})" if key in _BUILD_FLAGS else ""
+    return f"option {key}{flag}{line[len(key):]}"
+
+
+# the build command's spelling of the keys it overrides (checksums and the policy are switches)
+_BUILD_FLAGS = {"max_shard_size": "--max-shard-size", "batch_size": "--batch-size", "device": "--device",
+                "checksums": "--checksums", "tensor_policy": "--clone-tensors/--share-tensors", "gate_source": "--mergekit"}
 
 
 def _yaml_key(key: Any) -> str:
