@@ -142,7 +142,8 @@ def test_build_device_option_is_validated(tiny_llama, tmp_path, write_yaml):
     cfg = write_yaml({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"})
     result = runner.invoke(app, ["build", str(cfg), str(tmp_path / "out"), "--device", "tpu"])
     assert result.exit_code == 1
-    assert "device: 'tpu' is not a device; use auto, cpu, cuda or cuda:N" in result.output
+    assert "--device 'tpu' is not a device; use auto, cpu, cuda or cuda:N" in result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_pad_token_added_past_the_embedding_routes(moe, tmp_path):
@@ -183,3 +184,74 @@ def test_labels_that_name_no_expert_are_refused_before_the_model_loads(moe, tmp_
     assert (f"--labeled {labels}: prompt 1 ('def f(x): return x') has label 'Code', which is not an expert; did you "
             f"mean code? expected one of {names}") in text
     assert "prompt 2 ('Once upon a time') has label 'story_teller', which is not an expert; expected one of" in text
+
+
+def test_route_counts_equal_the_routers_own_logits(moe, routed):
+    """Each prompt alone through the MoE with `output_router_logits`: the top-1 and top-k counts over its real
+    tokens (not the BOS) are route's counts, which were made in padded batches of 5 on the router's device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_upcycle.gates.capture import encode
+
+    model = AutoModelForCausalLM.from_pretrained(moe.output, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(moe.output)
+    n_experts, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    top1 = torch.zeros_like(routed.top1)
+    topk = torch.zeros_like(routed.topk)
+    for p, enc in enumerate(encode(tokenizer, CODE + STORY, 4096)):
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([enc.ids]), output_router_logits=True)
+        real = torch.tensor(enc.real)
+        for layer, logits in enumerate(out.router_logits):
+            logits = logits.reshape(len(enc.ids), n_experts)[real]
+            top1[p, layer] = torch.bincount(logits.argmax(dim=1), minlength=n_experts)
+            topk[layer] += torch.bincount(logits.topk(k, dim=1).indices.reshape(-1), minlength=n_experts)
+    assert torch.equal(routed.top1, top1)
+    assert torch.equal(routed.topk, topk)
+    assert torch.equal(routed.tokens, top1[:, 0].sum(dim=1))
+
+
+def test_route_adds_no_host_synchronisation_per_layer(moe, monkeypatch):
+    """On a GPU, masked indexing (nonzero), bincount, .item() and copies to the host make the host wait for the
+    queue. Counted at torch's dispatcher on the CPU: route adds none of them to the plain forward of the same
+    padded batches (before: a masked index and a bincount per layer, and a copy to the host per layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_upcycle.check import route as route_module
+    from moe_upcycle.gates.capture import encode, pad_batch, padding_id
+    from moe_upcycle.inputs.text import check_token_ids
+
+    waits = {"aten.nonzero", "aten.bincount", "aten._local_scalar_dense", "aten.masked_select", "aten.item"}
+
+    class Count(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket._qualified_op_name.replace("::", ".")
+            Count.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    texts = CODE[:4] + STORY[:3]
+    model = AutoModelForCausalLM.from_pretrained(moe.output, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(moe.output)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **kw: model)
+
+    def plain():  # route's batches, no hooks
+        encoded = encode(tokenizer, texts, 4096)
+        pad_id = padding_id(tokenizer, model.get_input_embeddings().num_embeddings)
+        with torch.inference_mode():
+            for start in range(0, len(encoded), 3):
+                ids, attn, real = pad_batch(encoded[start:start + 3], pad_id, "right")
+                check_token_ids(ids[attn.bool()], model.get_input_embeddings().num_embeddings, tokenizer)
+                model.base_model(input_ids=ids, attention_mask=attn, use_cache=False)
+
+    def waits_in(fn) -> dict:
+        Count.seen = []
+        with Count():
+            fn()
+        return {name: Count.seen.count(name) for name in waits}
+
+    base = waits_in(plain)
+    routed = waits_in(lambda: route_module.route(moe.output, texts, device="cpu", batch_size=3))
+    assert routed == base, (routed, base)

@@ -22,7 +22,7 @@ from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError, reraise_if_out_of_memory
 from moe_upcycle.checkpoint.manifest_file import load_manifest
 from moe_upcycle.checkpoint.output_file import write_file
-from moe_upcycle.gates.capture import encode, pad_batch, padding_id, resolve_device
+from moe_upcycle.gates.capture import encode, on_device, pad_batch, padding_id, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.terminal.progress import stage
@@ -161,20 +161,27 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
         raise SourceError(f"{folder}: not an MoE with a router in every layer (model_type "
                           f"{model.config.model_type!r}); route a folder written by moe-upcycle build")
     encoded = encode(tokenizer, prompts, int(getattr(model.config, "max_position_embeddings", 4096)))
-    n_layers = len(routers)
-    top1 = torch.zeros(len(prompts), n_layers, n_experts, dtype=torch.long)
-    topk = torch.zeros(n_layers, n_experts, dtype=torch.long)
+    # Counted on each router's device, without a host synchronisation per layer (no masked indexing, no
+    # bincount, no copy to the host): one copy of a batch's inputs to the device, one copy of the counts back.
+    counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (P, E) top-1 and (E,) top-k counts
     state: dict = {}
 
     def hook_for(layer: int):
         def hook(module, args, output):
-            logits = (output[0] if isinstance(output, tuple) else output).float().cpu()  # (B*T, E)
-            real = state["real"].reshape(-1)
-            logits = logits.reshape(real.shape[0], -1)[real]
-            rows = state["row_of_token"][real]
-            top1[:, layer].index_put_((rows, logits.argmax(dim=1)), torch.ones(len(rows), dtype=torch.long),
-                                   accumulate=True)
-            topk[layer] += torch.bincount(logits.topk(k, dim=1).indices.reshape(-1), minlength=n_experts)
+            logits = output[0] if isinstance(output, tuple) else output
+            batch = state["on"].get(logits.device)
+            if batch is None:  # a layer on another device (device_map spread): device to device
+                batch = state["on"][logits.device] = next(iter(state["on"].values())).to(logits.device)
+            if layer not in counts:
+                counts[layer] = (torch.zeros(len(prompts) * n_experts, dtype=torch.long, device=logits.device),
+                                 torch.zeros(n_experts, dtype=torch.long, device=logits.device))
+            first, chosen = counts[layer]
+            width = batch.real.shape[1]
+            weight = batch.real.reshape(-1).long()  # 1 for a token that counts, 0 for padding and special tokens
+            logits = logits.reshape(weight.shape[0], -1)
+            row = torch.arange(weight.shape[0], device=logits.device) // width + batch.rows[0]
+            first.index_add_(0, row * n_experts + logits.argmax(dim=1), weight)
+            chosen.index_add_(0, logits.topk(k, dim=1).indices.reshape(-1), weight.repeat_interleave(k))
         return hook
 
     pad_id = padding_id(tokenizer, model.get_input_embeddings().num_embeddings)
@@ -186,13 +193,16 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
                 idx = list(range(start, min(start + batch_size, len(encoded))))
                 ids, attn, real = pad_batch([encoded[i] for i in idx], pad_id, "right")
                 check_token_ids(ids[attn.bool()], model.get_input_embeddings().num_embeddings, tokenizer)
-                state["real"] = real
-                state["row_of_token"] = torch.tensor(idx)[:, None].expand_as(real).reshape(-1)
-                model.base_model(input_ids=ids.to(input_device), attention_mask=attn.to(input_device), use_cache=False)
+                on = on_device(idx, ids, attn, real, None, input_device)
+                state["on"] = {input_device: on.batch}
+                model.base_model(input_ids=on.ids, attention_mask=on.attn, use_cache=False)
                 st.advance(len(idx))
     finally:
         for h in handles:
             h.remove()
+    n_layers = len(routers)
+    top1 = torch.stack([counts[layer][0].cpu().view(len(prompts), n_experts) for layer in range(n_layers)], dim=1)
+    topk = torch.stack([counts[layer][1].cpu() for layer in range(n_layers)])
     tokens = torch.tensor([sum(e.real) for e in encoded])
     return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k)
 
