@@ -161,3 +161,24 @@ def test_gate_capture_on_cuda_matches_cpu(stories):
     assert [p.shape for p in pts_gpu] == [p.shape for p in pts_ref]
     for p, r in zip(pts_gpu, pts_ref):
         close(p, r, 1e-4)
+
+
+def test_route_on_cuda_counts_what_the_cpu_counts(stories, tmp_path):
+    """route on the GPU (bf16, counts made on the device) against the CPU (fp32): the same real tokens, every
+    token counted once per layer, and the same top-1 expert for nearly every (token, layer) — bf16 may flip
+    a near tie."""
+    from moe_upcycle import upcycle
+    from moe_upcycle.check.route import route
+    from routing_prompts import CODE, STORY
+
+    out = tmp_path / "moe"
+    upcycle({"base_model": str(stories), "gate_mode": "hidden", "experts_per_token": 1, "device": "cpu",
+             "experts": [{"source_model": str(stories), "name": "code", "positive_prompts": CODE},
+                         {"source_model": str(stories), "name": "story", "positive_prompts": STORY}]}, out)
+    cpu = route(out, CODE + STORY, device="cpu", batch_size=5)
+    gpu = route(out, CODE + STORY, device="cuda", batch_size=5)
+    assert gpu.top1.device.type == "cpu" and torch.equal(gpu.tokens, cpu.tokens)
+    assert torch.equal(gpu.top1.sum(dim=2), cpu.top1.sum(dim=2))
+    assert torch.equal(gpu.topk.sum(dim=1), cpu.topk.sum(dim=1))
+    same = torch.minimum(gpu.top1, cpu.top1).sum() / cpu.top1.sum()
+    assert same >= 0.9, float(same)
