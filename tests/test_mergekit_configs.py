@@ -215,3 +215,68 @@ def test_qwen_on_qwen3_with_a_shared_expert_says_which_output_it_read(tiny_qwen3
                 dry_run=True)
     assert str(info.value).startswith("architecture: qwen (read as qwen2_moe): the base has q/k norms "
                                       "(self_attn.q_norm.weight), which Qwen2-MoE cannot hold")
+
+
+def _qwen_recipe(base: Path, expert_arch: str) -> dict:
+    """BenevolenceMessiah/Qwen2.5-Coder-7B-Chat-8x-MoE's shape: architecture: qwen at the top and under every
+    expert and the shared expert."""
+    return {"base_model": str(base), "architecture": "qwen", "gate_mode": "random", "dtype": "float32",
+            "experts": [{"source_model": str(base), "architecture": expert_arch} for _ in range(2)],
+            "shared_experts": [{"source_model": str(base), "architecture": "qwen"}]}
+
+
+def test_a_top_level_key_repeated_under_each_expert_with_its_value_builds(tiny_qwen2, tmp_path):
+    """mergekit-moe ignores the copies; before, each was refused with "it belongs at the top level; move it there",
+    though it was there already."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = upcycle(_qwen_recipe(tiny_qwen2, "qwen"), tmp_path / "moe")
+    said = [str(w.message) for w in caught if issubclass(w.category, UpcycleWarning) and "repeated" in str(w.message)]
+    assert said == ["architecture: repeated in experts[0], experts[1] and shared_experts[0] with the top level's "
+                    "value; the copies are ignored (the MoE has one architecture, set at the top level) — remove "
+                    "them to silence this warning"]
+    config = json.loads((result.output / "config.json").read_text())
+    assert (config["model_type"], config["num_experts"], config["shared_expert_intermediate_size"] > 0) == \
+        ("qwen2_moe", 2, True)
+
+
+def test_a_top_level_key_repeated_under_an_expert_with_another_value_is_refused(tiny_qwen2, tmp_path):
+    with pytest.raises(UpcycleError) as caught:
+        upcycle(_qwen_recipe(tiny_qwen2, "mixtral"), tmp_path / "moe")
+    assert caught.value.problems == [
+        "config: experts[0].architecture: unknown key — the MoE has one architecture, and the top level already "
+        "says architecture: 'qwen'; remove it here",
+        "config: experts[1].architecture: unknown key — the MoE has one architecture, and the top level already says "
+        "architecture: 'qwen'; remove it here"]
+    assert not (tmp_path / "moe").exists()
+
+
+@pytest.mark.parametrize("source,builds", [("model:{base}", True), ("model: {base}/", True), ("base", True),
+                                           ("model:{other}", False), ("model:", False)])
+def test_tokenizer_source_naming_base_model_is_base(source, builds, tiny_llama, tiny_mistral, tmp_path):
+    """Aratako/Qwen1.5-MoE-2x72B writes tokenizer_source: model:./Qwen1.5-72B-Chat beside base_model:
+    ./Qwen1.5-72B-Chat — base_model's tokenizer, which every MoE gets; another model's stays refused."""
+    recipe = {"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random",
+              "tokenizer_source": source.format(base=tiny_llama, other=tiny_mistral)}
+    if builds:
+        assert load_config(recipe).base_model == str(tiny_llama)
+    else:
+        with pytest.raises(UpcycleError, match="tokenizer_source: unknown key"):
+            load_config(recipe)
+
+
+@pytest.mark.parametrize("family,window", [("mistral", 4096), ("llama", None)])
+def test_a_base_with_a_sliding_window_is_told_mergekit_drops_it(family, window, tiny_llama, tiny_mistral):
+    """mergekit-moe 0.1.5 writes sliding_window: null for Mixtral and Qwen2-MoE; this MoE keeps the dense
+    model's window (Mistral-7B-v0.1: 4096), so a frankenMoE built from one differs beyond it: said in the plan."""
+    base = tiny_mistral if family == "mistral" else tiny_llama
+    plan = upcycle({"base_model": str(base), "num_experts": 2, "gate_mode": "random"}, dry_run=True).plan
+    said = [n for n in plan.notes if "sliding window" in n and "mergekit" in n]
+    if window is None:
+        assert said == []
+        return
+    assert plan.base_config.get("sliding_window", window) == window
+    assert said == [f"mistral base_model attends within a sliding window of {window} tokens, and so does this MoE "
+                    f"(its config.json keeps the window); mergekit-moe 0.1.5 writes sliding_window: null, so its "
+                    f"MoE attends over the whole context and differs from the dense model on texts longer than "
+                    f"{window} tokens"]

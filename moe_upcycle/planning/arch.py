@@ -123,15 +123,28 @@ def mergekit_choice_notes(config: UpcycleConfig, base: Checkpoint, layout: names
     prompts, mergekit refuses without a flag; we build them (upcycling is what the tool is for) and
     say what the routers then do.
     """
-    notes = _identical_experts_note(config)
+    notes = _identical_experts_note(config) + _window_note(base, layout)
     if config.architecture or not config.shared_experts or base.model_type not in ("llama", "mistral"):
         return notes
     if any(e.positive_prompts or e.positive_prompts_from for e in config.shared_experts):
-        return []  # mergekit picks its Qwen MoE, as we do
+        return notes  # mergekit picks its Qwen MoE, as we do
     return notes + [
         f"mergekit-moe 0.1.5 writes DeepSeek MoE for {base.model_type} experts with an unprompted shared expert "
         f"(loadable only with trust_remote_code); this build writes {layout.model_type}, which transformers "
         f"loads natively — add architecture: {layout.model_type} to the YAML to make the choice explicit"]
+
+
+def _window_note(base: Checkpoint, layout: names.OutputLayout) -> list[str]:
+    """A note when the dense base attends within a sliding window, which this MoE keeps and mergekit-moe 0.1.5's
+    Mixtral and Qwen2-MoE outputs drop (``sliding_window: null``): the two differ on longer texts."""
+    per_layer = windows.dense_windows(base.config)
+    window = max((w for w in per_layer if w), default=None)
+    if window is None or layout.model_type not in ("mixtral", "qwen2_moe"):
+        return []
+    where = "" if all(per_layer) else f" in {sum(bool(w) for w in per_layer)} of its {len(per_layer)} layers"
+    return [f"{base.model_type} base_model attends within a sliding window of {window} tokens{where}, and so does this MoE "
+            f"(its config.json keeps the window); mergekit-moe 0.1.5 writes sliding_window: null, so its MoE "
+            f"attends over the whole context and differs from the dense model on texts longer than {window} tokens"]
 
 
 def _identical_experts_note(config: UpcycleConfig) -> list[str]:

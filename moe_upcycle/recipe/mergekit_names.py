@@ -44,16 +44,25 @@ RUN_KEYS = frozenset({"device", "batch_size", "checksums", "tensor_policy", "max
 
 
 def drop_base_tokenizer(data: dict) -> dict:
-    """`data` without ``tokenizer_source: base`` (or ``tokenizer: {source: base}``): mergekit-yaml keys that
-    ask for exactly what every MoE gets, base_model's tokenizer — so they are read, not refused, as
-    mergekit-moe reads them. Any other tokenizer choice stays, for the unknown-key message.
+    """`data` without ``tokenizer_source: base`` (or ``model:`` and base_model's name, or ``tokenizer: {source:
+    base}``): mergekit-yaml keys that ask for exactly what every MoE gets, base_model's tokenizer — so they
+    are read, not refused, as mergekit-moe reads them. Any other tokenizer choice stays, for the unknown-key
+    message.
 
     Example:
         >>> drop_base_tokenizer({"base_model": "m", "tokenizer_source": "base", "tokenizer": {"source": "union"}})
         {'base_model': 'm', 'tokenizer': {'source': 'union'}}
+        >>> drop_base_tokenizer({"base_model": "./m", "tokenizer_source": "model:./m/"})
+        {'base_model': './m'}
     """
-    def is_base(value: Any) -> bool:
-        return isinstance(value, str) and value.strip().lower() == "base"
+    base = data.get("base_model")
+
+    def is_base(value: Any) -> bool:  # `base`, or `model:` naming base_model itself (mergekit's other spelling)
+        if not isinstance(value, str):
+            return False
+        text = value.strip()
+        named = text[len("model:"):].strip().rstrip("/") if text.lower().startswith("model:") else None
+        return text.lower() == "base" or (isinstance(base, str) and bool(named) and named == base.strip().rstrip("/"))
 
     out = dict(data)
     if is_base(out.get("tokenizer_source")):

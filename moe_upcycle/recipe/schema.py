@@ -28,7 +28,7 @@ from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.recipe.unknown_keys import drop_unknown_keys, intended_key, key_elsewhere, model_in
+from moe_upcycle.recipe.unknown_keys import drop_repeated_keys, drop_unknown_keys, intended_key, key_elsewhere, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
 from moe_upcycle.recipe.values import device_problem, strict_bools_and_numbers, short_repr
 from moe_upcycle.inputs.text import unicode_problem
@@ -483,7 +483,7 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     if odd:  # YAML reads `true:`, `null:` and `1:` as a boolean, None and a number; pydantic showed `true` as [1]
         raise ConfigError(*[f"{where}: {at}key {_yaml_key(k)} is not a name; keys are names such as base_model — "
                             f"fix it, or quote it if it is meant" for at, k in odd])
-    data = drop_base_tokenizer(data)
+    data = drop_repeated_keys(drop_base_tokenizer(data), UpcycleConfig)
     if allow_unknown_keys:
         data = drop_unknown_keys(data, UpcycleConfig)
     try:
@@ -491,7 +491,7 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
     except ValidationError as exc:
         # a value from an option is named as the option (the command line's spelling beside the keyword's):
         # the user would not find it in the file
-        raise ConfigError(*[_named(line, given, where) for line in _format_errors(exc, unknown_option)]) from None
+        raise ConfigError(*[_named(line, given, where) for line in _format_errors(exc, unknown_option, data)]) from None
 
 
 def _named(line: str, given: dict, where: str) -> str:
@@ -534,7 +534,8 @@ def _non_string_keys(value: Any, where: str) -> list[tuple[str, Any]]:
     return found
 
 
-def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allow-unknown-keys") -> list[str]:
+def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allow-unknown-keys",
+                   top: Optional[dict] = None) -> list[str]:
     lines = []
     ignore = f", or pass {unknown_option} to ignore it with a warning" if unknown_option else ""
     for err in exc.errors():
@@ -556,6 +557,9 @@ def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allo
                           f"{label.group(2)}:" if label else
                           f" — did you mean {hint}?" if hint else
                           f" — {merge_key}; remove it{ignore}" if merge_key else
+                          f" — the MoE has one {loc[-1]}, and the top level already says {loc[-1]}: "
+                          f"{short_repr(top[loc[-1]])}; remove it here" if home == "at the top level" and top
+                          and loc[-1] in top else
                           f" — it belongs {home}; move it there" if home else
                           f" — remove it{ignore}{' as mergekit-moe does' if unknown_option else ''}; valid keys: "
                           f"{', '.join(sorted(valid))}")

@@ -90,6 +90,47 @@ def key_elsewhere(key: Any, root: type[BaseModel], where: list) -> Optional[str]
     return f"in {homes[0][0]}" if homes[0][0] else "at the top level"
 
 
+def drop_repeated_keys(data: dict, root: type[BaseModel]) -> dict:
+    """A copy of `data` without the top-level keys an expert entry repeats with the top level's value (published
+    recipes write ``architecture: qwen`` under every expert too; mergekit-moe ignores them), reported once per
+    key as an `UpcycleWarning`. A repeat with another value is kept, for the schema's message.
+
+    Example:
+        >>> import warnings; warnings.simplefilter("ignore")
+        >>> from moe_upcycle.recipe.schema import UpcycleConfig
+        >>> drop_repeated_keys({"architecture": "qwen", "experts": [{"source_model": "a", "architecture": "qwen"}]},
+        ...                    UpcycleConfig)
+        {'architecture': 'qwen', 'experts': [{'source_model': 'a'}]}
+    """
+    out, repeats = dict(data), {}
+    for section, field in root.model_fields.items():
+        inner = model_in(field.annotation)
+        items = out.get(section)
+        if inner is None or not isinstance(items, list):
+            continue
+        kept = []
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                same = [k for k, v in item.items() if isinstance(k, str) and k not in inner.model_fields
+                        and k in root.model_fields and k in data and _same(v, data[k])]
+                for key in same:
+                    repeats.setdefault(key, []).append(f"{section}[{i}]")
+                item = {k: v for k, v in item.items() if k not in same}
+            kept.append(item)
+        out[section] = kept
+    for key, places in repeats.items():
+        shown = (", ".join(places[:3]) + f" and {len(places) - 3} more" if len(places) > 3 else
+                 " and ".join([", ".join(places[:-1]), places[-1]]) if len(places) > 1 else places[0])
+        warnings.warn(f"{key}: repeated in {shown} with the top level's value; the copies are ignored (the MoE has "
+                      f"one {key}, set at the top level) — remove them to silence this warning", UpcycleWarning,
+                      stacklevel=3)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
 def drop_unknown_keys(data: dict, model: type[BaseModel]) -> dict:
     """A copy of `data` without its genuinely unknown keys, each reported as an `UpcycleWarning`.
 
