@@ -224,11 +224,38 @@ def test_leftover_swap_folder_is_restored(tmp_path):
     old = tmp_path / ".moe.old-99999"
     old.mkdir()
     (old / "weights.txt").write_text("previous")
+    (old / "moe_upcycle.json").write_text("{}")  # a build: what --force swaps out
     with pytest.raises(RuntimeError):
         with staged_output(target):
-            assert [p.name for p in target.iterdir()] == ["weights.txt"]  # restored before building
+            assert sorted(p.name for p in target.iterdir()) == ["moe_upcycle.json", "weights.txt"]  # restored first
             raise RuntimeError("build failed")
     assert (target / "weights.txt").read_text() == "previous" and leftovers(target) == ["moe"]
+
+
+@pytest.mark.parametrize("target_there", [False, True], ids=["no-target", "target-there"])
+def test_a_users_folders_named_like_leftovers_are_never_touched(target_there, stories, tmp_path):
+    """Only a killed build's own leftovers are cleared: ``.<name>.partial-<pid>`` and ``.<name>.old-<pid>`` holding
+    a build (or nothing). Before, any ``.moe.old-*`` / ``.moe.partial-*`` was deleted, even by a build then
+    refused, or moved into the target's place."""
+    mine = {".moe.old-backup": "backup", ".moe.partial-jan": "notes", ".moe.old-123": "not a build",
+            ".moe.partial-7.bak": "copy"}
+    for name, text in mine.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data.txt").write_text(text)
+    if target_there:
+        (tmp_path / "moe").mkdir()
+        (tmp_path / "moe" / "a.txt").write_text("user file")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\nnum_experts: 2\ngate_mode: random\n")
+    code, output = cli("build", cfg, tmp_path / "moe")
+    if target_there:
+        assert code == 1 and "already exists and is not empty" in output
+        assert (tmp_path / "moe" / "a.txt").read_text() == "user file"
+    else:
+        assert code == 0, output
+        assert (tmp_path / "moe" / "moe_upcycle.json").is_file()
+    for name, text in mine.items():
+        assert (tmp_path / name / "data.txt").read_text() == text, name
 
 
 def _unprivileged(work) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import glob
 import hashlib
 import os
 import re
@@ -25,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # noqa: F401 (our manifest's name)
+from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # our manifest's name
 from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
 from moe_upcycle.errors import OutputError, UpcycleWarning, reraise_if_out_of_memory
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
@@ -329,8 +328,8 @@ def remove_ours(folder: Path) -> None:
                     _owner_writable(os.path.join(root, name))
     shutil.rmtree(folder, ignore_errors=True)
     if os.path.lexists(folder):
-        warnings.warn(f"{folder}: could not delete this folder, which moe-upcycle wrote (a staging folder or the "
-                      f"build --force replaced); delete it yourself", UpcycleWarning, stacklevel=2)
+        _warn_once(folder, f"{folder}: could not delete this folder, which moe-upcycle wrote (a staging folder or "
+                           f"the build --force replaced); delete it yourself")
 
 
 def _owner_writable(path: str) -> None:
@@ -347,21 +346,57 @@ def _recover(target: Path) -> Optional[Path]:
 
     Partial folders are deleted. A build killed in the middle of a --force swap (SIGKILL; other
     signals are held off during it) leaves the previous target as ``.<name>.old-<pid>``: it is
-    moved back if the target is missing, else deleted.
+    moved back if the target is missing, else deleted. Only folders named exactly so (a pid, digits)
+    are touched, and an ``.old-`` one only when it holds a build's manifest (what --force replaces)
+    or nothing: a user's ``.<name>.old-backup`` is never ours. What cannot be moved or deleted (a folder
+    of another user's killed build) is left and named in a warning, once.
 
     Returns:
         The swap folder that was moved back to the target, if one was.
     """
     restored = None
-    for leftover in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.partial-*")):
+    for leftover in _leftovers(target, "partial"):
         remove_ours(leftover)
-    for old in sorted(target.parent.glob(f".{glob.escape(_stem(target))}.old-*")):
+    for old in _leftovers(target, "old"):
+        if not _build_or_empty(old):
+            continue  # not a build: not ours to move or delete
         if not target.exists():
-            os.rename(old, target)
-            restored = old
+            try:
+                os.rename(old, target)
+                restored = old
+            except OSError as exc:
+                _warn_once(old, f"{old}: a killed build's previous output, which could not be moved back to "
+                                f"{target} ({exc.strerror or exc}); move it yourself")
         else:
             remove_ours(old)
     return restored
+
+
+def _leftovers(target: Path, kind: str) -> list[Path]:
+    """Folders ``.<name>.<kind>-<pid>`` beside the target (not links, not files)."""
+    pattern = re.compile(rf"\.{re.escape(_stem(target))}\.{kind}-[0-9]+")
+    try:
+        names = sorted(os.listdir(target.parent))
+    except OSError:
+        return []
+    return [target.parent / n for n in names if pattern.fullmatch(n) and (target.parent / n).is_dir()
+            and not (target.parent / n).is_symlink()]
+
+
+def _build_or_empty(folder: Path) -> bool:
+    try:
+        return (folder / RECIPE_NAME).is_file() or not any(folder.iterdir())
+    except OSError:  # cannot be looked into: not known to be ours
+        return False
+
+
+_WARNED: set = set()  # leftovers already named in this process (check_target and staged_output both recover)
+
+
+def _warn_once(path: Path, message: str) -> None:
+    if path not in _WARNED:
+        _WARNED.add(path)
+        warnings.warn(message, UpcycleWarning, stacklevel=3)
 
 
 def _space_hint(exc: OSError, folder: Path) -> str:
