@@ -319,14 +319,19 @@ def read_config(path: Path, field_name: str) -> dict:
     if link:
         raise SourceError(f"{field_name}: {cfg} is {link}; download the model again, or copy the files the links "
                           f"point to")
-    if not cfg.is_file():
-        hint = foreign_folder_hint(path)
-        raise SourceError(f"{field_name}: {path} has no config.json"
-                          + (hint if hint else "; is it a Hugging Face model folder?"))
     try:
+        if not cfg.is_file():
+            hint = foreign_folder_hint(path)
+            raise SourceError(f"{field_name}: {path} has no config.json"
+                              + (hint if hint else "; is it a Hugging Face model folder?"))
         config = json.loads(cfg.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SourceError(f"{cfg}: not valid JSON ({exc})") from None
+    except OSError as exc:  # as `open_checkpoint` says it: plan --from-config and the lint's plan read only this
+        if symlink_loop(exc):
+            raise SourceError(f"{field_name}: {symlink_loop(exc)}") from None
+        raise SourceError(f"{field_name}: cannot read {exc.filename or cfg} ({exc.strerror or exc}); check that the "
+                          f"model folder and its files are readable by you") from None
     if not isinstance(config, dict):
         raise SourceError(f"{cfg}: expected a JSON object")
     missing = [k for k in ("model_type", *REQUIRED_INT_FIELDS) if k not in config]

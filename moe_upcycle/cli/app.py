@@ -1,7 +1,7 @@
 """The Typer app and what every command shares: consoles, -q/--version/--debug, progress and error handling.
 
 Commands live in `commands` and `prompt_commands`; they register themselves on `app`. Caught, printed
-and exit code 1: `UpcycleError`; a symlink loop in a path the user gave; a failed write to standard
+and exit code 1: `UpcycleError`; a symlink loop in a path the user gave, or one they may not read or change; a failed write to standard
 output (``> /dev/full``; a closed pipe is rich's to end, also with 1). Any other exception is a bug and
 keeps its traceback.
 """
@@ -22,7 +22,7 @@ from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli.mergekit_flags import explain, translate
 from moe_upcycle.cli.out_of_memory import out_of_memory
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
-from moe_upcycle.inputs.paths import symlink_loop
+from moe_upcycle.inputs.paths import denied, symlink_loop
 from moe_upcycle.terminal.allocator import return_large_frees
 from moe_upcycle.terminal.progress import for_console, reporting
 from moe_upcycle.terminal.quiet import libraries_quiet
@@ -117,7 +117,8 @@ def cli_errors(fn: Callable) -> Callable:
                                       f"({escape(exc.strerror or str(exc))}); send them to a file on a disk with "
                                       f"room, or to a terminal", highlight=False, soft_wrap=True)
                 raise typer.Exit(1)  # stderr failed: nowhere left to say it
-            message = symlink_loop(exc)  # Path.resolve() on a looping link: the user's path, not a bug
+            # Path.resolve() on a looping link, a name too long, a path the user may not read: theirs, not a bug
+            message = symlink_loop(exc) or denied(exc)
             if message is None or DEBUG["on"]:
                 raise
             console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)

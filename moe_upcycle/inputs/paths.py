@@ -40,6 +40,36 @@ def symlink_loop(exc: BaseException) -> Optional[str]:
             f"fix or remove the link")
 
 
+def denied(exc: BaseException) -> Optional[str]:
+    """The user-facing message for a file operation the system refused (permission denied, operation not
+    permitted), or None for any other exception: a path the user may not read, enter or change is theirs to fix,
+    not a bug. Python's ``Path.exists()``, ``is_dir()`` and ``is_file()`` raise it for a path inside a folder the
+    user may not enter.
+
+    Example:
+        >>> denied(PermissionError(13, "Permission denied", "/srv/models/base"))  # doctest: +ELLIPSIS
+        '/srv/models/base: Permission denied for user ... — check the permissions of it and of each folder above it (ls -ld /srv/models/base /srv/models), or choose another path'
+    """
+    if not isinstance(exc, OSError) or exc.errno not in (errno.EACCES, errno.EPERM):
+        return None
+    import getpass
+    import shlex
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid with no name
+        user = str(os.getuid())
+    path = str(exc.filename) if exc.filename is not None else None
+    moved = f" -> {exc.filename2}" if exc.filename2 is not None else ""
+    if path is None:
+        return f"{exc.strerror or exc} for user {user} — check the permissions of the files and folders given"
+    shown = path if len(path) <= 200 else path[:197] + "..."
+    parent = os.path.dirname(os.path.abspath(path))
+    look = " ".join(shlex.quote(p) for p in dict.fromkeys([path, parent]) if len(p) <= 200)
+    return (f"{shown}{moved}: {exc.strerror or exc} for user {user} — check the permissions of it and of each folder "
+            f"above it (ls -ld {look}), or choose another path")
+
+
 def resolve_or_raise(path: Path, error: Type[UpcycleError], where: str = "") -> Path:
     """`path.resolve()`, raising `error` (naming `where`, e.g. a YAML field) on a symlink loop."""
     try:

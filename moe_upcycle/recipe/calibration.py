@@ -41,7 +41,7 @@ def read_documents(path: str | Path) -> list[str]:
     """
     root = Path(os.path.expanduser(path))
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
+        files = sorted(p for p in _walk(root) if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES)
         if not files:
             raise ConfigError(f"calibration_text: folder {root} has no .txt, .md or .jsonl files")
     elif root.is_file():
@@ -58,6 +58,16 @@ def read_documents(path: str | Path) -> list[str]:
     if not docs:
         raise ConfigError(f"calibration_text: {root} contains no text")
     return docs
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every path under `root`; a folder that cannot be listed is an error (Path.rglob skips it, so an unreadable
+    folder looked empty)."""
+    def refuse(exc: OSError) -> None:
+        raise ConfigError(f"calibration_text: cannot list the folder {exc.filename} ({exc.strerror or exc}); check "
+                          f"that it is readable by you")
+
+    return [Path(top) / name for top, dirs, files in os.walk(root, onerror=refuse) for name in dirs + files]
 
 
 def _read_text(file: Path) -> list[str]:

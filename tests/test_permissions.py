@@ -1,0 +1,141 @@
+"""Paths the user may not read, enter or change: a clear message naming the path and the user, exit 1, no
+traceback, nothing written. Run with an ordinary user's permissions: as root (which ignores them) each command
+runs in a forked child that drops to nobody after the same command has run once as root, so every module it
+needs is already imported (the repository and Python may live in folders nobody cannot enter).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from failure_checks import cli, leftovers
+from routing_prompts import CODE, STORY
+
+NOBODY = 65534
+
+
+def as_user(*args) -> tuple[int, str]:
+    """`cli(*args)` with an ordinary user's permissions (nobody's, when the tests run as root)."""
+    code, _, output = unprivileged(lambda: "{}\n{}".format(*cli(*args))).partition("\n")
+    return int(code), output
+
+
+def unprivileged(work) -> str:
+    """`work()`'s text, computed with an ordinary user's permissions: directly, or as root in a forked child that
+    drops to nobody first."""
+    if os.getuid() != 0:
+        return work()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        os.close(read)
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                text = work()
+            except Exception as exc:  # reported as the parent would see it raised
+                text = f"{type(exc).__name__}: {exc}"
+            os.write(write, text.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        text = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return text
+
+
+@pytest.fixture
+def world(stories):
+    """A folder anyone may enter, holding stories260K (pytest's own folders are root's, mode 700)."""
+    folder = Path(tempfile.mkdtemp(prefix="moe-upcycle-perm-"))
+    folder.chmod(0o777)
+    shutil.copytree(stories, folder / "base")
+    for path in [folder / "base", *(folder / "base").iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield folder
+    for root, dirs, _ in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+    shutil.rmtree(folder)
+
+
+def recipe(folder: Path, base: Path, hidden: bool = False) -> Path:
+    cfg = folder / "cfg.yaml"
+    if hidden:
+        cfg.write_text(f"base_model: {base}\ngate_mode: hidden\ndevice: cpu\nexperts:\n"
+                       f"  - source_model: {base}\n    positive_prompts: {CODE[:2]!r}\n"
+                       f"  - source_model: {base}\n    positive_prompts: {STORY[:2]!r}\n")
+    else:
+        cfg.write_text(f"base_model: {base}\nnum_experts: 2\ngate_mode: random\n")
+    cfg.chmod(0o644)
+    return cfg
+
+
+def user_said(output: str, words: list[str]) -> None:
+    flat = " ".join(output.split())
+    for word in words:
+        assert word in flat, f"{word!r} not in:\n{output}"
+    assert "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("command", ["build", "plan"])
+def test_an_output_inside_a_folder_the_user_may_not_enter(command, world):
+    """Python's Path.exists()/is_dir() raise for a path inside such a folder: before, a PermissionError traceback
+    from the disk-space check, in build, plan -o and the API."""
+    cfg = recipe(world, world / "base")
+    closed = world / "closed"
+    closed.mkdir(mode=0o666)
+    closed.chmod(0o666)  # readable and writable, not searchable
+    args = ["build", cfg, closed / "moe"] if command == "build" else ["plan", cfg, "-o", closed / "moe"]
+    code, output = cli(*args[:1], cfg, "--dry-run") if command == "build" else cli("plan", cfg)  # imports, as root
+    assert code == 0, output
+    code, output = as_user(*args)
+    assert code == 1, output
+    if os.getuid() == 0:
+        user_said(output, [f"{closed / 'moe'}: Permission denied for user nobody", f"ls -ld {closed / 'moe'} {closed}",
+                           "or choose another path"])
+    assert leftovers(world / "base") == ["base"] and sorted(p.name for p in world.iterdir()) == ["base", "cfg.yaml",
+                                                                                                 "closed"]
+
+
+def test_an_experts_config_the_user_may_not_read_is_named_with_its_field(world):
+    """Before: a traceback from the prompt lint's plan (read from config.json alone); plan named it already."""
+    expert = world / "expert"
+    shutil.copytree(world / "base", expert)
+    expert.chmod(0o755)
+    cfg = recipe(world, world / "base", hidden=True)
+    cfg.write_text(cfg.read_text().replace(f"source_model: {world / 'base'}", f"source_model: {expert}", 1))
+    assert cli("build", cfg, world / "warm", "--no-lint")[0] == 0  # imports, as root
+    shutil.rmtree(world / "warm")
+    (expert / "config.json").chmod(0)
+    code, output = as_user("build", cfg, world / "moe")
+    assert code == 1, output
+    if os.getuid() == 0:
+        user_said(output, [f"experts[0].source_model: cannot read {expert / 'config.json'} (Permission denied); "
+                           f"check that the model folder and its files are readable by you"])
+    assert not (world / "moe").exists() and stat.S_IMODE((expert / "config.json").stat().st_mode) == 0
+
+
+def test_a_calibration_folder_the_user_may_not_list_is_named(world):
+    """Path.rglob skipped it: a folder at mode 000 was said to hold no .txt, .md or .jsonl files."""
+    from moe_upcycle.recipe.calibration import read_documents
+
+    texts = world / "texts"
+    (texts / "inner").mkdir(parents=True)
+    (texts / "a.txt").write_text("Once upon a time.")
+    (texts / "inner" / "b.txt").write_text("The cat sat.")
+    texts.chmod(0o755)
+    assert len(read_documents(texts)) == 2
+    (texts / "inner").chmod(0)
+    said = unprivileged(lambda: repr(read_documents(texts)))
+    if os.getuid() == 0:
+        assert said == (f"ConfigError: calibration_text: cannot list the folder {texts / 'inner'} (Permission "
+                        f"denied); check that it is readable by you"), said
