@@ -99,9 +99,12 @@ def test_an_output_inside_a_folder_the_user_may_not_enter(command, world):
     assert code == 0, output
     code, output = as_user(*args)
     assert code == 1, output
-    if os.getuid() == 0:
+    if os.getuid() == 0 and command == "plan":
         user_said(output, [f"{closed / 'moe'}: Permission denied for user nobody", f"ls -ld {closed / 'moe'} {closed}",
                            "or choose another path"])
+    elif os.getuid() == 0:  # the disk-space check looks at the folder holding OUT; the lock file is the first write
+        user_said(output, [f"cannot create the lock file {closed / '.moe.lock'} (Permission denied); the folder "
+                           f"{closed} must be writable and searchable by you (ls -ld {closed})"])
     assert leftovers(world / "base") == ["base"] and sorted(p.name for p in world.iterdir()) == ["base", "cfg.yaml",
                                                                                                  "closed"]
 
@@ -139,3 +142,58 @@ def test_a_calibration_folder_the_user_may_not_list_is_named(world):
     if os.getuid() == 0:
         assert said == (f"ConfigError: calibration_text: cannot list the folder {texts / 'inner'} (Permission "
                         f"denied); check that it is readable by you"), said
+
+
+@pytest.mark.parametrize("parent_mode", [0o777, 0o1777], ids=["writable", "sticky"])
+def test_force_over_another_users_build_is_refused_before_any_work(parent_mode, world):
+    """Before: in a writable folder, --force hid root's build as .moe.old-<pid>, which nobody could then delete
+    (exit 0, a warning on every later build); in a sticky one (/tmp), it failed after the whole build with
+    "Operation not permitted" and no reason."""
+    cfg = recipe(world, world / "base")
+    shared = world / "shared"
+    shared.mkdir()
+    shared.chmod(parent_mode)
+    assert cli("build", cfg, shared / "moe")[0] == 0  # root's build, root's folders (mode 755)
+    before = sorted(p.name for p in shared.iterdir())
+    code, output = as_user("build", cfg, shared / "moe", "--force")
+    assert code == 1, output
+    if os.getuid() == 0:
+        why = ("it belongs to user root, and " if parent_mode & stat.S_ISVTX else f"{shared / 'moe'} belongs to user root")
+        user_said(output, [f"output folder {shared / 'moe'} is replaced by the finished build, but {why}",
+                           "choose another output folder, or ask its owner to remove it"])
+        assert "router" not in output and "Built" not in output  # refused before the work
+    assert sorted(p.name for p in shared.iterdir()) == before
+    assert (shared / "moe" / "moe_upcycle.json").is_file()
+
+
+def test_a_previous_demo_the_user_cannot_remove_is_refused_whole(world):
+    """Before: a traceback half way through removing it — dense/ gone, moe/ still there."""
+    assert cli("demo", world / "warm")[0] == 0  # imports, as root
+    demo = world / "demo"
+    assert cli("demo", demo)[0] == 0  # root's previous demo
+    demo.chmod(0o777)  # the user may write into the demo folder itself, not into root's dense/ and moe/
+    before = sorted(str(p.relative_to(demo)) for p in demo.rglob("*"))
+    code, output = as_user("demo", demo)
+    assert code == 1, output
+    if os.getuid() == 0:
+        user_said(output, [f"demo folder {demo} is a previous demo's, but the demo cannot remove its dense/: "
+                           f"{demo / 'dense'} belongs to user root and is not writable by you",
+                           "delete it as its owner, or give a new folder"])
+    assert sorted(str(p.relative_to(demo)) for p in demo.rglob("*")) == before
+
+
+def test_an_output_that_is_a_mount_point_is_refused_before_any_work(world, monkeypatch):
+    """A build is put in place by a rename from beside the target: over a mount point it was written whole on the
+    parent's disk, then failed with "Device or resource busy" (and its free space was measured on the mount)."""
+    import os.path
+
+    cfg = recipe(world, world / "base")
+    mount = world / "mnt"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real(p))
+    code, output = cli("build", cfg, mount)
+    assert code == 1, output
+    user_said(output, [f"output folder {mount} is a mount point", "write into a folder inside it, e.g. "
+                       f"{mount / 'moe-model'}"])
+    assert list(mount.iterdir()) == [] and sorted(p.name for p in world.iterdir()) == ["base", "cfg.yaml", "mnt"]

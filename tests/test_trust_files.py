@@ -964,7 +964,8 @@ def test_unwritable_output_parent_refused_before_work(err, tiny_llama, tmp_path,
     monkeypatch.setattr(moe_upcycle.build, "compute_gates", no_gates)
     code, output = cli("build", _recipe(tmp_path, tiny_llama), parent / "moe")
     assert_clean_failure(code, output, parent / "moe", [
-        f"cannot create the lock file {parent}/.moe.lock: {os.strerror(code_no)}; is {parent} writable?"])
+        f"cannot create the lock file {parent}/.moe.lock ({os.strerror(code_no)}); the folder {parent} must be "
+        f"writable and searchable by you (ls -ld {parent}), or choose another output folder"])
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_qwen3"])

@@ -331,3 +331,42 @@ def test_windows_paths_to_prompt_files_and_calibration_text_say_what_to_write(ti
         (tmp_path / "cfg.yaml").write_text(text)
         code, output = cli("plan", "cfg.yaml")
         assert code == 1 and words in " ".join(output.split()), output
+
+
+@pytest.mark.parametrize("fails", ["dense_model_disk_full", "build_refused"])
+@pytest.mark.parametrize("existed", [False, True], ids=["new_folder", "previous_demo"])
+def test_a_demo_that_fails_leaves_nothing_it_wrote(fails, existed, tmp_path, monkeypatch):
+    """Before, on a full disk: a safetensors traceback and dense/ holding config.json without weights, or (with a
+    little more room) the whole dense/ and the manifest left behind after the build's own clean refusal."""
+    import moe_upcycle.cli.demo as demo
+    from safetensors import SafetensorError
+
+    from moe_upcycle.errors import OutputError
+
+    folder = tmp_path / "demo"
+    if existed:
+        assert cli("demo", folder)[0] == 0
+    real = demo.make_dense_model
+
+    def dense_then_full(path, **kwargs):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "config.json").write_text("{}")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def refused(*args, **kwargs):
+        raise OutputError("not enough disk space for the output in demo: needs 2 bytes")
+
+    if fails == "dense_model_disk_full":
+        monkeypatch.setattr(demo, "make_dense_model", dense_then_full)
+    else:
+        monkeypatch.setattr(demo, "make_dense_model", real)
+        monkeypatch.setattr(demo, "upcycle", refused)
+    code, output = cli("demo", folder)
+    assert code == 1 and "Traceback" not in output, output
+    said = ("writing the tiny dense model failed (Error while serializing: I/O error: No space left on device"
+            if fails == "dense_model_disk_full" else "not enough disk space for the output")
+    assert said in _flat(output), output
+    if existed:  # the previous demo's parts were the demo's to replace; the folder stays a demo folder
+        assert sorted(p.name for p in folder.iterdir()) == ["moe_upcycle.json"]
+    else:
+        assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -321,16 +321,16 @@ def test_force_over_a_read_only_previous_build_leaves_no_swap_folder(shape, tmp_
 
 def test_a_folder_of_ours_that_cannot_be_deleted_is_named(tmp_path, monkeypatch):
     """When even that fails (a file system gone read-only), the folder is named in a warning, not kept quietly."""
-    import moe_upcycle.checkpoint.output_dir as output_dir
+    import moe_upcycle.checkpoint.ownership as ownership
     from moe_upcycle import UpcycleWarning
 
     folder = tmp_path / ".moe.old-4242"
     folder.mkdir()
     (folder / "model.safetensors").write_text("x")
-    monkeypatch.setattr(output_dir.shutil, "rmtree", lambda *a, **k: None)
+    monkeypatch.setattr(ownership.shutil, "rmtree", lambda *a, **k: None)
     with pytest.warns(UpcycleWarning, match=r"\.moe\.old-4242: could not delete this folder, which moe-upcycle "
                                             r"wrote .*; delete it yourself"):
-        output_dir.remove_ours(folder)
+        ownership.remove_ours(folder)
 
 
 @pytest.mark.parametrize("when", ["refused_target", "gate_failure", "write_failure", "ctrl_c_while_writing"])

@@ -17,8 +17,9 @@ def human_bytes(n: float) -> str:
 
 
 def free_bytes(folder: Path) -> int:
-    """Bytes available to this user on the filesystem that holds `folder` (or would: its nearest existing parent)."""
-    probe = Path(folder).resolve()
+    """Bytes available to this user on the filesystem that holds `folder` as an entry: its parent's (or the nearest
+    existing folder above), where a build stages its output — a folder that is a mount point is another disk."""
+    probe = Path(folder).resolve().parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return shutil.disk_usage(probe).free

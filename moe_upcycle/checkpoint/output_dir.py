@@ -17,16 +17,16 @@ import fcntl
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import signal
-import stat
-import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # our manifest's name
-from moe_upcycle.checkpoint.ownership import protected_reason, replace_problem
-from moe_upcycle.errors import OutputError, UpcycleWarning, reraise_if_out_of_memory
+from moe_upcycle.checkpoint.ownership import (cannot_remove, protected_reason, remove_ours, replace_problem,
+                                              user_name, warn_once)
+from moe_upcycle.errors import OutputError, reraise_if_out_of_memory
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 
 MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
@@ -105,6 +105,14 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
         problem = replace_problem(target, [*sources, *inputs])
         if problem:
             return problem
+    if target.is_dir() and os.path.ismount(target):
+        return (f"output folder {target} is a mount point; a build is put in place by renaming a finished folder "
+                f"beside it, which cannot replace a mount point — write into a folder inside it, e.g. "
+                f"{target / 'moe-model'}")
+    stuck = cannot_remove(target) if target.is_dir() else None
+    if stuck:  # the finished build replaces the folder: said now, not after all the work
+        return (f"output folder {target} is replaced by the finished build, but {stuck}; choose another output "
+                f"folder, or ask its owner to remove it")
     if not target.parent.is_dir():
         return f"the parent folder of the output, {target.parent}, does not exist; create it first"
     return None
@@ -279,8 +287,7 @@ def _take_lock(target: Path) -> tuple[Path, int]:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError as exc:
-            raise OutputError(f"cannot create the lock file {lock}: {exc.strerror or exc}; "
-                              f"is {target.parent} writable?") from None
+            raise OutputError(_lock_problem(lock, exc)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -299,6 +306,20 @@ def _take_lock(target: Path) -> tuple[Path, int]:
     return lock, fd
 
 
+def _lock_problem(lock: Path, exc: OSError) -> str:
+    """Why the lock file could not be opened: another user's left in the way, or a folder this user may not write
+    into or enter."""
+    try:
+        st = os.lstat(lock)
+    except OSError:
+        st = None
+    if st is not None and st.st_uid != os.geteuid():
+        return (f"the lock file {lock} belongs to {user_name(st.st_uid)} (their build of the same output, or its "
+                f"leftover); ask them to remove it, or choose another output folder")
+    return (f"cannot create the lock file {lock} ({exc.strerror or exc}); the folder {lock.parent} must be writable "
+            f"and searchable by you (ls -ld {shlex.quote(str(lock.parent))}), or choose another output folder")
+
+
 def _release_lock(lock: Path, fd: int) -> None:
     lock.unlink(missing_ok=True)  # unlink before unlocking, so no one locks a file that is going away
     os.close(fd)
@@ -309,36 +330,6 @@ def _lock_owner(lock: Path) -> str:
         return f" (pid {int(lock.read_text().strip())})"
     except (OSError, ValueError):
         return ""
-
-
-def remove_ours(folder: Path) -> None:
-    """Delete a folder this tool wrote (its staging folder, a killed build's leftovers, the previous
-    build a --force swap replaced), also where folders in it were made read-only since: as ``rm -rf``
-    does, write permission is given back to each folder inside first (it is ours to delete, and
-    unlinking a file needs its folder's write permission). Symbolic links are removed, never
-    followed. Whatever still cannot be removed is named in a warning, never left behind silently.
-    """
-    if not os.path.lexists(folder):
-        return
-    if folder.is_dir() and not folder.is_symlink():
-        _owner_writable(str(folder))
-        for root, dirs, _ in os.walk(folder):  # top-down: each folder is opened up before it is listed
-            for name in dirs:
-                if not os.path.islink(os.path.join(root, name)):
-                    _owner_writable(os.path.join(root, name))
-    shutil.rmtree(folder, ignore_errors=True)
-    if os.path.lexists(folder):
-        _warn_once(folder, f"{folder}: could not delete this folder, which moe-upcycle wrote (a staging folder or "
-                           f"the build --force replaced); delete it yourself")
-
-
-def _owner_writable(path: str) -> None:
-    try:
-        mode = stat.S_IMODE(os.lstat(path).st_mode)
-        if mode & stat.S_IRWXU != stat.S_IRWXU:
-            os.chmod(path, mode | stat.S_IRWXU)
-    except OSError:
-        pass
 
 
 def _recover(target: Path) -> Optional[Path]:
@@ -365,7 +356,7 @@ def _recover(target: Path) -> Optional[Path]:
                 os.rename(old, target)
                 restored = old
             except OSError as exc:
-                _warn_once(old, f"{old}: a killed build's previous output, which could not be moved back to "
+                warn_once(old, f"{old}: a killed build's previous output, which could not be moved back to "
                                 f"{target} ({exc.strerror or exc}); move it yourself")
         else:
             remove_ours(old)
@@ -388,15 +379,6 @@ def _build_or_empty(folder: Path) -> bool:
         return (folder / RECIPE_NAME).is_file() or not any(folder.iterdir())
     except OSError:  # cannot be looked into: not known to be ours
         return False
-
-
-_WARNED: set = set()  # leftovers already named in this process (check_target and staged_output both recover)
-
-
-def _warn_once(path: Path, message: str) -> None:
-    if path not in _WARNED:
-        _WARNED.add(path)
-        warnings.warn(message, UpcycleWarning, stacklevel=3)
 
 
 def _space_hint(exc: OSError, folder: Path) -> str:

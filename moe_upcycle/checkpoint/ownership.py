@@ -22,12 +22,14 @@ import hashlib
 import json
 import os
 import shutil
+import stat
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
 from moe_upcycle.checkpoint.names import CHAT_TEMPLATE_DIR
 from moe_upcycle.checkpoint.manifest_file import MANIFEST, load_manifest
-from moe_upcycle.errors import OutputError, SourceError
+from moe_upcycle.errors import OutputError, SourceError, UpcycleWarning
 
 INDEX = "model.safetensors.index.json"  # names the shards, which `--no-checksums` leaves out of the manifest
 DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides the manifest
@@ -202,6 +204,88 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def remove_ours(folder: Path) -> None:
+    """Delete a folder this tool wrote (its staging folder, a killed build's leftovers, the previous
+    build a --force swap replaced), also where folders in it were made read-only since: as ``rm -rf``
+    does, write permission is given back to each folder inside first (it is ours to delete, and
+    unlinking a file needs its folder's write permission). Symbolic links are removed, never
+    followed. Whatever still cannot be removed is named in a warning, never left behind silently.
+    """
+    if not os.path.lexists(folder):
+        return
+    if folder.is_dir() and not folder.is_symlink():
+        _owner_writable(str(folder))
+        for root, dirs, _ in os.walk(folder):  # top-down: each folder is opened up before it is listed
+            for name in dirs:
+                if not os.path.islink(os.path.join(root, name)):
+                    _owner_writable(os.path.join(root, name))
+    shutil.rmtree(folder, ignore_errors=True)
+    if os.path.lexists(folder):
+        warn_once(folder, f"{folder}: could not delete this folder, which moe-upcycle wrote (a staging folder or "
+                           f"the build --force replaced); delete it yourself")
+
+
+def _owner_writable(path: str) -> None:
+    try:
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        if mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(path, mode | stat.S_IRWXU)
+    except OSError:
+        pass
+
+
+_WARNED: set = set()  # leftovers already named in this process (check_target and staged_output both recover)
+
+
+def warn_once(path: Path, message: str) -> None:
+    if path not in _WARNED:
+        _WARNED.add(path)
+        warnings.warn(message, UpcycleWarning, stacklevel=3)
+
+
+def cannot_remove(folder: Path) -> Optional[str]:
+    """Why this process could not delete `folder` and everything in it (None: it can), for a message said before
+    any work, so that a --force build or a demo re-run never stops half way with a user's folder gone or hidden.
+
+    A folder of ours (the same user) can always be opened up (`remove_ours` does); another user's must be
+    writable; and in a folder with the sticky bit (/tmp) only a file's owner may move or delete it.
+    """
+    me = os.geteuid()
+    if me == 0:
+        return None
+    folder = Path(folder)
+    try:
+        parent, top = os.stat(folder.parent), os.lstat(folder)
+    except OSError as exc:
+        return f"{exc.filename} cannot be looked up ({exc.strerror or exc})"
+    if not os.access(folder.parent, os.W_OK | os.X_OK):
+        return f"its folder {folder.parent} is not writable by you"
+    if parent.st_mode & stat.S_ISVTX and me not in (top.st_uid, parent.st_uid):
+        return (f"it belongs to {user_name(top.st_uid)}, and {folder.parent} lets only an entry's owner move or delete it "
+                f"(the sticky bit, as in /tmp)")
+    pending = [str(folder)] if stat.S_ISDIR(top.st_mode) else []
+    while pending:
+        path = pending.pop()
+        st = os.lstat(path)
+        if st.st_uid != me and not os.access(path, os.W_OK | os.X_OK):
+            return f"{path} belongs to {user_name(st.st_uid)} and is not writable by you"
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            continue  # ours, closed: remove_ours opens it up first (another user's was refused above)
+        pending += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    return None
+
+
+def user_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except (KeyError, ImportError):
+        return f"user id {uid}"
+
+
 def prepare_demo_folder(folder: Path) -> Path:
     """Make `folder` ready for the demo without removing anything the demo did not write.
 
@@ -231,12 +315,18 @@ def prepare_demo_folder(folder: Path) -> Path:
         if kept:
             raise OutputError(f"demo folder {folder} is a previous demo's, but {'; '.join(kept)}; the demo rewrites "
                               f"its {' and '.join(p + '/' for p in DEMO_PARTS)} — move these away first")
+        stuck = [f"{part}/: {why}" for part in DEMO_PARTS if (folder / part).is_dir()
+                 and not (folder / part).is_symlink() and (why := cannot_remove(folder / part))]
+        if stuck:  # checked before anything is removed: never half a previous demo
+            raise OutputError(f"demo folder {folder} is a previous demo's, but the demo cannot remove its "
+                              f"{'; '.join(stuck)}; delete it as its owner, or give a new folder, e.g. moe-upcycle "
+                              f"demo demo_out")
         for part in DEMO_PARTS:
             path = folder / part
             if path.is_symlink() or path.is_file():
                 path.unlink()
             elif path.is_dir():
-                shutil.rmtree(path)
+                remove_ours(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST).write_text(json.dumps({"tool": "moe-upcycle", "kind": "demo",

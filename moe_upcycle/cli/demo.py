@@ -6,15 +6,18 @@ the MoE's logits equal the dense model's.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
+from safetensors import SafetensorError
 
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle.build import upcycle
 from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
 from moe_upcycle.checkpoint.tiny import make_dense_model
-from moe_upcycle.checkpoint.ownership import prepare_demo_folder, record_demo_dense
+from moe_upcycle.checkpoint.ownership import prepare_demo_folder, record_demo_dense, remove_ours
+from moe_upcycle.errors import OutputError, reraise_if_out_of_memory
 
 DEMO_TEXT = "Once upon a time there was a little dragon who loved to add numbers."
 
@@ -22,9 +25,26 @@ DEMO_TEXT = "Once upon a time there was a little dragon who loved to add numbers
 def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4) -> dict:
     """Run the demo in `folder` (new, empty, or a previous demo's: see `ownership`). Returns the figures it printed."""
     console = console or Console()
+    existed = os.path.lexists(os.path.expanduser(folder))
     folder = prepare_demo_folder(Path(folder))  # refuses a folder the demo did not make
-    dense = make_dense_model(folder / "dense", family="llama", seed=0)
-    record_demo_dense(folder)  # the files this transformers version wrote there: a re-run removes exactly those
+    try:
+        try:
+            dense = make_dense_model(folder / "dense", family="llama", seed=0)
+            record_demo_dense(folder)  # the files this transformers version wrote: a re-run removes exactly those
+        except (OSError, SafetensorError) as exc:  # a full disk: safetensors says it in its own error
+            reraise_if_out_of_memory(exc)
+            raise OutputError(f"demo folder {folder}: writing the tiny dense model failed ({exc}); nothing the demo "
+                              f"wrote is left") from None
+        return _upcycle_and_compare(folder, dense, console, num_experts)
+    except BaseException:  # an error, Ctrl-C: what this run wrote goes (the build's own output is staged)
+        for part in ("dense", "moe"):
+            remove_ours(folder / part)
+        if not existed:
+            remove_ours(folder)
+        raise
+
+
+def _upcycle_and_compare(folder: Path, dense: Path, console: Console, num_experts: int) -> dict:
     console.print(f"1. generated a tiny dense Llama in {escape(str(dense))}")
     result = upcycle({"base_model": str(dense), "num_experts": num_experts, "experts_per_token": 2,
                       "gate_mode": "random", "seed": 0}, folder / "moe")
