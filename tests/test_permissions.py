@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import tempfile
 from pathlib import Path
@@ -35,6 +36,7 @@ def unprivileged(work) -> str:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         os.close(read)
+        signal.alarm(120)  # a child that hangs ends, and the test fails, instead of the suite waiting forever
         try:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
@@ -50,6 +52,10 @@ def unprivileged(work) -> str:
         text = pipe.read().decode()
     os.waitpid(pid, 0)
     return text
+
+
+# A forked child must not run torch's thread pools (they may deadlock after fork): every case here is refused, or
+# read, before any model runs.
 
 
 @pytest.fixture
@@ -197,3 +203,34 @@ def test_an_output_that_is_a_mount_point_is_refused_before_any_work(world, monke
     user_said(output, [f"output folder {mount} is a mount point", "write into a folder inside it, e.g. "
                        f"{mount / 'moe-model'}"])
     assert list(mount.iterdir()) == [] and sorted(p.name for p in world.iterdir()) == ["base", "cfg.yaml", "mnt"]
+
+
+def test_a_previous_builds_file_the_user_cannot_read_is_not_called_changed(world):
+    """--force checks that a previous build's files are its own, unchanged: one the user may not read cannot be
+    checked, and is said so (before: "changed since the build")."""
+    cfg = recipe(world, world / "base")
+    out = world / "moe"
+    assert cli("build", cfg, out)[0] == 0
+    out.chmod(0o777)  # nobody may replace it...
+    (out / "config.json").chmod(0)  # ...but not read this file
+    code, output = as_user("build", cfg, out, "--force")
+    assert code == 1, output
+    if os.getuid() == 0:
+        user_said(output, ["config.json (unreadable: cannot be checked)"])
+        assert "changed since the build" not in output
+    assert (out / "moe_upcycle.json").is_file()
+
+
+def test_a_prompt_file_the_user_cannot_read_gets_no_advice_on_its_format(world):
+    """*_prompts_from, --prompts, --labeled: the file is fine, its permissions are not (before: "give a YAML/JSON
+    list of prompts, JSONL/CSV records or a text file")."""
+    from moe_upcycle.recipe.prompt_sets import read_prompt_file
+
+    prompts = world / "code.txt"
+    prompts.write_text("def f(x):\n    return x\n")
+    assert read_prompt_file(prompts) == ["def f(x):", "return x"]
+    prompts.chmod(0)
+    said = unprivileged(lambda: repr(read_prompt_file(prompts)))
+    if os.getuid() == 0:
+        assert said == (f"ConfigError: prompt file {prompts}: cannot read it (Permission denied); make it readable "
+                        f"by you, or give a copy you may read"), said

@@ -989,3 +989,21 @@ def test_window_on_some_layers_only(fixture, request, tmp_path):
     assert code == 0, output
     assert json.loads((out / "config.json").read_text())["layer_types"] == ["full_attention", "sliding_attention"]
     assert_close_rel(model_logits(out), model_logits(model))
+
+
+def test_grown_config_in_place_write_failure_names_in_place(tmp_path, monkeypatch):
+    """`prompts grow --in-place` names --in-place when the write fails (before: "-o cfg.yaml", an option not given)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(GROW_CONFIG)
+    (tmp_path / "a_prompts.txt").write_text("hello there\n")
+    before = _snapshot(tmp_path)
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OutputError) as err:
+        write_grown_config(tmp_path / "cfg.yaml", {"b": ["new prompt"]}, in_place=True)
+    assert str(err.value) == (f"--in-place {tmp_path / 'cfg.yaml'}: cannot write it (No space left on device); "
+                              f"nothing was changed")
+    assert _snapshot(tmp_path) == before

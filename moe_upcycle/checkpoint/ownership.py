@@ -167,8 +167,8 @@ def _foreign(paths: list[Path], folder: Path, written: set, digests: dict, since
             out.append(name + ("/" if path.is_dir() and not path.is_symlink() else ""))
         elif name not in written:
             out.append(name)
-        elif name in digests and _touched_since(path, since) and _sha256(path) != digests[name]:
-            out.append(f"{name} (changed since the build)")
+        elif name in digests and _touched_since(path, since) and (digest := _sha256(path)) != digests[name]:
+            out.append(f"{name} ({'changed since the build' if digest else 'unreadable: cannot be checked'})")
     return out
 
 

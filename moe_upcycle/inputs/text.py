@@ -108,6 +108,8 @@ def read_utf8(path: Union[str, Path], where: str, error: type = ConfigError, fix
         data = read_capped(path, where)
     except OSError as exc:
         reason = "a symlink loop" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        if exc.errno in (errno.EACCES, errno.EPERM):  # the file is fine, its permissions are not: no advice on format
+            fix = "; make it readable by you, or give a copy you may read"
         raise error(f"{where}: cannot read it ({reason}){fix}") from None
     return decode_utf8(data, where, error)
 

@@ -112,7 +112,8 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         raise OutputError(f"-o {target}: file exists (it appeared while the prompts were chosen); pass --force to "
                           f"replace it or choose another -o") from None
     except OSError as exc:
-        raise OutputError(f"-o {target}: cannot write it ({exc.strerror or exc}); nothing was changed") from None
+        given = f"--in-place {target}" if in_place else f"-o {target}"
+        raise OutputError(f"{given}: cannot write it ({exc.strerror or exc}); nothing was changed") from None
     return target
 
 
