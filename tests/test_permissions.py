@@ -234,3 +234,21 @@ def test_a_prompt_file_the_user_cannot_read_gets_no_advice_on_its_format(world):
     if os.getuid() == 0:
         assert said == (f"ConfigError: prompt file {prompts}: cannot read it (Permission denied); make it readable "
                         f"by you, or give a copy you may read"), said
+
+
+def test_verify_says_a_weight_file_it_cannot_read_once(world):
+    """Before: the file, then all its tensors "missing from the output", then transformers' "FileNotFoundError: No
+    such file or directory" for a file that is there."""
+    cfg = recipe(world, world / "base")
+    out = world / "moe"
+    assert cli("build", cfg, out)[0] == 0
+    assert cli("verify", out, "--device", "cpu")[0] == 0  # imports, as root
+    shard = next(out.glob("model-*.safetensors"))
+    shard.chmod(0)
+    code, output = as_user("verify", out, "--device", "cpu")
+    assert code == 1, output
+    if os.getuid() == 0:
+        user_said(output, [f"{shard}: cannot read it (Permission denied)", f"{shard.name}: cannot read it "
+                           "(Permission denied); its sha256 was not checked",
+                           "not loaded with transformers: a weight file cannot be read (see above)"])
+        assert "missing" not in output and "FileNotFoundError" not in output

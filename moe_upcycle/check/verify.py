@@ -115,29 +115,35 @@ def _listed(keys: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
-    """Check shards against the index (every header intact); return the tensors on disk."""
+ALL_TENSORS = "*"  # among the unread names: a weight file without an index, whose tensors are not listed anywhere
+
+
+def check_files(folder: Path, result: VerifyResult) -> tuple[dict[str, TensorInfo], set[str]]:
+    """Check shards against the index (every header intact); return the tensors on disk, and the names of those
+    in weight files that could not be read (the index's list for each: not reported again as missing)."""
     index = folder / INDEX_NAME
     if index.is_file():
         try:  # the loaders' own reading of an index: no name outside the folder, every shard there
             by_file: dict[str, Optional[set]] = index_files(index)
         except SourceError as exc:
             result.problems += exc.problems
-            return {}
+            return {}, set()
         except OSError as exc:
             result.problems.append(f"{index}: cannot read it ({exc.strerror or exc})")
-            return {}
+            return {}, set()
     elif (folder / "model.safetensors").is_file():
         by_file = {"model.safetensors": None}
     else:
         result.problems.append(f"{folder}: no {INDEX_NAME} or model.safetensors; the weights are missing")
-        return {}
+        return {}, set()
     tensors: dict[str, TensorInfo] = {}
+    unread: set[str] = set()
     for file, listed in by_file.items():
         try:
             found = read_safetensors_header(folder / file)
         except SourceError as exc:
             result.problems += exc.problems
+            unread |= listed if listed is not None else {ALL_TENSORS}
             continue
         if listed is not None:
             if listed - set(found):
@@ -147,7 +153,7 @@ def check_files(folder: Path, result: VerifyResult) -> dict[str, TensorInfo]:
                 result.problems.append(f"{file}: holds {_listed(sorted(set(found) - listed))} which the index does "
                                        f"not list (transformers will not load them)")
         tensors.update(found)
-    return tensors
+    return tensors, unread
 
 
 def check_hashes(folder: Path, recipe: dict, result: VerifyResult) -> None:
@@ -180,11 +186,13 @@ def _check_hashes(folder: Path, recipe: dict, result: VerifyResult, st) -> None:
                                        f"the file was modified or damaged — rebuild it")
 
 
-def check_against_plan(tensors: dict[str, TensorInfo], plan: Plan, result: VerifyResult) -> None:
-    """Every planned tensor on disk with its planned shape and dtype, and nothing else."""
+def check_against_plan(tensors: dict[str, TensorInfo], plan: Plan, result: VerifyResult,
+                       unread: frozenset = frozenset()) -> None:
+    """Every planned tensor on disk with its planned shape and dtype, and nothing else (those of `unread` files
+    are already reported with their file)."""
     planned = {s.name: s for s in plan.steps}
     result.planned_tensors = len(planned)
-    missing = sorted(set(planned) - set(tensors))
+    missing = [] if ALL_TENSORS in unread else sorted(set(planned) - set(tensors) - set(unread))
     unexpected = sorted(set(tensors) - set(planned))
     if missing:
         result.problems.append(f"{len(missing)} planned tensor(s) missing from the output: {_listed(missing)}")
@@ -268,7 +276,7 @@ def verify(
                           f"(or leave --text out for the shipped text)")
     prompt_list = read_prompts(prompts) if prompts is not None else _default_prompts(check)
 
-    tensors = check_files(folder, result)
+    tensors, unread = check_files(folder, result)
     result.num_tensors = len(tensors)
     if hashes and recipe is not None:
         check_hashes(folder, recipe, result)
@@ -279,8 +287,11 @@ def verify(
             result.notes.append(f"could not re-make the plan from {RECIPE_NAME} ({'; '.join(exc.problems)}); "
                                 f"tensors checked by transformers only")
     if plan is not None:
-        check_against_plan(tensors, plan, result)
+        check_against_plan(tensors, plan, result, frozenset(unread))
     _check_config(folder, plan, result)
+    if unread:  # transformers would only say the same file is "not found"
+        result.notes.append("not loaded with transformers: a weight file cannot be read (see above)")
+        return result
 
     advance("verify", note="loading the MoE with transformers")
     try:
