@@ -252,3 +252,35 @@ def test_verify_says_a_weight_file_it_cannot_read_once(world):
                            "(Permission denied); its sha256 was not checked",
                            "not loaded with transformers: a weight file cannot be read (see above)"])
         assert "missing" not in output and "FileNotFoundError" not in output
+
+
+@pytest.mark.parametrize("closed", ["cache", "refs/main"])
+def test_a_hub_cache_the_user_cannot_read_is_not_called_missing(closed, world, monkeypatch):
+    """Before: "model 'acme/tiny' not found ... download the hub model first" (or "only at other revisions")."""
+    from huggingface_hub import constants
+
+    cache = world / "hub"
+    entry = cache / "models--acme--tiny"
+    (entry / "snapshots" / "abc123").mkdir(parents=True)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("abc123")
+    for item in (world / "base").iterdir():
+        shutil.copy(item, entry / "snapshots" / "abc123" / item.name)
+    for root, dirs, files in os.walk(cache):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    cfg = world / "hub.yaml"
+    cfg.write_text("base_model: acme/tiny\nnum_experts: 2\ngate_mode: random\n")
+    cfg.chmod(0o644)
+    code, output = cli("plan", cfg)  # imports, as root: the cache works
+    assert code == 0, output
+    path = cache if closed == "cache" else entry / "refs" / "main"
+    path.chmod(0)
+    code, output = as_user("plan", cfg)
+    assert code == 1, output
+    if os.getuid() == 0:
+        user_said(output, [f"base_model: model 'acme/tiny': the Hugging Face cache's {path} cannot be read by you "
+                           f"(permission denied)", "point HF_HUB_CACHE at a cache you may read"])
+        assert "not found" not in output

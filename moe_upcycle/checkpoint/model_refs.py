@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Optional
 
 from moe_upcycle.checkpoint.quantized import file_given_hint
 from moe_upcycle.errors import SourceError, UpcycleWarning
@@ -55,6 +56,11 @@ def resolve_model(ref: str, field_name: str) -> Path:
             except Exception:
                 pass
         at = f" at revision {revision!r}" if revision else ""
+        closed = _cache_denied(Path(constants.HF_HUB_CACHE), repo)
+        if closed:  # there, perhaps, but this user may not look: not "download it"
+            raise SourceError(f"{field_name}: model {ref!r}: the Hugging Face cache's {closed} cannot be read by you "
+                              f"(permission denied), so the model cannot be looked up there; fix its permissions "
+                              f"(ls -ld {closed}), or point HF_HUB_CACHE at a cache you may read")
         looked.append(f"the Hugging Face cache {constants.HF_HUB_CACHE}{at}")
         held = _cached_snapshots(Path(constants.HF_HUB_CACHE), repo)
         if held and not revision:  # downloaded at a commit (hf download --revision <commit>): no refs/main to follow
@@ -66,6 +72,19 @@ def resolve_model(ref: str, field_name: str) -> Path:
 
     raise SourceError(f"{field_name}: model {show_ref(ref)} not found (looked in {' and '.join(looked)}); "
                       f"{missing_model_hint(ref)}")
+
+
+def _cache_denied(cache: Path, repo: str) -> Optional[Path]:
+    """The first of the cache's folders and files on the way to `repo`'s snapshots that this user may not read (or
+    enter), or None."""
+    entry = cache / f"models--{repo.replace('/', '--')}"
+    for path in (cache, entry, entry / "refs", entry / "refs" / "main", entry / "snapshots"):
+        if not os.path.lexists(path):
+            continue
+        need = os.R_OK | os.X_OK if os.path.isdir(path) else os.R_OK
+        if not os.access(path, need):
+            return path
+    return None
 
 
 def _cached_snapshots(cache: Path, repo: str) -> list[str]:
