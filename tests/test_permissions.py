@@ -284,3 +284,21 @@ def test_a_hub_cache_the_user_cannot_read_is_not_called_missing(closed, world, m
         user_said(output, [f"base_model: model 'acme/tiny': the Hugging Face cache's {path} cannot be read by you "
                            f"(permission denied)", "point HF_HUB_CACHE at a cache you may read"])
         assert "not found" not in output
+
+
+@pytest.mark.parametrize("command", ["plan", "build"])
+def test_an_output_folder_the_user_may_not_write_into_is_said_by_plan_too(command, world):
+    """Before: plan said the output "fits" (disk space only), and build said it only at its lock file."""
+    cfg = recipe(world, world / "base")
+    closed = world / "readonly"
+    closed.mkdir()
+    closed.chmod(0o555)
+    assert cli("plan", cfg)[0] == 0  # imports, as root
+    args = ["plan", cfg, "-o", closed / "moe"] if command == "plan" else ["build", cfg, closed / "moe"]
+    code, output = as_user(*args)
+    if os.getuid() == 0:
+        assert code == 1, output
+        said = (f"the output's folder {closed} is not writable by you" if command == "plan" else  # build: its lock
+                f"the folder {closed} must be writable and searchable by you")
+        user_said(output, [said, "choose another output folder"])
+    assert list(closed.iterdir()) == []

@@ -94,6 +94,9 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
     if reason:
         return (f"output: {reason}; it is never replaced, with or without --force. Write the model to "
                 f"a new folder, e.g. {target / 'moe-model'}")
+    if target.parent.is_dir() and not os.access(target.parent, os.W_OK | os.X_OK):  # plan says it too, not "fits"
+        return (f"the output's folder {target.parent} is not writable by you (the build writes beside {target.name} "
+                f"and renames it into place); choose another output folder")
     if not full:
         return _file_in_the_way(target)
     if target.is_dir() and any(target.iterdir()):
