@@ -56,7 +56,7 @@ CONFIG_CASES = [
     ("shard-size-huge", GOOD + "max_shard_size: 5PB\n", [], ["max_shard_size:", "'5PB' is not a size"]),
     ("shard-size-huge-int", GOOD + "max_shard_size: 100000000000000000\n", [], ["max_shard_size:", "larger than 1 TiB"]),
     ("shard-size-inf", GOOD + "max_shard_size: .inf\n", [], ["max_shard_size:", "inf is not a size"]),
-    ("shard-size-cli", GOOD, ["--max-shard-size", "-1"], ["max_shard_size:", "'-1' is not a size"]),
+    ("shard-size-cli", GOOD, ["--max-shard-size", "-1"], ["option max_shard_size (--max-shard-size):", "'-1' is not a size"]),
     ("dtype-unknown", GOOD + "dtype: fp8\n", [], ["dtype:", "'fp8' is not allowed", "'bfloat16'"]),
     ("gate-mode-unknown", GOOD.replace("random", "smart"), [], ["gate_mode:", "'smart' is not allowed"]),
     ("noise-inf", EXPERTS.replace("name: a", "name: a\n    noise_scale: .inf"), [],

@@ -192,7 +192,7 @@ def test_existing_output_refused_without_force(config, tmp_path):
     assert [p.name for p in target.iterdir()] == ["keep.txt"] and leftovers(target) == ["moe"]
 
 
-def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch):
+def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch, request):
     """A Ctrl-C that lands during the final --force swap is delivered only after it: the target is
     then wholly the new build, and no swap folder is left."""
     import signal
@@ -202,6 +202,9 @@ def test_signal_during_force_swap_is_held_until_swap_done(tmp_path, monkeypatch)
     target = tmp_path / "moe"
     previous_build(target, {"old.txt": "old"})
     real_rename = os.rename
+    # a test runner started in the background has SIGINT ignored (as the shell leaves it): Ctrl-C's usual handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, before))
 
     def rename_with_interrupt(src, dst):
         os.kill(os.getpid(), signal.SIGINT)  # arrives between the two renames
