@@ -394,3 +394,18 @@ def test_results_on_a_full_disk_are_one_message(command, config, tmp_path):
     if command != "plan --json":
         assert json.loads((out / "config.json").read_text())["num_local_experts"] == 2
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no staging leftovers
+
+
+@pytest.mark.parametrize("mode", [0o2770, 0o700, 0o555])
+def test_an_empty_output_folder_the_user_made_keeps_its_permissions(mode, stories, tmp_path):
+    """A folder made for the model (group-shared with setgid, private, read-only): the build is renamed into its
+    place, and before it came with the umask's mode instead."""
+    target = tmp_path / "moe"
+    target.mkdir()
+    target.chmod(mode)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"base_model: {stories}\nnum_experts: 2\ngate_mode: random\n")
+    code, output = cli("build", cfg, target)
+    assert code == 0, output
+    assert oct(target.stat().st_mode & 0o7777) == oct(mode)
+    assert (target / "moe_upcycle.json").is_file() and leftovers(target) == ["moe"]

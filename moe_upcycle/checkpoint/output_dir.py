@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -426,6 +427,9 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
         problem = replace_problem(target) if any(target.iterdir()) else None
         if problem:  # checked again here: the folder may have changed since the build started
             raise OutputError(problem + "; nothing was replaced")
+        if not any(target.iterdir()):  # a folder the user made for it: its permissions stay (group-shared, private)
+            with contextlib.suppress(OSError):
+                os.chmod(stage, stat.S_IMODE(os.stat(target).st_mode))
         old = target.parent / f".{_stem(target)}.old-{os.getpid()}"
         os.rename(target, old)
         try:
