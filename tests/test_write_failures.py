@@ -409,3 +409,15 @@ def test_an_empty_output_folder_the_user_made_keeps_its_permissions(mode, storie
     assert code == 0, output
     assert oct(target.stat().st_mode & 0o7777) == oct(mode)
     assert (target / "moe_upcycle.json").is_file() and leftovers(target) == ["moe"]
+
+
+def test_a_file_system_out_of_inodes_is_said_so(config):
+    """"No space left on device" with megabytes free: the file system can hold no more files (before: only the
+    bytes available, which looked like room). Everything written is removed."""
+    build = " ".join(f"'{a}'" for a in module_cmd("build", config, "moe", "--max-shard-size", "100KB"))
+    run = _in_tmpfs(50 * 1024 * 1024, f'mount -o remount,nr_inodes=12 "$FS" && {build}; echo "rc=$?"; '
+                                      f'echo "files:$(ls -A)"')
+    assert "rc=1" in run.stdout, run.stdout + run.stderr
+    flat = " ".join(run.stderr.split())
+    assert "No space left on device" in flat and "no free inodes: the file system can hold no more files" in flat, flat
+    assert "files:\n" in run.stdout and "Traceback" not in run.stderr  # nothing left on the file system

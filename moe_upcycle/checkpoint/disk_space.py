@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,18 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
+def no_free_files(folder: Path) -> bool:
+    """Whether the file system holding `folder` has no inode left for a new file (statvfs; False when unknown)."""
+    probe = Path(folder).resolve().parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
+
+
 def check_free_space(target: Path, needed: int) -> None:
     """Refuse a build whose output cannot fit, before anything is written.
 
@@ -45,6 +58,8 @@ def disk_hint(folder: Path, needed: int, written: int) -> str:
     """`` (needs N bytes in all, W written, F available)`` for a write error message."""
     try:
         free = f"{free_bytes(folder)} bytes available"
+        if no_free_files(folder):  # "No space left on device" with bytes to spare: the file system's inodes
+            free += ", but no free inodes: the file system can hold no more files"
     except OSError:
         free = "free space unknown"
     return f" (the output needs {needed} bytes in all; {written} were written, {free})"

@@ -24,6 +24,7 @@ import stat
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from moe_upcycle.checkpoint.disk_space import no_free_files
 from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # our manifest's name
 from moe_upcycle.checkpoint.ownership import (cannot_remove, protected_reason, remove_ours, replace_problem,
                                               user_name, warn_once)
@@ -389,7 +390,8 @@ def _space_hint(exc: OSError, folder: Path) -> str:
     if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return ""
     try:
-        return f" ({shutil.disk_usage(folder).free} bytes available in {folder})"
+        inodes = ", but no free inodes: the file system can hold no more files" if no_free_files(folder / "x") else ""
+        return f" ({shutil.disk_usage(folder).free} bytes available in {folder}{inodes})"
     except OSError:
         return ""
 
