@@ -302,3 +302,18 @@ def test_an_output_folder_the_user_may_not_write_into_is_said_by_plan_too(comman
                 f"the folder {closed} must be writable and searchable by you")
         user_said(output, [said, "choose another output folder"])
     assert list(closed.iterdir()) == []
+
+
+def test_a_deleted_current_folder_is_said_before_torch_loads(tmp_path):
+    """Before: torch's "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so", exit 2."""
+    import shlex
+    import subprocess
+
+    from failure_checks import module_cmd, module_env
+
+    command = " ".join(shlex.quote(str(a)) for a in module_cmd("plan", "x.yaml"))
+    run = subprocess.run(["sh", "-c", f"mkdir gone && cd gone && rmdir ../gone && {command}"], cwd=tmp_path,
+                         env=module_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.endswith("error: the current folder no longer exists (it was deleted or moved); cd to a folder "
+                               "that exists and run the command again\n"), run.stderr
