@@ -238,6 +238,7 @@ _WARNED: set = set()  # leftovers already named in this process (check_target an
 
 
 def warn_once(path: Path, message: str) -> None:
+    """An `UpcycleWarning` about `path`, the first time only."""
     if path not in _WARNED:
         _WARNED.add(path)
         warnings.warn(message, UpcycleWarning, stacklevel=3)
@@ -266,7 +267,10 @@ def cannot_remove(folder: Path) -> Optional[str]:
     pending = [str(folder)] if stat.S_ISDIR(top.st_mode) else []
     while pending:
         path = pending.pop()
-        st = os.lstat(path)
+        try:
+            st = os.lstat(path)
+        except OSError:  # gone meanwhile
+            continue
         if st.st_uid != me and not os.access(path, os.W_OK | os.X_OK):
             return f"{path} belongs to {user_name(st.st_uid)} and is not writable by you"
         try:
@@ -278,6 +282,7 @@ def cannot_remove(folder: Path) -> Optional[str]:
 
 
 def user_name(uid: int) -> str:
+    """``user NAME`` (or ``user id N`` for a uid without a name), for messages."""
     try:
         import pwd
 
