@@ -242,10 +242,16 @@ def test_verify_says_a_weight_file_it_cannot_read_once(world):
     cfg = recipe(world, world / "base")
     out = world / "moe"
     assert cli("build", cfg, out)[0] == 0
-    assert cli("verify", out, "--device", "cpu")[0] == 0  # imports, as root
+    # the text and prompts in the world's folder: the package's own may sit where nobody cannot read (CI's clone)
+    (world / "text.txt").write_text("Once upon a time there was a cat. It sat in the sun all day long.\n")
+    (world / "prompts.txt").write_text("Once upon a time\nThe dog ran\n")
+    for name in ("text.txt", "prompts.txt"):
+        (world / name).chmod(0o644)
+    options = ["--device", "cpu", "--text", world / "text.txt", "--prompts", world / "prompts.txt"]
+    assert cli("verify", out, *options)[0] == 0  # imports, as root
     shard = next(out.glob("model-*.safetensors"))
     shard.chmod(0)
-    code, output = as_user("verify", out, "--device", "cpu")
+    code, output = as_user("verify", out, *options)
     assert code == 1, output
     if os.getuid() == 0:
         user_said(output, [f"{shard}: cannot read it (Permission denied)", f"{shard.name}: cannot read it "

@@ -197,3 +197,25 @@ def test_plan_cli_and_card_list_the_runtimes(tiny_llama, write_yaml, tmp_path):
     card = (out / "README.md").read_text()
     assert "The fused expert layout is transformers >= 5 only." in card
     assert "| transformers 4.x | will not load |" in card and "| transformers 5 | exact |" in card
+
+
+@pytest.mark.parametrize("init,k,decided", [
+    ({"method": "noise", "scale": 0.05}, 2, True),   # experts differ, 2 of 4: the tie picks which
+    ("copy", 2, False),                              # the same expert 4 times: any pick computes the same
+    ({"method": "noise", "scale": 0.05}, 4, False),  # all active: nothing to pick
+])
+def test_uniform_gates_leave_the_top_k_to_each_runtimes_tie_breaking(init, k, decided, tiny_llama):
+    """Measured (issue hunt, llama.cpp 0.3.36 vs transformers 5, 4 noise copies, top-2): max |Δlogit| 0.32 where the
+    plan said exact. llama.cpp takes the lowest-indexed experts on a tie; torch.topk on a CPU returned [2, 3]."""
+    plan = upcycle({"base_model": str(tiny_llama), "num_experts": 4, "experts_per_token": k, "gate_mode": "uniform",
+                    "expert_init": init}, dry_run=True).plan
+    verdicts = {v.runtime: v for v in compatibility(plan)}
+    said = [n for n in plan.notes if n.startswith("gate_mode uniform: every expert scores the same")]
+    assert plan.ties_decide is decided and len(said) == int(decided) and (said == [] or said[0] in plan.cautions)
+    assert verdicts["transformers 4.x"].status == EXACT  # the same torch, the same tie order: measured 0.0
+    for runtime in ("llama.cpp", "vLLM", "ExLlamaV2"):
+        assert verdicts[runtime].status == (RUNS if decided else EXACT), (runtime, verdicts[runtime])
+    if decided:
+        assert "llama.cpp breaks the tie with the lowest-indexed experts" in verdicts["llama.cpp"].why
+        assert verdicts["vLLM"].why.startswith("gate_mode uniform ties every expert's score")
+        assert "routing is uniform only with experts_per_token: 4" in said[0]

@@ -141,6 +141,11 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                 f"(it ignores norm_topk_prob: true), so each MoE layer's routed output is scaled by the top-"
                 f"{plan.experts_per_token} softmax mass (< 1, per token) there; exact only with "
                 f"experts_per_token: {experts} (all experts active) or architecture: qwen3_moe / mixtral")
+    if plan.ties_decide:
+        return ("runs, not exact", f"gate_mode uniform ties every expert's score, and llama.cpp breaks the tie with "
+                                   f"the lowest-indexed experts, torch.topk not always (top-2 of 4 on a CPU: experts "
+                                   f"2 and 3); these experts differ, so the outputs do; exact with "
+                                   f"experts_per_token: {experts}")
     return ("exact", f"{GATING}, " + ("renormalised as in transformers" if arch.renormalises_top_k
                                       else "all experts active, so the weights already sum to 1"))
 

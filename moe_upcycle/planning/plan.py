@@ -180,7 +180,13 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         raise PlanError(*_dedupe(problems))
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
-                layout=config.layout, cautions=tuple(cautions))
+                layout=config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform")
+    if plan.ties_decide:
+        tie = (f"gate_mode uniform: every expert scores the same for every token, so the top-{plan.experts_per_token} "
+               f"of {len(experts)} is decided by tie-breaking — in transformers on a CPU the same fixed experts for "
+               f"every token (torch.topk's order), in other runtimes others — not a uniform mix; routing is uniform "
+               f"only with experts_per_token: {len(experts)} (or train the routers, or use gate_mode: random)")
+        plan = dataclasses.replace(plan, notes=plan.notes + (tie,), cautions=plan.cautions + (tie,))
     if llamacpp.verdict(plan)[0] != "exact":
         plan = dataclasses.replace(plan, notes=plan.notes + (llamacpp.plan_note(plan),))
     return plan

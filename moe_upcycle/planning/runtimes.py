@@ -67,6 +67,7 @@ class OutputFacts:
     o_proj_bias: bool  # attention output biases (self_attn.o_proj.bias)
     llamacpp: tuple[str, str] = ("exact", "")  # `llamacpp.verdict`: (status, why)
     fused_scope: str = FUSED_ONLY  # the runtimes that read the fused layout: "transformers >= 5 ... only"
+    ties_decide: bool = False  # `Plan.ties_decide`: tied router scores choose between experts that differ
 
     @property
     def renormalises(self) -> bool:
@@ -117,7 +118,7 @@ def output_facts(plan: Plan) -> OutputFacts:
     return OutputFacts(
         model_type=layout.model_type, layout=plan.layout, config=cfg, zero_size=zero,
         o_proj_bias=any(s.name.endswith("self_attn.o_proj.bias") for s in plan.steps),
-        llamacpp=llamacpp.verdict(plan), fused_scope=fused_scope(plan.architecture),
+        llamacpp=llamacpp.verdict(plan), fused_scope=fused_scope(plan.architecture), ties_decide=plan.ties_decide,
     )
 
 
@@ -129,6 +130,10 @@ def fused_scope(architecture: str) -> str:
         ('transformers >= 5 only', 'transformers >= 5 and llama.cpp only')
     """
     return "transformers >= 5 and llama.cpp only" if llamacpp.LLAMACPP[architecture].converts_fused else FUSED_ONLY
+
+
+TIES = ("gate_mode uniform ties every expert's score: its GPU top-k breaks the tie its own way, and these experts "
+        "differ")
 
 
 def _transformers5(f: OutputFacts) -> Verdict:
@@ -169,6 +174,8 @@ def _vllm(f: OutputFacts) -> Verdict:
     if f.o_proj_bias:
         return Verdict("vLLM", RUNS, f"its {f.model_type} has no attention-output bias and skips "
                        f"self_attn.o_proj.bias")
+    if f.ties_decide:
+        return Verdict("vLLM", RUNS, TIES)
     return Verdict("vLLM", EXACT, "honours norm_topk_prob; not run here (GPU)")
 
 
@@ -191,6 +198,8 @@ def _exllamav2(f: OutputFacts) -> Verdict:
     problem = rope.problem("ExLlamaV2", f.config)
     if problem:
         return Verdict("ExLlamaV2", RUNS, problem)
+    if f.ties_decide:
+        return Verdict("ExLlamaV2", RUNS, TIES)
     return Verdict("ExLlamaV2", EXACT, "CUDA, fp16 arithmetic; not run here")
 
 

@@ -77,6 +77,9 @@ class Plan:
     # the notes (also in `notes`) that `build` prints too: where the MoE differs from what its sources
     # or mergekit-moe would suggest (an expert's rope or vocab that the MoE does not keep, another output)
     cautions: tuple[str, ...] = field(default=())
+    # every router row is the same (gate_mode uniform): each expert scores the same for every token, so with
+    # experts_per_token below the expert count the choice is each runtime's tie-breaking
+    tied_scores: bool = False
 
     @cached_property
     def total_bytes(self) -> int:
@@ -90,6 +93,23 @@ class Plan:
     def leaf_steps(self) -> list[Step]:
         """Every step that reads a source or is computed, with fused/averaged steps expanded into their parts."""
         return [leaf for s in self.steps for leaf in s.leaves()]
+
+    @cached_property
+    def experts_identical(self) -> bool:
+        """Every routed expert is the same source tensors, unchanged (no noise, drop, slice or scale): whichever
+        experts a token is sent to, it computes the same."""
+        slots: dict[int, list] = {}
+        for leaf in self.leaf_steps():
+            if leaf.kind == "expert":
+                slots.setdefault(leaf.expert, []).append((leaf.layer, leaf.source, leaf.transforms))
+        ways = {tuple(sorted(slot, key=repr)) for slot in slots.values()}
+        return len(ways) <= 1 and not any(t for way in ways for _, _, t in way)
+
+    @property
+    def ties_decide(self) -> bool:
+        """Which experts a token goes to is left to tie-breaking, and it changes what the MoE computes."""
+        return (self.tied_scores and self.experts_per_token < len(self.expert_names)
+                and not self.experts_identical)
 
     def source_uses(self) -> Counter:
         """How many output tensors (or parts of them) each (model, key) feeds."""
