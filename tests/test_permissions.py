@@ -23,8 +23,20 @@ NOBODY = 65534
 
 def as_user(*args) -> tuple[int, str]:
     """`cli(*args)` with an ordinary user's permissions (nobody's, when the tests run as root)."""
-    code, _, output = unprivileged(lambda: "{}\n{}".format(*cli(*args))).partition("\n")
+    code, _, output = unprivileged(lambda: "{}\n{}".format(*_cli_and_exception(args))).partition("\n")
     return int(code), output
+
+
+def _cli_and_exception(args) -> tuple[int, str]:
+    """`cli`, with an exception the command let through (a traceback in a terminal) shown in the output."""
+    from typer.testing import CliRunner
+
+    from moe_upcycle.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    shown = "" if result.exception is None or isinstance(result.exception, SystemExit) else (
+        f"\nTraceback: {type(result.exception).__name__}: {result.exception}")
+    return result.exit_code, result.output + shown
 
 
 def unprivileged(work) -> str:
