@@ -44,6 +44,14 @@ def unprivileged(work) -> str:
     drops to nobody first."""
     if os.getuid() != 0:
         return work()
+    import importlib
+    import pkgutil
+
+    import moe_upcycle
+
+    for module in pkgutil.walk_packages(moe_upcycle.__path__, "moe_upcycle."):  # the clone may be root's alone
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
