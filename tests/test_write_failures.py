@@ -227,7 +227,7 @@ def test_leftover_swap_folder_is_restored(tmp_path):
     old = tmp_path / ".moe.old-99999"
     old.mkdir()
     (old / "weights.txt").write_text("previous")
-    (old / "moe_upcycle.json").write_text("{}")  # a build: what --force swaps out
+    (old / "moe_upcycle.json").write_text('{"tool": "moe-upcycle"}')  # a build: what --force swaps out
     with pytest.raises(RuntimeError):
         with staged_output(target):
             assert sorted(p.name for p in target.iterdir()) == ["moe_upcycle.json", "weights.txt"]  # restored first

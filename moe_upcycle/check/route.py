@@ -22,7 +22,7 @@ from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError, reraise_if_out_of_memory
 from moe_upcycle.checkpoint.manifest_file import load_manifest
 from moe_upcycle.checkpoint.output_file import write_file
-from moe_upcycle.gates.capture import encode, on_device, pad_batch, padding_id, resolve_device
+from moe_upcycle.gates.capture import batch_on, encode, on_device, pad_batch, padding_id, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.terminal.progress import stage
@@ -169,9 +169,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     def hook_for(layer: int):
         def hook(module, args, output):
             logits = output[0] if isinstance(output, tuple) else output
-            batch = state["on"].get(logits.device)
-            if batch is None:  # a layer on another device (device_map spread): device to device
-                batch = state["on"][logits.device] = next(iter(state["on"].values())).to(logits.device)
+            batch = batch_on(state["on"], logits.device)
             if layer not in counts:
                 counts[layer] = (torch.zeros(len(prompts) * n_experts, dtype=torch.long, device=logits.device),
                                  torch.zeros(n_experts, dtype=torch.long, device=logits.device))

@@ -115,35 +115,32 @@ def _listed(keys: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-ALL_TENSORS = "*"  # among the unread names: a weight file without an index, whose tensors are not listed anywhere
-
-
-def check_files(folder: Path, result: VerifyResult) -> tuple[dict[str, TensorInfo], set[str]]:
-    """Check shards against the index (every header intact); return the tensors on disk, and the names of those
-    in weight files that could not be read (the index's list for each: not reported again as missing)."""
+def check_files(folder: Path, result: VerifyResult) -> tuple[dict[str, TensorInfo], list[str]]:
+    """Check shards against the index (every header intact); return the tensors on disk, and the weight files
+    that could not be read (already reported: their tensors are not reported again as missing)."""
     index = folder / INDEX_NAME
     if index.is_file():
         try:  # the loaders' own reading of an index: no name outside the folder, every shard there
             by_file: dict[str, Optional[set]] = index_files(index)
         except SourceError as exc:
             result.problems += exc.problems
-            return {}, set()
+            return {}, []
         except OSError as exc:
             result.problems.append(f"{index}: cannot read it ({exc.strerror or exc})")
-            return {}, set()
+            return {}, []
     elif (folder / "model.safetensors").is_file():
         by_file = {"model.safetensors": None}
     else:
         result.problems.append(f"{folder}: no {INDEX_NAME} or model.safetensors; the weights are missing")
-        return {}, set()
+        return {}, []
     tensors: dict[str, TensorInfo] = {}
-    unread: set[str] = set()
+    unread: list[str] = []
     for file, listed in by_file.items():
         try:
             found = read_safetensors_header(folder / file)
         except SourceError as exc:
             result.problems += exc.problems
-            unread |= listed if listed is not None else {ALL_TENSORS}
+            unread.append(file)
             continue
         if listed is not None:
             if listed - set(found):
@@ -187,12 +184,12 @@ def _check_hashes(folder: Path, recipe: dict, result: VerifyResult, st) -> None:
 
 
 def check_against_plan(tensors: dict[str, TensorInfo], plan: Plan, result: VerifyResult,
-                       unread: frozenset = frozenset()) -> None:
-    """Every planned tensor on disk with its planned shape and dtype, and nothing else (those of `unread` files
-    are already reported with their file)."""
+                       files_unread: bool = False) -> None:
+    """Every planned tensor on disk with its planned shape and dtype, and nothing else (none is called missing when
+    a weight file could not be read: that file is the finding)."""
     planned = {s.name: s for s in plan.steps}
     result.planned_tensors = len(planned)
-    missing = [] if ALL_TENSORS in unread else sorted(set(planned) - set(tensors) - set(unread))
+    missing = [] if files_unread else sorted(set(planned) - set(tensors))
     unexpected = sorted(set(tensors) - set(planned))
     if missing:
         result.problems.append(f"{len(missing)} planned tensor(s) missing from the output: {_listed(missing)}")
@@ -287,7 +284,7 @@ def verify(
             result.notes.append(f"could not re-make the plan from {RECIPE_NAME} ({'; '.join(exc.problems)}); "
                                 f"tensors checked by transformers only")
     if plan is not None:
-        check_against_plan(tensors, plan, result, frozenset(unread))
+        check_against_plan(tensors, plan, result, bool(unread))
     _check_config(folder, plan, result)
     if unread:  # transformers would only say the same file is "not found"
         result.notes.append("not loaded with transformers: a weight file cannot be read (see above)")

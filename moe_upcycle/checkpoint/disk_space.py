@@ -20,22 +20,27 @@ def human_bytes(n: float) -> str:
 def free_bytes(folder: Path) -> int:
     """Bytes available to this user on the filesystem that holds `folder` as an entry: its parent's (or the nearest
     existing folder above), where a build stages its output — a folder that is a mount point is another disk."""
-    probe = Path(folder).resolve().parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
+    return shutil.disk_usage(_holder(folder)).free
 
 
-def no_free_files(folder: Path) -> bool:
-    """Whether the file system holding `folder` has no inode left for a new file (statvfs; False when unknown)."""
-    probe = Path(folder).resolve().parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+def available(folder: Path) -> str:
+    """``N bytes available`` where `folder` is (or would be) an entry, and when the file system has no inode left
+    ("No space left on device" with bytes to spare), that it can hold no more files."""
+    text = f"{free_bytes(folder)} bytes available"
     try:
-        st = os.statvfs(probe)
+        st = os.statvfs(_holder(folder))
     except OSError:
-        return False
-    return st.f_files > 0 and st.f_favail == 0
+        return text
+    return text + (", but no free inodes: the file system can hold no more files"
+                   if st.f_files > 0 and st.f_favail == 0 else "")
+
+
+def _holder(folder: Path) -> Path:
+    """The folder holding `folder` (or the nearest existing one above it)."""
+    probe = Path(folder).resolve().parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
 
 
 def check_free_space(target: Path, needed: int) -> None:
@@ -57,9 +62,7 @@ def check_free_space(target: Path, needed: int) -> None:
 def disk_hint(folder: Path, needed: int, written: int) -> str:
     """`` (needs N bytes in all, W written, F available)`` for a write error message."""
     try:
-        free = f"{free_bytes(folder)} bytes available"
-        if no_free_files(folder):  # "No space left on device" with bytes to spare: the file system's inodes
-            free += ", but no free inodes: the file system can hold no more files"
+        free = available(folder)
     except OSError:
         free = "free space unknown"
     return f" (the output needs {needed} bytes in all; {written} were written, {free})"

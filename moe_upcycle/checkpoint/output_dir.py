@@ -18,17 +18,17 @@ import hashlib
 import os
 import re
 import shlex
-import shutil
 import signal
 import stat
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from moe_upcycle.checkpoint.disk_space import no_free_files
-from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # our manifest's name
-from moe_upcycle.checkpoint.ownership import (cannot_remove, protected_reason, remove_ours, replace_problem,
-                                              user_name, warn_once)
+from moe_upcycle.checkpoint.disk_space import available
+from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # noqa: F401 (our manifest's name)
+from moe_upcycle.checkpoint.ownership import (cannot_remove, is_ours, protected_reason, remove_ours,
+                                              replace_problem, warn_once)
 from moe_upcycle.errors import OutputError, reraise_if_out_of_memory
+from moe_upcycle.inputs.paths import user_name
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 
 MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
@@ -259,7 +259,7 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
     except OSError as exc:
         reraise_if_out_of_memory(exc)  # the machine's memory, not the output: the command says so (cli.out_of_memory)
         raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
-                          f"{target}" + _space_hint(exc, target.parent)) from None
+                          f"{target}" + _space_hint(exc, target)) from None
     finally:
         remove_ours(stage)
         _release_lock(lock, fd)
@@ -381,17 +381,16 @@ def _leftovers(target: Path, kind: str) -> list[Path]:
 
 def _build_or_empty(folder: Path) -> bool:
     try:
-        return (folder / RECIPE_NAME).is_file() or not any(folder.iterdir())
+        return is_ours(folder) or not any(folder.iterdir())
     except OSError:  # cannot be looked into: not known to be ours
         return False
 
 
-def _space_hint(exc: OSError, folder: Path) -> str:
+def _space_hint(exc: OSError, target: Path) -> str:
     if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return ""
     try:
-        inodes = ", but no free inodes: the file system can hold no more files" if no_free_files(folder / "x") else ""
-        return f" ({shutil.disk_usage(folder).free} bytes available in {folder}{inodes})"
+        return f" ({available(target)} in {target.parent})"
     except OSError:
         return ""
 

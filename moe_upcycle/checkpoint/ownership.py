@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 from moe_upcycle.checkpoint.names import CHAT_TEMPLATE_DIR
 from moe_upcycle.checkpoint.manifest_file import MANIFEST, load_manifest
 from moe_upcycle.errors import OutputError, SourceError, UpcycleWarning
+from moe_upcycle.inputs.paths import user_name
 
 INDEX = "model.safetensors.index.json"  # names the shards, which `--no-checksums` leaves out of the manifest
 DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides the manifest
@@ -279,16 +280,6 @@ def cannot_remove(folder: Path) -> Optional[str]:
             continue  # ours, closed: remove_ours opens it up first (another user's was refused above)
         pending += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
     return None
-
-
-def user_name(uid: int) -> str:
-    """``user NAME`` (or ``user id N`` for a uid without a name), for messages."""
-    try:
-        import pwd
-
-        return f"user {pwd.getpwuid(uid).pw_name}"
-    except (KeyError, ImportError):
-        return f"user id {uid}"
 
 
 def prepare_demo_folder(folder: Path) -> Path:

@@ -218,12 +218,16 @@ def open_checkpoint(ref: str, field_name: str) -> Checkpoint:
     try:
         return _open_checkpoint(ref, field_name)
     except OSError as exc:  # a file or folder we may not read (permissions), an I/O error
-        named = symlink_loop(exc)  # a link loop or a name too long: the path is wrong, not its permissions
-        if named:
-            raise SourceError(f"{field_name}: {named}") from None
-        where = exc.filename or ref
-        raise SourceError(f"{field_name}: cannot read {where} ({exc.strerror or exc}); check that the model folder "
-                          f"and its files are readable by you") from None
+        raise _unreadable(exc, field_name, ref) from None
+
+
+def _unreadable(exc: OSError, field_name: str, where: object) -> SourceError:
+    """A model file or folder that could not be read, named with the recipe field that gave the model."""
+    named = symlink_loop(exc)  # a link loop or a name too long: the path is wrong, not its permissions
+    if named:
+        return SourceError(f"{field_name}: {named}")
+    return SourceError(f"{field_name}: cannot read {exc.filename or where} ({exc.strerror or exc}); check that the "
+                       f"model folder and its files are readable by you")
 
 
 def _open_checkpoint(ref: str, field_name: str, adapter_given: bool = False) -> Checkpoint:
@@ -328,10 +332,7 @@ def read_config(path: Path, field_name: str) -> dict:
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SourceError(f"{cfg}: not valid JSON ({exc})") from None
     except OSError as exc:  # as `open_checkpoint` says it: plan --from-config and the lint's plan read only this
-        if symlink_loop(exc):
-            raise SourceError(f"{field_name}: {symlink_loop(exc)}") from None
-        raise SourceError(f"{field_name}: cannot read {exc.filename or cfg} ({exc.strerror or exc}); check that the "
-                          f"model folder and its files are readable by you") from None
+        raise _unreadable(exc, field_name, cfg) from None
     if not isinstance(config, dict):
         raise SourceError(f"{cfg}: expected a JSON object")
     missing = [k for k in ("model_type", *REQUIRED_INT_FIELDS) if k not in config]

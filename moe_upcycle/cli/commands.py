@@ -64,10 +64,10 @@ def build(
         from moe_upcycle.gates.capture import resolve_device
         from moe_upcycle.recipe.values import device_problem
 
-        if device_problem(device):
-            raise ConfigError(f"--device {device_problem(device)}")
         if not dry_run:
             resolve_device(device, "--device")
+        elif device_problem(device):  # a plan: the name only
+            raise ConfigError(f"--device {device_problem(device)}")
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     gate_source = "mergekit" if mergekit else None

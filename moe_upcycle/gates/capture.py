@@ -314,9 +314,7 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
     def hook_for(layer: int):
         def hook(module, args, output):
             x = output[0] if isinstance(output, tuple) else output
-            batch = state["on"].get(x.device)
-            if batch is None:  # a layer on another device (device_map spread): device to device
-                batch = state["on"][x.device] = next(iter(state["on"].values())).to(x.device)
+            batch = batch_on(state["on"], x.device)
             on_output(layer, x, batch)
             state["stage"].advance(len(batch.rows))
             if layer == last:
@@ -360,6 +358,15 @@ def on_device(rows: list[int], ids: torch.Tensor, attn: torch.Tensor, real: torc
     values = packed[4 * n:] if row_values is not None else None
     batch = Batch(rows, packed[3 * n:4 * n].view(shape).bool(), values)
     return Inputs(packed[:n].view(shape), packed[n:2 * n].view(shape), packed[2 * n:3 * n].view(shape), batch)
+
+
+def batch_on(copies: dict, device: torch.device) -> "Batch":
+    """The batch on `device`, from `copies` (device -> Batch, the input device's first): a layer on another device
+    (a device_map spread) gets a device-to-device copy, made once per batch and device."""
+    batch = copies.get(device)
+    if batch is None:
+        batch = copies[device] = next(iter(copies.values())).to(device)
+    return batch
 
 
 @dataclass

@@ -52,22 +52,28 @@ def denied(exc: BaseException) -> Optional[str]:
     """
     if not isinstance(exc, OSError) or exc.errno not in (errno.EACCES, errno.EPERM):
         return None
-    import getpass
     import shlex
 
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # a uid with no name
-        user = str(os.getuid())
+    user = user_name(os.geteuid())
     path = str(exc.filename) if exc.filename is not None else None
     moved = f" -> {exc.filename2}" if exc.filename2 is not None else ""
     if path is None:
-        return f"{exc.strerror or exc} for user {user} — check the permissions of the files and folders given"
+        return f"{exc.strerror or exc} for {user} — check the permissions of the files and folders given"
     shown = path if len(path) <= 200 else path[:197] + "..."
     parent = os.path.dirname(os.path.abspath(path))
     look = " ".join(shlex.quote(p) for p in dict.fromkeys([path, parent]) if len(p) <= 200)
-    return (f"{shown}{moved}: {exc.strerror or exc} for user {user} — check the permissions of it and of each folder "
+    return (f"{shown}{moved}: {exc.strerror or exc} for {user} — check the permissions of it and of each folder "
             f"above it (ls -ld {look}), or choose another path")
+
+
+def user_name(uid: int) -> str:
+    """``user NAME`` (or ``user id N`` for a uid without a name), for messages."""
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except (KeyError, ImportError):
+        return f"user id {uid}"
 
 
 def resolve_or_raise(path: Path, error: Type[UpcycleError], where: str = "") -> Path:
