@@ -108,6 +108,16 @@ def test_parameter_counts_are_exact_for_tied_stories(stories, tmp_path):
     assert result.summary.total_params == total and result.summary.tied_embeddings
 
 
+def test_fused_layout_counts_active_parameters_per_expert():
+    # a fused tensor holds all of a layer's experts; only experts_per_token of them are active
+    for layout in ("per_expert", "fused"):
+        _, _, plan = _mixtral_plan(layout=layout)
+        assert parameter_counts(plan) == MIXTRAL_8X7B_PARAMS, layout
+    _, _, plan = _mixtral_plan(layout="fused", experts_per_token=1)
+    total, active = parameter_counts(plan)
+    assert total == MIXTRAL_8X7B_PARAMS[0] and total - active == 32 * 7 * 3 * 4096 * 14336
+
+
 def test_plan_cli_from_config_only(tmp_path, write_yaml):
     folder = tmp_path / "Mistral-7B-config-only"
     folder.mkdir()

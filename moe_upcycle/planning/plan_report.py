@@ -111,8 +111,10 @@ def parameter_counts(plan: Plan) -> tuple[int, int]:
             continue  # written for llama.cpp (see llamacpp), the same parameter as the embedding
         n = math.prod(step.shape)
         total += n
-        if step.kind == "expert":
-            per_expert[(step.layer, step.expert)] = per_expert.get((step.layer, step.expert), 0) + n
+        if step.kind == "expert":  # a fused tensor (`fused`) holds every expert's slots as its parts
+            for slot in step.parts or (step,):
+                key = (slot.layer, slot.expert)
+                per_expert[key] = per_expert.get(key, 0) + math.prod(slot.shape)
         else:
             shared += n
     active = shared
