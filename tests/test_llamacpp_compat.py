@@ -167,6 +167,8 @@ def test_tied_qwen2moe_writes_lm_head_for_llamacpp_and_stays_tied(tiny_qwen2_tie
     assert any("written twice" in n for n in result.plan.notes)
     total, _ = parameter_counts(result.plan)  # the parameter is still one
     assert total == sum(math.prod(s.shape) for s in result.plan.steps) - embed.numel()
+    assert result.summary.tied_note == ", written twice (llama.cpp needs output.weight)"  # the plan's row says so
+    assert "The input and output embeddings are tied (stored twice" in (result.output / "README.md").read_text()
     ref, emulated, _ = _logits_both_ways(result.output, k=4)
     assert (emulated - ref).abs().max() <= REL * ref.abs().max()
 

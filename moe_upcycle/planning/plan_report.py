@@ -72,6 +72,12 @@ class PlanSummary:
     disk_free_bytes: Optional[int] = None
     runtimes: tuple[Verdict, ...] = ()  # where the output runs (`runtimes.compatibility`)
     adapters: tuple[str, ...] = ()  # one line per ``model+adapter`` reference: the LoRA merged in
+    tied_head_written: bool = False  # a tied lm_head.weight is written beside the embedding (`llamacpp`)
+
+    @property
+    def tied_note(self) -> str:
+        """Where the tied head is written besides the embedding (see `plan`'s note), or ''."""
+        return ", written twice (llama.cpp needs output.weight)" if self.tied_head_written else ""
 
     @property
     def fits_on_disk(self) -> Optional[bool]:
@@ -107,7 +113,7 @@ def parameter_counts(plan: Plan) -> tuple[int, int]:
     total = shared = 0
     per_expert: dict[tuple[int, int], int] = {}  # (layer, expert) -> parameters of that expert
     for step in plan.steps:
-        if plan.tied_embeddings and step.name == "lm_head.weight":
+        if plan.tied_embeddings and step.name == names.LM_HEAD:
             continue  # written for llama.cpp (see llamacpp), the same parameter as the embedding
         n = math.prod(step.shape)
         total += n
@@ -174,6 +180,7 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
         gate_mode=config.gate_mode, dtype=str(plan.dtype).removeprefix("torch."),
         tensor_policy=config.tensor_policy, num_tensors=len(plan.steps), total_params=total,
         active_params=active, tied_embeddings=plan.tied_embeddings, output_bytes=plan.total_bytes,
+        tied_head_written=plan.tied_embeddings and any(st.name == names.LM_HEAD for st in plan.steps),
         num_shards=len(assign_shards(specs, config.max_shard_size)), max_shard_bytes=config.max_shard_size,
         memory=estimate_memory(plan, gate_params(config), write_params(config), check_params(config), sources,
                                config.base_model), components=tuple(components(plan)),
@@ -219,7 +226,7 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     table.add_row("dtype", s.dtype)
     table.add_row("parameters", f"{readable_count(s.total_params)} total, {readable_count(s.active_params)} "
                                 f"active per token"
-                  + ("; tied embeddings stored once" if s.tied_embeddings else ""))
+                  + (f"; tied embeddings counted once{s.tied_note}" if s.tied_embeddings else ""))
     table.add_row("tensors", str(s.num_tensors))
     table.add_row("output size", f"{human_bytes(s.output_bytes)} ({s.output_bytes:,} bytes) in {s.num_shards} "
                                  f"shard(s) of at most {human_bytes(s.max_shard_bytes)}")

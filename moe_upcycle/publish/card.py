@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 import yaml
 
 from moe_upcycle import __version__
+from moe_upcycle.checkpoint import names
 from moe_upcycle.planning.plan_report import parameter_counts, readable_count
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.schema import UpcycleConfig
@@ -114,7 +115,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
     how = "\n".join(making_of(config))
     recipe = yaml.safe_dump(_public_recipe(config, named), sort_keys=False, allow_unicode=True)
     verify = "\n".join(named.without_paths(line, sources or {}) for line in verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
-    stored = ("stored twice: llama.cpp requires output.weight" if any(st.name == "lm_head.weight" for st in plan.steps)
+    stored = ("stored twice: llama.cpp requires output.weight" if any(st.name == names.LM_HEAD for st in plan.steps)
               else "stored once")
     tied = f"\nThe input and output embeddings are tied ({stored}).\n" if plan.tied_embeddings else ""
     note = f"\n> **License:** {license_note}\n" if license_note else ""
