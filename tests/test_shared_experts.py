@@ -73,6 +73,8 @@ def test_prompt_gate_is_the_normalised_prompt_embedding_and_not_exact(tiny_qwen2
                       for p in ("Once upon a time", "What is 12 times 7?")]
     result = upcycle(cfg, tmp_path / "moe")
     assert any("not the dense model's" in n for n in result.plan.notes)
+    # the recipe left shared_expert_gate to its default; the card names what that built
+    assert "1 source FFN(s) concatenated, sigmoid gate `prompts`." in (result.output / "README.md").read_text()
     gate = tensor(result.output, "model.layers.1.mlp.shared_expert_gate.weight")
     assert gate.shape == (1, 64)
     assert_close_rel(gate.norm(), torch.tensor(2.0))
@@ -97,6 +99,7 @@ def test_constant_gate_can_be_forced_over_prompts(tiny_qwen2, tmp_path):
     result = upcycle(cfg, tmp_path / "moe")
     assert torch.equal(tensor(result.output, "model.layers.0.mlp.shared_expert_gate.weight"),
                        torch.full((1, 64), 2.0 ** -64))
+    assert "sigmoid gate `constant`." in (result.output / "README.md").read_text()
     assert_close_rel(model_logits(result.output), model_logits(tiny_qwen2))
 
 

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Optional
 
+from moe_upcycle.planning import shared_experts
 from moe_upcycle.planning.plan_report import readable_count  # noqa: F401  (re-exported)
 from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
 from moe_upcycle.checkpoint.lora import split_ref
@@ -181,7 +182,7 @@ def making_of(config: UpcycleConfig) -> list[str]:
         for e in config.expert_list():
             lines.append(f"  - {code_span(e.name)}: {_prompt_source(e)}")
     if config.shared_experts:
-        gate = config.shared_expert_gate or "default"
+        gate = shared_experts.gate_init(config)  # what was built, also when the recipe left it to the default
         lines.append(f"- Shared expert: {len(config.shared_experts)} source FFN(s) concatenated, sigmoid gate "
                      f"`{gate}`.")
     if config.attention_from == "average":
