@@ -292,6 +292,49 @@ def test_tokenizer_files_of_our_own_build_must_match_byte_for_byte(tiny_llama, t
                for p in result.problems), result.problems
 
 
+def test_files_the_build_did_not_write_that_loaders_read_fail_and_others_are_named(tiny_moe, tmp_path,
+                                                                                   prompts_file):
+    """What a loader reads is the output, whatever the build wrote: a stale model.safetensors beside the index
+    (transformers loads it first), a second model*.safetensors (llama.cpp's converter reads them all), a
+    tokenizer file the build did not copy (AutoTokenizer reads it). Anything else is named, as it gets uploaded."""
+    clean = verify(tiny_moe, prompts=prompts_file, max_new_tokens=1)
+    assert clean.ok and not any("not written by the build" in n for n in clean.notes), clean.notes
+    folder = tmp_path / "moe"
+    shutil.copytree(tiny_moe, folder)
+    tensors = load_file(str(folder / SHARD))
+    tensors[EXPERT_W2] = torch.zeros_like(tensors[EXPERT_W2])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file({"x": torch.zeros(1)}, str(folder / "model-extra.safetensors"))
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    (folder / "special_tokens_map.json").write_text('{"eos_token": "<unk>"}')
+    (folder / "notes.txt").write_text("mine")
+    (folder / "checkpoint-500").mkdir()
+    (folder / "checkpoint-500" / "optimizer.pt").write_bytes(b"x")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    res = _verify_cli(folder, "--prompts", prompts_file, "--max-new-tokens", "1")
+    assert res.exit_code == 1
+    err = " ".join(res.stderr.split())
+    assert ("model.safetensors: not written by the build, but transformers loads model.safetensors instead of the "
+            "index's shards; remove it (or rebuild into an empty folder)") in err
+    assert "model-extra.safetensors: not written by the build, but llama.cpp's convert_hf_to_gguf.py reads every" in err
+    for name in ("chat_template.jinja", "special_tokens_map.json"):
+        assert (f"{name}: not written by the build, but AutoTokenizer reads it, so the tokenizer is no longer the "
+                f"base's") in err
+    assert "note: not written by the build: checkpoint-500/ (1 file), notes.txt; they are uploaded with the" in err
+    assert ".git" not in err
+    # the tensors checked are those transformers loads: model.safetensors, not the index's shard
+    assert "transformers loads model.safetensors and ignores the index, so model.safetensors is the file checked" in err
+    assert {p.name for p in folder.iterdir()} >= {"notes.txt", "checkpoint-500", "model.safetensors"}  # nothing removed
+
+
+def test_a_tensor_the_index_does_not_list_is_said_to_load(tiny_moe, tmp_path, prompts_file):
+    folder = _damaged_copy(tiny_moe, tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    result = verify(folder, prompts=prompts_file, max_new_tokens=1, hashes=False)
+    assert (f"{SHARD}: holds model.extra.weight which the index does not list; transformers loads every tensor of a "
+            f"shard it reads, so these replace or add to the listed ones — remove them, or rebuild") in result.problems
+
+
 @pytest.mark.parametrize("which", ["itself", "another_moe"])
 def test_an_moe_given_as_the_dense_base_is_refused_before_loading(which, tiny_moe, tmp_path, monkeypatch):
     """`verify OUT --base OUT` (a typo) compared the MoE with itself and PASSED; any MoE as --base is refused,

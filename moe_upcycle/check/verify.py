@@ -45,6 +45,7 @@ import torch
 
 from moe_upcycle.check.compare import (TokenizerLoadError, compare_logits, encode_inputs, load_causal_lm, run_model,
                                         upcast_to_fp32)
+from moe_upcycle.check.stray_files import stray_files
 from moe_upcycle.check.tokenizer_files import tokenizer_differences
 from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import layout_of_config, output_layout
@@ -119,7 +120,11 @@ def check_files(folder: Path, result: VerifyResult) -> tuple[dict[str, TensorInf
     """Check shards against the index (every header intact); return the tensors on disk, and the weight files
     that could not be read (already reported: their tensors are not reported again as missing)."""
     index = folder / INDEX_NAME
-    if index.is_file():
+    if index.is_file() and (folder / "model.safetensors").is_file():  # transformers looks for that file first
+        result.notes.append(f"model.safetensors and {INDEX_NAME} are both here: transformers loads model.safetensors "
+                            f"and ignores the index, so model.safetensors is the file checked")
+        by_file = {"model.safetensors": None}
+    elif index.is_file():
         try:  # the loaders' own reading of an index: no name outside the folder, every shard there
             by_file: dict[str, Optional[set]] = index_files(index)
         except SourceError as exc:
@@ -148,7 +153,8 @@ def check_files(folder: Path, result: VerifyResult) -> tuple[dict[str, TensorInf
                                        f"shard but it does not contain them")
             if set(found) - listed:
                 result.problems.append(f"{file}: holds {_listed(sorted(set(found) - listed))} which the index does "
-                                       f"not list (transformers will not load them)")
+                                       f"not list; transformers loads every tensor of a shard it reads, so these "
+                                       f"replace or add to the listed ones — remove them, or rebuild")
         tensors.update(found)
     return tensors, unread
 
@@ -277,6 +283,10 @@ def verify(
     result.num_tensors = len(tensors)
     if hashes and recipe is not None:
         check_hashes(folder, recipe, result)
+    if recipe is not None and isinstance(recipe.get("sha256"), dict):  # what the build wrote: anything else came later
+        problems, notes = stray_files(folder, set(recipe["sha256"]), RECIPE_NAME)
+        result.problems += problems
+        result.notes += notes
     if plan is None and recorded is not None:
         try:
             plan = recorded.plan()
