@@ -190,7 +190,7 @@ def test_verify_without_recipe_or_base_checks_loading_only(tiny_moe, tmp_path, p
     assert result.loaded_class == "MixtralForCausalLM" and result.num_tensors == 41
     assert any("no moe_upcycle.json" in n for n in result.notes)
     res = _verify_cli(copy, "--prompts", prompts_file, "--max-new-tokens", "2", "--max-kl", "0.1")
-    assert res.exit_code == 1 and "need the dense base; pass --base DENSE" in res.stderr
+    assert res.exit_code == 1 and "--max-kl compare with the dense base, which was not loaded" in res.stderr
 
 
 def test_verify_errors_name_the_folder(tmp_path):
@@ -326,6 +326,28 @@ def test_files_the_build_did_not_write_that_loaders_read_fail_and_others_are_nam
     # the tensors checked are those transformers loads: model.safetensors, not the index's shard
     assert "transformers loads model.safetensors and ignores the index, so model.safetensors is the file checked" in err
     assert {p.name for p in folder.iterdir()} >= {"notes.txt", "checkpoint-500", "model.safetensors"}  # nothing removed
+
+
+def test_a_copy_upcycle_whose_base_is_gone_passes_unchecked_unless_thresholds_are_given(tiny_llama, tmp_path,
+                                                                                         prompts_file):
+    """A downloaded copy-upcycle: its base is not on this machine. The recipe's own thresholds are said to be
+    unchecked (not blamed on options the user never gave); thresholds the user asked for fail."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    out = tmp_path / "moe"
+    upcycle({"base_model": str(base), "num_experts": 2, "experts_per_token": 1, "gate_mode": "random"}, out)
+    shutil.rmtree(base)
+    res = _verify_cli(out, "--prompts", prompts_file, "--max-new-tokens", "1")
+    assert res.exit_code == 0, res.output
+    assert "PASSED (not compared with a dense base)" in res.stdout
+    err = " ".join(res.stderr.split())
+    assert "dense comparison skipped" in err and "--max-kl" not in err
+    assert ("the experts are unchanged copies of the base, so the MoE should compute what it does (mean KL <= 0.001, "
+            "top-1 agreement >= 95%); without the base this was not checked — pass --base DENSE to check it") in err
+    res = _verify_cli(out, "--prompts", prompts_file, "--max-new-tokens", "1", "--min-agreement", "0.9")
+    assert res.exit_code == 1
+    assert ("--min-agreement compare with the dense base, which was not loaded (see the note); pass --base DENSE"
+            in " ".join(res.stderr.split()))
 
 
 def test_a_tensor_the_index_does_not_list_is_said_to_load(tiny_moe, tmp_path, prompts_file):

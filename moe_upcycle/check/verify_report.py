@@ -64,7 +64,8 @@ class VerifyResult:
         if self.perplexity_moe is not None:
             dense = f"dense {self.perplexity_dense:.3f}, " if self.perplexity_dense is not None else ""
             rows.append(("perplexity", f"{dense}MoE {self.perplexity_moe:.3f} on {self.text_tokens} tokens"))
-        rows.append(("result", "PASSED" if self.ok else f"FAILED ({len(self.problems)} problem(s))"))
+        passed = "PASSED" if self.comparison is not None else "PASSED (not compared with a dense base)"
+        rows.append(("result", passed if self.ok else f"FAILED ({len(self.problems)} problem(s))"))
         return rows
 
     def lines(self) -> list[str]:
