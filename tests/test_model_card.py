@@ -91,6 +91,22 @@ def test_hub_ids_local_models_and_shared_experts_in_base_model(tiny_qwen2, model
     assert experts[3][:3] == ["shared 0", "helper", "local model `helper`"]
 
 
+def test_a_hub_model_pinned_at_a_revision_is_a_hub_model(tiny_llama, cache, tmp_path):
+    """mergekit's org/name@revision names the hub model org/name at that revision, not a local folder."""
+    hub_cache(cache, "TinyOrg/llama-base", tiny_llama)
+    hub_cache(cache, "TinyOrg/llama-ft", tiny_llama)
+    result = upcycle({"base_model": "TinyOrg/llama-base", "gate_mode": "random", "experts_per_token": 1,
+                      "experts": [{"source_model": "TinyOrg/llama-ft@main"}, {"source_model": "TinyOrg/llama-base"}]},
+                     tmp_path / "moe")
+    text = (result.output / "README.md").read_text()
+    card = ModelCard(text)
+    assert card.data.base_model == ["TinyOrg/llama-base", "TinyOrg/llama-ft"]
+    assert "local model" not in text and "no hub id" not in text
+    experts = next(t for t in tables(card.content) if t[0][:3] == ["#", "name", "source model"])
+    assert experts[1][2] == "[TinyOrg/llama-ft@main](https://huggingface.co/TinyOrg/llama-ft/tree/main)"
+    assert "- source_model: TinyOrg/llama-ft@main" in text  # the card's recipe still pins the revision
+
+
 def test_parameter_table_is_readable_and_closed(stories, tmp_path):
     # stories260K ties its embeddings: the sentence about it must not become a row of the table
     result = upcycle({"base_model": str(stories), "num_experts": 4, "gate_mode": "random"}, tmp_path / "moe")

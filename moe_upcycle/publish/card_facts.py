@@ -27,8 +27,9 @@ def hub_id(ref: str, path: Optional[Path]) -> Optional[str]:
     """The hub id of a source: `ref` itself when it is one and no local folder of that name was
     used, else the ``_name_or_path`` its config.json records when that is a hub id; else None."""
     local_folder = path is not None and Path(os.path.expanduser(ref)).is_dir()
-    if is_hub_id(ref) and not local_folder:
-        return ref
+    model = ref.partition("@")[0]  # mergekit's org/name@revision is the hub model org/name
+    if is_hub_id(model) and not local_folder:
+        return model
     if path is not None and (Path(path) / "config.json").is_file():
         try:
             named = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
@@ -69,14 +70,23 @@ class Sources:
             model, adapter = self.lora[ref]
             return f"{self._part(model, True)} with LoRA {self._part(adapter, True)} merged in"
         h = self.hub.get(ref)
+        if h and self._revision(ref):
+            return f"[{h}@{self._revision(ref)}](https://huggingface.co/{h}/tree/{self._revision(ref)})"
         if h:
             return f"[{h}](https://huggingface.co/{h})"
         return f"{LOCAL} {code_span(Path(os.path.expanduser(ref)).name or ref)}"
+
+    def _revision(self, ref: str) -> str:
+        """The revision of a hub reference written ``org/name@revision``, else ''."""
+        model, _, revision = ref.partition("@")
+        return revision if self.hub.get(ref) == model else ""
 
     def shown(self, ref: str) -> str:
         """A reference as the card's recipe writes it: hub ids as they are, local folders by name only."""
         if ref in self.lora:
             return "+".join(self.part_hub.get(p) or self.shown(p) for p in self.lora[ref])
+        if self._revision(ref):
+            return ref  # the hub model at the revision the recipe pins
         return self.hub.get(ref) or Path(os.path.expanduser(ref)).name
 
     def _part(self, part: str, markdown: bool) -> str:
