@@ -93,11 +93,33 @@ def test_license_sources(tmp_path):
     (b / "config.json").write_text(json.dumps({"model_type": "llama", "license": "mit"}))
     assert read_license(a) == {"license": "other", "license_name": "llama2", "license_link": "LICENSE"}
     assert read_license(b) == {"license": "mit"} and read_license(c) is None
-    assert choose_license([a, c]) == (read_license(a), "")  # an expert without a license does not block it
-    keys, note = choose_license([c])
+    assert choose_license([("A", a), ("C", c)]) == (read_license(a), "")  # an expert without one does not block it
+    keys, note = choose_license([("C", c)])
     assert keys is None and "No license was found in the base model's README.md or config.json" in note
-    keys, note = choose_license([a, b])
-    assert keys is None and f"{a}: other, {b}: mit" in note
+    keys, note = choose_license([("local model a", a), ("Org/b", b)])
+    assert keys is None and "(local model a: other, Org/b: mit)" in note and str(tmp_path) not in note
+
+
+@pytest.mark.parametrize("stated,expected", [
+    ("Apache 2.0", "apache-2.0"), ("Apache License, Version 2.0", "apache-2.0"), ("Apache License 2.0", "apache-2.0"),
+    ("MIT", "mit"), ("MIT License", "mit"), ("CC-BY-NC-4.0", "cc-by-nc-4.0"), ("Llama 3.1", "llama3.1"),
+    ("llama3.3", "llama3.3"), ("some-new-id", "some-new-id"), ("[mit]", "mit"), ("my own terms", None),
+    ("[apache-2.0, mit]", None), ("{id: mit}", None),
+])
+def test_a_license_is_written_as_the_hub_id_it_names_or_left_to_the_user(stated, expected, tiny_llama, tmp_path):
+    """The hub takes one license id: 'Apache 2.0' in a base's card becomes apache-2.0; a value that names none
+    is not copied, and the card's note quotes it, naming the source without its path."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama, base)
+    (base / "README.md").write_text(f"---\nlicense: {stated}\n---\n# a dense model\n")
+    result = upcycle({"base_model": str(base), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe")
+    text = (result.output / "README.md").read_text()
+    assert ModelCard(text).data.to_dict().get("license") == expected
+    if expected is None:
+        assert "A source model states a license that is not one Hugging Face Hub license id (local model base: " in text
+        assert str(tmp_path) not in text
+    else:
+        assert "License:" not in text
 
 
 def test_card_without_license_leaves_it_to_the_user(tiny_llama, tmp_path):

@@ -8,6 +8,7 @@ from `planning.plan_report.parameter_counts`, as in ``moe-upcycle plan``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -22,14 +23,36 @@ from moe_upcycle.planning.runtimes import runtime_section
 from moe_upcycle.publish.card_facts import Sources, cell, making_of
 
 LICENSE_KEYS = ("license", "license_name", "license_link")
+# the hub's license ids (https://huggingface.co/docs/hub/repositories-licenses): a card's `license:` is one of them
+HUB_LICENSES = frozenset("""
+apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0 bigcode-openrail-m afl-3.0
+artistic-2.0 bsl-1.0 bsd bsd-2-clause bsd-3-clause bsd-3-clause-clear c-uda cc cc0-1.0 cc-by-2.0 cc-by-2.5 cc-by-3.0
+cc-by-4.0 cc-by-sa-3.0 cc-by-sa-4.0 cc-by-nc-2.0 cc-by-nc-3.0 cc-by-nc-4.0 cc-by-nd-4.0 cc-by-nc-nd-3.0 cc-by-nc-nd-4.0
+cc-by-nc-sa-2.0 cc-by-nc-sa-3.0 cc-by-nc-sa-4.0 cdla-sharing-1.0 cdla-permissive-1.0 cdla-permissive-2.0 wtfpl
+ecl-2.0 epl-1.0 epl-2.0 etalab-2.0 eupl-1.1 agpl-3.0 gfdl gpl gpl-2.0 gpl-3.0 lgpl lgpl-2.1 lgpl-3.0 isc lppl-1.3c
+ms-pl mpl-2.0 odc-by odbl openrail++ osl-3.0 postgresql ofl-1.1 ncsa unlicense zlib pddl lgpl-lr
+deepfloyd-if-license llama2 llama3 llama3.1 llama3.2 llama3.3 gemma unknown other
+""".split())
 
 
 def read_license(folder: Path) -> Optional[dict]:
-    """A model folder's license: its README.md front matter, else its config.json; None if neither says.
+    """A model folder's license as the hub takes it (`stated_license`), or None when it states none it can use.
 
     Returns:
         ``{"license": ...}`` plus ``license_name``/``license_link`` when the card gives them.
     """
+    return stated_license(folder)[0]
+
+
+def stated_license(folder: Path) -> tuple[Optional[dict], str]:
+    """(a folder's license keys for the card's front matter, or None; what it states that the hub cannot take, or '').
+
+    Read from its README.md front matter, else its config.json. A hub license is one id such as
+    ``apache-2.0`` (`HUB_LICENSES`): a name written otherwise ("Apache 2.0", "MIT", "Llama 3.1") becomes
+    its id, a one-item list its item; a value that names no id (several licenses, a mapping, an unknown
+    name) is not copied, and is returned for the card's note.
+    """
+    front: dict = {}
     card = folder / "README.md"
     if card.is_file():
         try:
@@ -39,38 +62,77 @@ def read_license(folder: Path) -> Optional[dict]:
         if text.startswith("---"):
             end = text.find("\n---", 3)
             try:
-                front = yaml.safe_load(text[3:end]) if end > 0 else None
+                loaded = yaml.safe_load(text[3:end]) if end > 0 else None
             except (yaml.YAMLError, RecursionError):
-                front = None
-            # only text: the hub's license fields are strings (a list or a mapping would make our card invalid)
-            if isinstance(front, dict) and isinstance(front.get("license"), str) and front["license"].strip():
-                return {k: front[k] for k in LICENSE_KEYS if isinstance(front.get(k), str) and front[k].strip()}
-    config = folder / "config.json"
-    if config.is_file():
+                loaded = None
+            front = loaded if isinstance(loaded, dict) and loaded.get("license") is not None else {}
+    if not front:
+        config = folder / "config.json"
         try:
-            value = json.loads(config.read_text(encoding="utf-8")).get("license")
-        except (OSError, ValueError, RecursionError, AttributeError):
-            value = None
-        if isinstance(value, str) and value.strip():
-            return {"license": value}
+            loaded = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, ValueError, RecursionError):
+            loaded = {}
+        front = {"license": loaded.get("license")} if isinstance(loaded, dict) else {}
+    value = front.get("license")
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if value is None or isinstance(value, str) and not value.strip():
+        return None, ""
+    hub_id = hub_license(value) if isinstance(value, str) else None
+    if hub_id is None:
+        return None, _shown_value(value)
+    extra = {k: front[k] for k in LICENSE_KEYS[1:] if isinstance(front.get(k), str) and front[k].strip()}
+    return {"license": hub_id, **extra}, ""
+
+
+def hub_license(value: str) -> Optional[str]:
+    """The hub license id a license name stands for, or None.
+
+    Example:
+        >>> hub_license("Apache 2.0"), hub_license("MIT License"), hub_license("Llama 3.1"), hub_license("my terms")
+        ('apache-2.0', 'mit', 'llama3.1', None)
+    """
+    if re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", value):  # written as an id (also one newer than `HUB_LICENSES`)
+        return value
+    words = re.sub(r"\b(the|licen[cs]e|version)\b", " ", value.strip().lower())
+    slug = re.sub(r"-{2,}", "-", re.sub(r"[\s_/,;:()]+", "-", words.strip())).strip("-")
+    for candidate in (slug, slug.replace("-v", "-"), re.sub(r"-(?=\d)", "", slug)):  # apache-v2.0, llama-3.1
+        if candidate in HUB_LICENSES:
+            return candidate
     return None
 
 
-def choose_license(source_paths: Sequence[Path]) -> tuple[Optional[dict], str]:
-    """The license of the output: the base's (first path) when every source that states one agrees.
+def _shown_value(value) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True).strip().removesuffix("...").strip()
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def choose_license(sources: Sequence[tuple[str, Path]]) -> tuple[Optional[dict], str]:
+    """The license of the output: the base's (first) when every source that states one agrees.
+
+    Args:
+        sources: (name shown in the card, folder) of the base, then of each other source; the name is a
+            hub id or ``local model NAME``, never a path (the card is published).
 
     Returns:
         (front matter keys or None, a note for the card when the user must set it).
     """
-    found = {str(p): read_license(p) for p in source_paths}
-    stated = {p: lic for p, lic in found.items() if lic}
-    base = found.get(str(source_paths[0])) if source_paths else None
-    if base and all(lic["license"] == base["license"] for lic in stated.values()):
+    found = [(name, *stated_license(path)) for name, path in sources]
+    stated = [(name, keys) for name, keys, _ in found if keys]
+    unusable = [(name, said) for name, keys, said in found if said]
+    base = found[0][1] if found else None
+    if base and not unusable and all(keys["license"] == base["license"] for _, keys in stated):
         return base, ""
+    if unusable:
+        listed = ", ".join(f"{name}: {said}" for name, said in unusable)
+        return None, (f"A source model states a license that is not one Hugging Face Hub license id ({listed}): "
+                      f"set `license:` in the front matter to the id that applies "
+                      f"(https://huggingface.co/docs/hub/repositories-licenses; `other` with `license_name` for "
+                      f"one not listed) before publishing.")
     if not stated:
         return None, ("No license was found in the base model's README.md or config.json: set `license:` in the "
                       "front matter to the base model's license before publishing.")
-    listed = ", ".join(f"{p}: {lic['license']}" for p, lic in stated.items())
+    listed = ", ".join(f"{name}: {keys['license']}" for name, keys in stated)
     return None, (f"The source models state different licenses ({listed}): set `license:` in the front matter "
                   f"to one that satisfies all of them before publishing.")
 
@@ -89,7 +151,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
     """
     named = Sources(config, sources or {})
     bases = named.base_models()  # hub ids only: the hub rejects local paths in base_model
-    license_keys, license_note = choose_license(list(source_paths))
+    license_keys, license_note = choose_license([(named.plain_path(path), path) for path in source_paths])
     front = {
         **({"base_model": bases} if bases else {}),
         "base_model_relation": "merge",
