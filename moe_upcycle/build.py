@@ -36,7 +36,7 @@ from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.publish.model_files import copy_tokenizer_files, missing_tokenizer_warning, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.calibration import read_documents
-from moe_upcycle.recipe.params import HIDDEN_MODES
+from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 from moe_upcycle.checkpoint.ownership import input_paths
@@ -252,7 +252,8 @@ def upcycle(
             gates = compute_gates(gating, plan, base)
             shared_gates = shared_gate_rows(gating, plan, base)
             st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
-        gate_warnings = parallel_experts(gates, plan.expert_names)
+        gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
+                                         from_prompts=gating.mode in PROMPT_MODES)
         specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
         with staged_output(target, force) as stage:
             metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it

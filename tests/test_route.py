@@ -126,6 +126,20 @@ def test_parallel_gates_are_named_with_their_layers():
     assert layer_ranges([0, 1, 2, 4]) == "0-2, 4"
 
 
+def test_a_split_builds_tied_routers_are_not_reported_as_parallel(tiny_llama, tmp_path):
+    """expert_init: split ties the router rows within each virtual group on purpose (that keeps it exact): no
+    warning about them, and none blaming prompts a random gate never read."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, generator=gen), torch.randn(16, generator=gen)
+    tied = {0: torch.stack([a, a, b, b])}
+    assert parallel_experts(tied, ["e0", "e1", "e2", "e3"], group_size=2) == []
+    (message,) = parallel_experts({0: torch.stack([a, a, b])}, ["e0", "e1", "e2"], from_prompts=False)
+    assert message.endswith("in layer(s) 0: the router cannot tell them apart") and "prompts" not in message
+    result = upcycle({"base_model": str(tiny_llama), "num_experts": 4, "experts_per_token": 2, "gate_mode": "random",
+                      "expert_init": {"method": "split", "granularity": 2}}, tmp_path / "moe")
+    assert result.gate_warnings == []
+
+
 def test_build_warns_about_identical_prompts(tiny_llama, tmp_path, write_yaml):
     same = ["def add(a, b): return a + b", "for i in range(10): print(i)"]
     cfg = write_yaml({"base_model": str(tiny_llama), "gate_mode": "cheap_embed", "experts": [

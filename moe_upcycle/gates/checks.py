@@ -30,13 +30,16 @@ def layer_ranges(layers: list[int]) -> str:
 
 
 def parallel_experts(gates: dict[int, torch.Tensor], expert_names: list[str] | tuple[str, ...],
-                     threshold: float = PARALLEL_COSINE) -> list[str]:
+                     threshold: float = PARALLEL_COSINE, group_size: int = 1, from_prompts: bool = True) -> list[str]:
     """Warnings naming each expert pair and the layers where their gate rows have cosine > `threshold`.
 
     Args:
         gates: layer -> (num_experts, hidden) router weights.
         expert_names: name of each expert row.
         threshold: cosine above which two rows count as nearly parallel.
+        group_size: G of ``expert_init: split``: the rows of a virtual group are tied on purpose (that keeps
+            the split exact), so pairs within a group are not reported.
+        from_prompts: the rows come from the experts' prompts (the advice is about them).
 
     Returns:
         One message per offending pair (empty when routing can tell every pair apart).
@@ -51,14 +54,15 @@ def parallel_experts(gates: dict[int, torch.Tensor], expert_names: list[str] | t
         for layer, cos in zip(layers, (rows @ rows.transpose(1, 2)).tolist()):
             for a, row in enumerate(cos):
                 for b in range(a + 1, len(row)):
-                    if row[b] > threshold:
+                    if row[b] > threshold and a // group_size != b // group_size:
                         hits.setdefault((a, b), []).append((layer, row[b]))
     out = []
     for (a, b), found in hits.items():
         layers = [layer for layer, _ in found]
         worst = max(c for _, c in found)
+        why = (f"your prompts for `{expert_names[a]}` and `{expert_names[b]}` are too similar for the router to tell "
+               f"apart; make them more distinct, add negative_prompts, or set gate_center: true" if from_prompts else
+               "the router cannot tell them apart")
         out.append(f"routing: gate vectors of experts `{expert_names[a]}` and `{expert_names[b]}` are nearly "
-                   f"parallel (cosine > {threshold}, up to {worst:.3f}) in layer(s) {layer_ranges(layers)}: "
-                   f"your prompts for `{expert_names[a]}` and `{expert_names[b]}` are too similar for the router "
-                   f"to tell apart; make them more distinct, add negative_prompts, or set gate_center: true")
+                   f"parallel (cosine > {threshold}, up to {worst:.3f}) in layer(s) {layer_ranges(layers)}: {why}")
     return out
