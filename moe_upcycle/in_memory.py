@@ -39,6 +39,7 @@ from moe_upcycle.gates.router import compute_gates
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.guards import check_tied_head, refuse_non_float
 from moe_upcycle.planning.plan import Plan, make_plan
+from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
@@ -106,6 +107,51 @@ def _dtype_warnings(dense_model: torch.nn.Module, dtype: Optional[str]) -> None:
             f"dense_model holds parameters of several dtypes: most are {str(chosen).removeprefix('torch.')}, some "
             f"{shown}; the MoE is {str(chosen).removeprefix('torch.')} throughout — pass dtype= to choose"),
             stacklevel=3)
+
+
+def refuse_unused_parameters(plan: Plan, dense_model: torch.nn.Module) -> None:
+    """Refuse a dense model whose forward uses a parameter the MoE has no place for (``lm_head.bias`` added to a
+    Llama): from files a loader drops it too, but this model computes with it, so the MoE would not."""
+    used = [key for key in plan.not_copied if key in dict(dense_model.named_parameters())]
+    if used:
+        shown = ", ".join(repr(k) for k in used[:5]) + (f" and {len(used) - 5} more" if len(used) > 5 else "")
+        raise ConfigError(f"dense_model: parameter(s) {shown} have no place in a {plan.architecture} model, so the "
+                          f"MoE would compute other logits than dense_model; remove them from the model (or fold "
+                          f"them into a tensor it keeps) before upcycling")
+
+
+def check_installed_runtime(plan: Plan) -> None:
+    """Refuse, or warn, when the installed transformers (4.x) cannot make or run this MoE exactly: the in-memory
+    model is that runtime's class (`runtimes`' transformers 4.x verdict, measured on 4.57)."""
+    import warnings
+
+    import transformers
+
+    from moe_upcycle.errors import UpcycleWarning
+    from moe_upcycle.planning.runtimes import NO_LOAD, RUNS, compatibility
+
+    installed = transformers.__version__
+    if int(installed.split(".")[0]) >= 5:
+        return
+    verdict = next(v for v in compatibility(plan) if v.runtime == "transformers 4.x")
+    where = f"transformers {installed} (installed here) and its {names.output_layout(plan.architecture).class_name}"
+    if verdict.status == NO_LOAD:
+        raise ConfigError(f"architecture: {plan.architecture} cannot hold this dense model in {where}: {verdict.why}; "
+                          f"install transformers>=5, or pass another architecture=")
+    if verdict.status == RUNS:
+        warnings.warn(UpcycleWarning(f"{where} run this MoE, but not as the dense model computes: {verdict.why}; "
+                                     f"transformers>=5 runs it exactly"), stacklevel=3)
+
+
+def warn_inexact(plan: Plan) -> None:
+    """Warn, as an `UpcycleWarning`, each reason the MoE will not start as the dense model (`Plan.inexact`; a
+    file build prints them as notes)."""
+    import warnings
+
+    from moe_upcycle.errors import UpcycleWarning
+
+    for caution in plan.inexact:
+        warnings.warn(UpcycleWarning(caution), stacklevel=3)  # at the caller of upcycle_model
 
 
 def upcycle_model(
@@ -179,6 +225,9 @@ def upcycle_model(
         source = state_dict_source(dense_model)
         sources = {IN_MEMORY_REF: source}
         plan = make_plan(config, sources)
+        refuse_unused_parameters(plan, dense_model)  # a head bias the MoE has no place for
+        warn_inexact(plan)  # a split whose top-k cannot hold whole groups, ties deciding uniform gates
+        check_installed_runtime(plan)  # the MoE is made by, and runs in, the transformers installed here
         refuse_non_float(plan, sources)  # an integer parameter would be copied into float experts as numbers
         check_tied_head(plan, source, IN_MEMORY_REF)  # a head untied in memory under a config that ties it
         gates = compute_gates(gate_params(config), plan, source, device=placement.main)
@@ -236,6 +285,14 @@ def keep_frozen(model: torch.nn.Module, plan: Plan, dense_model: torch.nn.Module
             params[target].requires_grad_(False)
 
 
+def _peft_types(model: Any) -> str:
+    """The adapter types of a PeftModel ("PROMPT_TUNING"), for messages."""
+    configs = getattr(model, "peft_config", None)
+    kinds = {str(getattr(getattr(c, "peft_type", None), "value", getattr(c, "peft_type", "?")))
+             for c in (configs.values() if isinstance(configs, dict) else ())}
+    return ", ".join(sorted(kinds)) or "unknown"
+
+
 def check_dense_model(dense_model: Any) -> None:
     """Refuse what is not a loaded transformers causal LM, naming the argument.
 
@@ -261,12 +318,16 @@ def check_dense_model(dense_model: Any) -> None:
                 else "")
         raise ConfigError(f"dense_model: expected a loaded transformers model, not {kind}{hint}; pass e.g. "
                           f"AutoModelForCausalLM.from_pretrained(...)")
-    names = [name for name, _ in dense_model.named_parameters()]
-    adapted = next((n for n in names if ".lora_" in n), None) or next((n for n in names if ".base_layer." in n), None)
+    params = [name for name, _ in dense_model.named_parameters()]
+    adapted = next((n for n in params if ".lora_" in n), None) or next((n for n in params if ".base_layer." in n), None)
     if adapted is not None:  # a PeftModel, or transformers' add_adapter: the weights are not where a plan looks
         raise ConfigError(f"dense_model: a {kind} carrying PEFT adapter layers (parameter {adapted!r}); merge the "
                           f"adapter into the weights first (peft: model = peft_model.merge_and_unload(), which "
                           f"changes the model in place) or pass the model without it")
+    if hasattr(dense_model, "peft_config") and hasattr(dense_model, "get_base_model"):  # prompt tuning, prefix...
+        raise ConfigError(f"dense_model: a {kind} wrapper whose adapter ({_peft_types(dense_model)}) adds no weights "
+                          f"an MoE could hold; pass the model it wraps (peft_model.get_base_model()), and add the "
+                          f"adapter to the MoE afterwards if you want it")
     layers = getattr(getattr(dense_model, "model", None), "layers", None)
     depth = getattr(dense_model.config, "num_hidden_layers", None)
     if isinstance(layers, torch.nn.ModuleList) and isinstance(depth, int) and len(layers) != depth:
@@ -274,6 +335,12 @@ def check_dense_model(dense_model: Any) -> None:
                           f"(model.model.layers); after adding or removing layers set "
                           f"model.config.num_hidden_layers = len(model.model.layers) (and layer_types, if the config "
                           f"has it), so the MoE gets the layers the model has")
+    types = getattr(dense_model.config, "layer_types", None)
+    if isinstance(layers, torch.nn.ModuleList) and isinstance(types, (list, tuple)) and len(types) != len(layers):
+        raise ConfigError(f"dense_model: config.layer_types lists {len(types)} layers but the model has {len(layers)} "
+                          f"(model.model.layers); after adding or removing layers set model.config.layer_types to "
+                          f"the types of the layers it has, in order (e.g. [t for i, t in "
+                          f"enumerate(model.config.layer_types) if i not in removed])")
     head = dense_model.get_output_embeddings() if hasattr(dense_model, "get_output_embeddings") else None
     if head is None:  # LlamaModel, the decoder alone (an unsupported family with a head gets the plan's message)
         what = ("a ...Model is the decoder alone" if kind.endswith("Model") else

@@ -295,3 +295,63 @@ def test_modules_replaced_without_their_config_are_named(change, words, stories)
     for word in words + ["the config does not describe the model's weights (a module replaced without updating "
                          "model.config?) — make them agree"]:
         assert word in text, (word, text)
+
+
+def test_what_makes_the_moe_start_elsewhere_is_warned_as_build_prints_it(tiny_llama):
+    """A build prints these as notes; upcycle_model used to drop them, so a split that cannot be exact, or uniform
+    gates whose ties pick the experts, gave other logits without a word."""
+    import warnings
+
+    from moe_upcycle.errors import UpcycleWarning
+
+    dense, ids = load(tiny_llama)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moe = upcycle_model(dense, num_experts=4, experts_per_token=1, expert_init={"method": "split", "granularity": 2})
+        upcycle_model(dense, num_experts=4, experts_per_token=2, gate="uniform",
+                      expert_init={"method": "drop", "ratio": 0.5})  # experts differ: the ties pick which run
+        upcycle_model(dense, num_experts=4, experts_per_token=2, gate="uniform")  # identical copies: ties are harmless
+        upcycle_model(dense, num_experts=4, experts_per_token=2)  # exact: nothing to say
+    said = [str(w.message) for w in caught if issubclass(w.category, UpcycleWarning)]
+    assert len(said) == 2, said
+    assert said[0].startswith("expert_init split is NOT function-preserving at init: experts_per_token 1 is not a "
+                              "multiple of granularity 2")
+    assert said[1].startswith("gate_mode uniform: every expert scores the same for every token, so the top-2 of 4")
+    assert all(w.filename == __file__ for w in caught if issubclass(w.category, UpcycleWarning))  # the caller's line
+    assert (logits(moe.eval(), ids) - logits(dense, ids)).abs().max() > 1e-3  # what the warning says
+
+
+def test_a_parameter_the_moe_has_no_place_for_is_refused(tiny_llama):
+    """lm_head.bias added to a Llama: from files a loader skips it too, but this model adds it to every logit."""
+    dense, _ = load(tiny_llama)
+    head = dense.lm_head
+    dense.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with pytest.raises(ConfigError, match=r"dense_model: parameter\(s\) 'lm_head.bias' have no place in a mixtral "
+                                          r"model, so the MoE would compute other logits than dense_model"):
+        upcycle_model(dense, num_experts=2)
+
+
+def test_stale_layer_types_after_removing_a_layer_are_named(tiny_qwen2):
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), dtype=torch.float32)
+    if not isinstance(getattr(dense.config, "layer_types", None), list):
+        pytest.skip("this transformers' Qwen2Config has no layer_types")
+    del dense.model.layers[0]
+    dense.config.num_hidden_layers = len(dense.model.layers)
+    with pytest.raises(ConfigError, match=r"dense_model: config.layer_types lists 2 layers but the model has 1 "
+                                          r"\(model.model.layers\); .* set model.config.layer_types to the types"):
+        upcycle_model(dense, num_experts=2)
+    dense.config.layer_types = dense.config.layer_types[1:]
+    assert type(upcycle_model(dense, num_experts=2)).__name__ == "Qwen2MoeForCausalLM"
+
+
+def test_a_prompt_tuning_peft_model_is_named_as_a_wrapper(tiny_llama):
+    peft = pytest.importorskip("peft")
+    dense, _ = load(tiny_llama)
+    wrapped = peft.get_peft_model(dense, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ConfigError, match=r"dense_model: a PeftModelForCausalLM wrapper whose adapter \(PROMPT_TUNING\) "
+                                          r"adds no weights an MoE could hold; pass the model it wraps "
+                                          r"\(peft_model.get_base_model\(\)\)"):
+        upcycle_model(wrapped, num_experts=2)
+    assert type(upcycle_model(wrapped.get_base_model(), num_experts=2)).__name__ == "MixtralForCausalLM"

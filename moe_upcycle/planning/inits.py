@@ -183,7 +183,7 @@ def tie_router_rows(rows: torch.Tensor, g: int, reduce: str = "first") -> torch.
 
 
 def split_notes(num_experts: int, top_k: int, g: int, group_sources: list[set[str]],
-                intermediate: int, gate_mode: str, itemsize: int = 4) -> list[str]:
+                intermediate: int, gate_mode: str, itemsize: int = 4) -> tuple[list[str], str]:
     """Say whether a split build is function-preserving at init, and why not when it is not.
 
     Args:
@@ -192,6 +192,9 @@ def split_notes(num_experts: int, top_k: int, g: int, group_sources: list[set[st
         intermediate: the dense intermediate size I.
         gate_mode: the router mode (``uniform`` leaves ties to torch.topk).
         itemsize: bytes per element of the output dtype.
+
+    Returns:
+        (the plan's notes, the one saying why it is not function-preserving, or '' when it is).
     """
     why = []
     if num_experts % g:
@@ -212,10 +215,11 @@ def split_notes(num_experts: int, top_k: int, g: int, group_sources: list[set[st
                  "of 16 bytes; if loading fails with 'strides should be multiple of 16 bytes', pass "
                  "experts_implementation='eager' to from_pretrained")
     if why:
-        return [head, "  NOT function-preserving at init: " + "; ".join(why)
-                + ". Expect the outputs to move from the dense model's (see the init drift report)."]
+        inexact = ("expert_init split is NOT function-preserving at init: " + "; ".join(why)
+                   + ". Expect the outputs to move from the dense model's.")
+        return [head, "  " + inexact], inexact
     return [head, "  function-preserving at init: each token's top-k holds whole virtual groups (exact up to "
-                  "float rounding)"]
+                  "float rounding)"], ""
 
 
 def describe(per_expert: list[ExpertInit], intermediate: int) -> list[str]:

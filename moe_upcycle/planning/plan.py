@@ -162,10 +162,12 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     elif names.LM_HEAD in base.tensors:
         notes.append("lm_head.weight is tied to model.embed_tokens.weight (tie_word_embeddings: true); written once")
 
+    split_inexact = ""  # why a split is not function-preserving at init (`inits.split_notes`)
     if g > 1:
         groups = [{x.source_model for x in experts[i:i + g]} for i in range(0, len(experts), g)]
-        notes += inits.split_notes(len(experts), config.experts_per_token, g, groups, dense_i, config.gate_mode,
-                                   dtype.itemsize)
+        split, split_inexact = inits.split_notes(len(experts), config.experts_per_token, g, groups, dense_i,
+                                                 config.gate_mode, dtype.itemsize)
+        notes += split
     notes += inits.describe(init_of, dense_i)
     if config.layout == "fused" and (problem := fused.installed_transformers_problem()):
         problems.append(problem)
@@ -176,17 +178,21 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                 + source_checks.expert_setting_notes(config.base_model, used, sources) + dropped
                 + unused_prompts_note(config))
     notes += cautions
+    if split_inexact:  # a caution (printed by build, warned by upcycle_model), beside the split's notes
+        cautions.append(split_inexact)
     if problems:
         raise PlanError(*_dedupe(problems))
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
-                layout=config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform")
+                layout=config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
+                not_copied=tuple(extra), inexact=(split_inexact,) if split_inexact else ())
     if plan.ties_decide:
         tie = (f"gate_mode uniform: every expert scores the same for every token, so the top-{plan.experts_per_token} "
                f"of {len(experts)} is decided by tie-breaking — in transformers on a CPU the same fixed experts for "
                f"every token (torch.topk's order), in other runtimes others — not a uniform mix; routing is uniform "
                f"only with experts_per_token: {len(experts)} (or train the routers, or use gate_mode: random)")
-        plan = dataclasses.replace(plan, notes=plan.notes + (tie,), cautions=plan.cautions + (tie,))
+        plan = dataclasses.replace(plan, notes=plan.notes + (tie,), cautions=plan.cautions + (tie,),
+                                   inexact=plan.inexact + (tie,))
     if llamacpp.verdict(plan)[0] != "exact":
         plan = dataclasses.replace(plan, notes=plan.notes + (llamacpp.plan_note(plan),))
     return plan

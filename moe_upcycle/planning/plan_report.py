@@ -118,7 +118,7 @@ def parameter_counts(plan: Plan) -> tuple[int, int]:
         n = math.prod(step.shape)
         total += n
         if step.kind == "expert":  # a fused tensor (`fused`) holds every expert's slots as its parts
-            for slot in step.parts or (step,):
+            for slot in step.leaves():
                 key = (slot.layer, slot.expert)
                 per_expert[key] = per_expert.get(key, 0) + math.prod(slot.shape)
         else:

@@ -77,6 +77,12 @@ class Plan:
     # the notes (also in `notes`) that `build` prints too: where the MoE differs from what its sources
     # or mergekit-moe would suggest (an expert's rope or vocab that the MoE does not keep, another output)
     cautions: tuple[str, ...] = field(default=())
+    # base tensors outside the decoder layers that are not written (a value head, a stray buffer): a loader
+    # skips them too, but a model in memory may use them (`upcycle_model` refuses those)
+    not_copied: tuple[str, ...] = field(default=())
+    # cautions (also in `cautions`) saying the MoE will not start as the dense model although its experts
+    # come from it: a split whose top-k cannot hold whole groups, uniform gates whose ties pick the experts
+    inexact: tuple[str, ...] = field(default=())
     # every router row is the same (gate_mode uniform): each expert scores the same for every token, so with
     # experts_per_token below the expert count the choice is each runtime's tie-breaking
     tied_scores: bool = False
