@@ -25,6 +25,7 @@ in memory (that is its purpose). Prompt-based gate modes need a tokenizer and fi
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -109,6 +110,19 @@ def _dtype_warnings(dense_model: torch.nn.Module, dtype: Optional[str]) -> None:
             stacklevel=3)
 
 
+def _python_values(**given: Any) -> None:
+    """Refuse None for an argument that has no None meaning, and a non-bool flag, in Python's words (the recipe's
+    messages speak YAML: "nothing after 'seed:'", "write true or false")."""
+    defaults = {name: p.default for name, p in inspect.signature(upcycle_model).parameters.items()}
+    for name, value in given.items():
+        if value is None:
+            raise ConfigError(f"upcycle_model: {name}=None is not a value it takes; pass {defaults[name]!r} (its "
+                              f"default), or leave the argument out")
+    flag = given.get("output_router_logits")
+    if not isinstance(flag, bool):
+        raise ConfigError(f"upcycle_model: output_router_logits={flag!r} is not a bool; pass True or False")
+
+
 def refuse_unused_parameters(plan: Plan, dense_model: torch.nn.Module) -> None:
     """Refuse a dense model whose forward uses a parameter the MoE has no place for (``lm_head.bias`` added to a
     Llama): from files a loader drops it too, but this model computes with it, so the MoE would not."""
@@ -183,7 +197,7 @@ def upcycle_model(
         router_init_std: std of the random router rows.
         router_jitter_noise, router_aux_loss_coef, output_router_logits: MoE training knobs
             written into the model's config.
-        dtype: "float32", "bfloat16" or "float16" (or the torch.dtype); default: the dense model's parameter dtype.
+        dtype: "float32", "bfloat16" or "float16" (or the torch.dtype); default (or "auto"): the dense model's parameter dtype.
         architecture: the output architecture ("mixtral", "qwen2_moe", "qwen3_moe"...); default:
             the one a build picks for the dense family.
 
@@ -210,6 +224,11 @@ def upcycle_model(
         expert_init = expert_init.model_dump(exclude_unset=True)
     if isinstance(dtype, torch.dtype):  # torch.bfloat16 as well as "bfloat16"
         dtype = str(dtype).removeprefix("torch.")
+    if dtype == "auto":  # from_pretrained's word for "as stored": here, the dense model's dtype
+        dtype = None
+    _python_values(num_experts=num_experts, experts_per_token=experts_per_token, expert_init=expert_init, seed=seed,
+                   router_init_std=router_init_std, router_jitter_noise=router_jitter_noise,
+                   output_router_logits=output_router_logits)
     _dtype_warnings(dense_model, dtype)
     config = load_config({
         "base_model": IN_MEMORY_REF, "num_experts": num_experts, "experts_per_token": experts_per_token,

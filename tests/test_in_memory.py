@@ -185,6 +185,9 @@ def test_layers_removed_without_the_config_are_named_and_work_once_it_is_set(tin
     (dict(expert_init={"method": "noise", "std": 0.1}),
      "upcycle_model: expert_init.std: unknown key — remove it; valid keys: absolute, granularity, method, ratio"),
     (dict(num_experts=0), "upcycle_model: num_experts: 0 is too small; write at least 1"),
+    (dict(seed=None), "upcycle_model: seed=None is not a value it takes; pass 0 (its default), or leave the argument out"),
+    (dict(expert_init=None), "upcycle_model: expert_init=None is not a value it takes; pass 'copy' (its default)"),
+    (dict(output_router_logits="yes"), "upcycle_model: output_router_logits='yes' is not a bool; pass True or False"),
 ])
 def test_argument_errors_name_upcycle_model_and_offer_no_cli_flag(kwargs, words, tiny_llama):
     """upcycle_model has no --allow-unknown-keys (nor allow_unknown_keys=): its messages do not offer one, and
@@ -355,3 +358,10 @@ def test_a_prompt_tuning_peft_model_is_named_as_a_wrapper(tiny_llama):
                                           r"\(peft_model.get_base_model\(\)\)"):
         upcycle_model(wrapped, num_experts=2)
     assert type(upcycle_model(wrapped.get_base_model(), num_experts=2)).__name__ == "MixtralForCausalLM"
+
+
+def test_dtype_auto_keeps_the_dense_models_dtype(tiny_llama):
+    """from_pretrained's dtype="auto" means "as stored"; here it is the dense model's dtype, as dtype=None."""
+    dense, _ = load(tiny_llama)
+    dense = dense.to(torch.bfloat16)
+    assert {p.dtype for p in upcycle_model(dense, num_experts=2, dtype="auto").parameters()} == {torch.bfloat16}
