@@ -18,6 +18,7 @@ from moe_upcycle.terminal.signals import quiet_startup
 def main() -> None:
     """The ``moe-upcycle`` entry point."""
     quiet_startup()  # each command then handles signals itself (`cli.app.cli_errors`)
+    standard_streams()
     problem = _cwd_problem()
     if problem:  # before torch loads: it dies on a deleted current folder with a foreign "FATAL ERROR"
         sys.stderr.write(f"error: {problem}\n")
@@ -29,6 +30,37 @@ def main() -> None:
     except SystemExit as done:
         finish(done.code)
     finish(0)
+
+
+def standard_streams() -> None:
+    """Make the standard streams safe to write to, whatever the command was started with.
+
+    - A closed descriptor 0, 1 or 2 (``>&-``) is opened on /dev/null: otherwise the next file opened (a shard,
+      the lock) would get that number, and anything a library writes to stdout or stderr would land in it;
+      Python's ``sys.stdout`` is then None, and every print would fail.
+    - Text the stream's encoding cannot hold (``PYTHONIOENCODING=ascii``, a Latin-1 locale: "Δ", a non-ASCII
+      expert name) is written as ``\u0394`` escapes instead of failing.
+    - ``COLUMNS`` that is not a positive number (``COLUMNS=0``) is dropped: rich would print every message in
+      zero columns, that is not at all.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)  # the lowest free number: `fd` itself
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and not (columns.strip().isdigit() and int(columns) > 0):
+        del os.environ["COLUMNS"]
 
 
 def _cwd_problem() -> str | None:

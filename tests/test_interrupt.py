@@ -90,8 +90,8 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("sig,force", [(signal.SIGINT, False), (signal.SIGTERM, True), (signal.SIGTERM, False),
-                                       (signal.SIGHUP, False), (signal.SIGHUP, True)],
-                         ids=["SIGINT", "SIGTERM-force", "SIGTERM", "SIGHUP", "SIGHUP-force"])
+                                       (signal.SIGHUP, False), (signal.SIGHUP, True), (signal.SIGQUIT, False)],
+                         ids=["SIGINT", "SIGTERM-force", "SIGTERM", "SIGHUP", "SIGHUP-force", "SIGQUIT"])
 def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_config, tmp_path):
     target = tmp_path / "moe"
     previous = None
@@ -104,6 +104,7 @@ def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_confi
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, f"rc {proc.returncode}\n{out}\n{err}"  # 130, 143, 129 as shells report
     assert f"interrupted ({signal.Signals(sig).name})" in err and "Traceback" not in out + err
+    assert not any(line.startswith("write: done") for line in err.splitlines())  # a stopped stage is not "done"
     assert len(shards) < N_SHARDS  # it really was stopped mid-write
     if force:
         assert _snapshot(target) == previous
@@ -224,3 +225,32 @@ def test_the_interrupt_line_speaks_of_an_output_only_for_commands_that_write_one
         cli_errors(body)()
     assert info.value.exit_code == 130
     assert " ".join(capsys.readouterr().err.split()) == said
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_signal_while_publishing_is_said_to_come_after_the_output_is_in_place(force, stories, tmp_path,
+                                                                                monkeypatch):
+    """A signal that arrives during the final rename(s) is held off until they are done, then raised: the output
+    is complete and in place, and the message says so (before: "nothing was written under the output name",
+    while the new model, with --force replacing the previous one, was there)."""
+    from moe_upcycle.checkpoint import output_dir
+
+    config = tmp_path / "r.yaml"
+    config.write_text(f"base_model: {stories}\nnum_experts: 2\ngate_mode: random\n")
+    target = tmp_path / "moe"
+    if force:
+        assert cli("build", config, target)[0] == 0
+    rename = os.rename
+
+    def rename_then_signal(src, dst):  # the signal lands exactly at the publishing rename
+        rename(src, dst)
+        if Path(dst) == target:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(output_dir.os, "rename", rename_then_signal)
+    code, output = cli("build", config, target, *(["--force"] if force else []))
+    assert code == 143, output
+    said = " ".join(output.split())
+    assert f"interrupted (SIGTERM) after {target} was complete and in place" in said and "nothing was" not in said
+    assert json.loads((target / "config.json").read_text())["num_local_experts"] == 2
+    assert leftovers(target) == ["moe"]

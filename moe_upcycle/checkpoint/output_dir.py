@@ -418,10 +418,25 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(s)
 
 
+def published() -> Optional[Path]:
+    """The output this process last put in place (None before any): a signal held off during `_publish` is raised
+    after it, and the interrupt message must not then say nothing was written."""
+    return _PUBLISHED[-1] if _PUBLISHED else None
+
+
+def forget_published() -> None:
+    """Start a command with no output put in place yet (commands run in one process under tests)."""
+    _PUBLISHED.clear()
+
+
+_PUBLISHED: list[Path] = []
+
+
 def _publish(stage: Path, target: Path, force: bool) -> None:
     with _signals_held():
         if not target.exists():
             os.rename(stage, target)
+            _PUBLISHED.append(target)
             return
         if not force and any(target.iterdir()):
             raise OutputError(f"output folder {target} appeared during the build; nothing was replaced")
@@ -438,4 +453,5 @@ def _publish(stage: Path, target: Path, force: bool) -> None:
         except OSError:
             os.rename(old, target)  # put the previous contents back
             raise
+        _PUBLISHED.append(target)
         remove_ours(old)

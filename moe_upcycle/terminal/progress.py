@@ -51,6 +51,7 @@ class Stage:
     completed: float = 0.0
     note: str = ""
     started: float = field(default_factory=time.monotonic)
+    stopped: bool = False  # the block ended with an exception (an error, an interrupt): not "done"
 
     def advance(self, amount: float = 1, note: Optional[str] = None) -> None:
         self.completed += amount
@@ -101,6 +102,9 @@ def stage(name: str, total: Optional[float] = None, unit: str = "steps", note: s
     reporter.started(st)
     try:
         yield st
+    except BaseException:
+        st.stopped = True
+        raise
     finally:
         reporter.finished(st)
 
@@ -265,7 +269,10 @@ class LineReporter(Reporter):
         elapsed = self.clock() - st.started
         if shown or elapsed >= self.first:
             done = f"{human_count(st.completed, st.unit)} " if st.completed else ""
-            self._print(f"{st.name}: done {done}in {_seconds(elapsed)}" + (f" — {st.note}" if st.note else ""))
+            if st.stopped:
+                self._print(f"{st.name}: stopped after {done}{_seconds(elapsed)}")
+            else:
+                self._print(f"{st.name}: done {done}in {_seconds(elapsed)}" + (f" — {st.note}" if st.note else ""))
 
     def close(self) -> None:
         self._stop.set()

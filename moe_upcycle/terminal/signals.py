@@ -1,8 +1,8 @@
 """Termination signals as exceptions, so clean-up runs and the exit code says which signal.
 
-SIGINT (Ctrl-C) is Python's `KeyboardInterrupt` already. SIGTERM (``kill``, a job scheduler) and
-SIGHUP (a closed terminal, a dropped SSH connection) would otherwise end the process on the
-spot, leaving ``.<name>.partial-*`` and ``.<name>.lock`` beside the target. `terminations_raise`
+SIGINT (Ctrl-C) is Python's `KeyboardInterrupt` already. SIGTERM (``kill``, a job scheduler),
+SIGHUP (a closed terminal, a dropped SSH connection) and SIGQUIT (Ctrl-\\) would otherwise end the
+process on the spot, leaving ``.<name>.partial-*`` and ``.<name>.lock`` beside the target. `terminations_raise`
 turns them into `Terminated`, a `KeyboardInterrupt` subclass carrying the signal number, so every
 ``finally`` runs; `exit_code` gives 128 + the signal number (130, 143, 129), as shells report.
 
@@ -19,11 +19,12 @@ import signal
 import threading
 from typing import Iterator
 
-HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
+HANDLED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None),
+                            getattr(signal, "SIGQUIT", None)) if s is not None)
 
 
 class Terminated(KeyboardInterrupt):
-    """A termination signal (SIGTERM, SIGHUP) turned into an exception; `signum` says which."""
+    """A termination signal (SIGTERM, SIGHUP, SIGQUIT) turned into an exception; `signum` says which."""
 
     def __init__(self, signum: int):
         super().__init__(f"terminated by {signal.Signals(signum).name}")
@@ -45,7 +46,7 @@ def _raise_terminated(signum, frame):  # noqa: ARG001
 
 @contextlib.contextmanager
 def terminations_raise(sigint: bool = False) -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise `Terminated` (previous handlers restored after).
+    """Within the block, SIGTERM, SIGHUP and SIGQUIT raise `Terminated` (previous handlers restored after).
 
     Args:
         sigint: also make SIGINT raise `KeyboardInterrupt` (Python's own handler) within the block,
