@@ -128,6 +128,20 @@ def test_write_grown_config_refuses_in_place_with_other_output(config_path, tmp_
         write_grown_config(config_path, {}, output=tmp_path / "other.yaml", in_place=True)
 
 
+def test_a_recipe_changed_while_the_prompts_were_chosen_is_not_written(config_path):
+    """Two `prompts grow --in-place` on one recipe: the second appended its picks to the first's result, so every
+    prompt was there twice. The picks belong to the bytes they were chosen for; other bytes now: nothing written."""
+    chosen_for = config_path.read_bytes()
+    grown_meanwhile = chosen_for.replace(b"positive_prompts:", b"positive_prompts:", 1) + b"# saved by an editor\n"
+    config_path.write_bytes(grown_meanwhile)
+    with pytest.raises(OutputError, match=r"experts.yaml: changed while the prompts were chosen \(another prompts "
+                                          r"grow, or an editor saved it\); nothing was written"):
+        write_grown_config(config_path, {"code": ["new prompt"]}, in_place=True, expected=chosen_for)
+    assert config_path.read_bytes() == grown_meanwhile
+    write_grown_config(config_path, {"code": ["new prompt"]}, in_place=True, expected=grown_meanwhile)
+    assert yaml.safe_load(config_path.read_text())["experts"][0]["positive_prompts"][-1] == "new prompt"
+
+
 def test_grow_needs_prompts(tiny_llama):
     with pytest.raises(ConfigError, match="no expert has positive_prompts"):
         grow_prompts(expert_prompts(load_config({"base_model": str(tiny_llama), "num_experts": 2}).expert_list()), ["x"],

@@ -119,6 +119,7 @@ def grow(
     if pool_format not in FORMATS:
         raise ConfigError(f"--pool-format: {pool_format!r} is not a format; use {', '.join(FORMATS[:-1])} or "
                           f"{FORMATS[-1]}")
+    read_first = config.read_bytes() if config.is_file() else None  # what the picks are chosen for
     cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     check_limits(per_expert, MIN_SIMILARITY if min_similarity is None else min_similarity,
                  MARGIN if margin is None else margin)
@@ -135,7 +136,7 @@ def grow(
                              min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
                                  output=output, in_place=in_place, force=force, allow_unknown_keys=allow_unknown_keys,
-                                 inputs=[pool])
+                                 inputs=[pool], expected=read_first)
     table = Table(title=f"prompts added from {escape(pool.name)} ({len(candidates)} candidates)")
     for col in ("expert", "prompt", "similarity", "margin"):
         table.add_column(col)

@@ -65,7 +65,7 @@ def _refuse_inputs(target: Path, inputs: Sequence[Union[str, Path]], folder: Opt
 def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[str]], *,
                        output: Union[str, Path, None] = None, in_place: bool = False,
                        force: bool = False, allow_unknown_keys: bool = False,
-                       inputs: Sequence[Union[str, Path]] = ()) -> Path:
+                       inputs: Sequence[Union[str, Path]] = (), expected: Optional[bytes] = None) -> Path:
     """Write the config with the picks appended to each expert's `positive_prompts`.
 
     Args:
@@ -77,6 +77,8 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         allow_unknown_keys: accept keys moe-upcycle does not know (kept in the output as written).
         inputs: other files the command reads (the pool); like the config's own prompt files
             (``*_prompts_from``), they are never written, even with `force`.
+        expected: the config's bytes when the picks were chosen; if it now holds others (a second
+            ``prompts grow --in-place`` finished first, an editor saved it), nothing is written.
 
     Returns:
         The path written.
@@ -87,6 +89,9 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
     src = Path(config_path)
     target = grown_target(src, output, in_place, force, inputs)
     raw = src.read_bytes()
+    if expected is not None and raw != expected:  # picks for one version, appended to another: twice, or stale
+        raise OutputError(f"{src}: changed while the prompts were chosen (another prompts grow, or an editor saved "
+                          f"it); nothing was written — run the command again on the recipe as it is now")
     original = raw.decode("utf-8-sig").replace("\r\n", "\n")
     # written back with the input's byte-order mark and line endings (a recipe saved on Windows stays CRLF)
     encoding, newline = ("utf-8-sig" if raw.startswith(b"\xef\xbb\xbf") else "utf-8"), ("\r\n" if b"\r\n" in raw else "\n")
