@@ -350,6 +350,42 @@ def test_a_copy_upcycle_whose_base_is_gone_passes_unchecked_unless_thresholds_ar
             in " ".join(res.stderr.split()))
 
 
+def test_a_folder_replaced_while_verify_reads_it_is_said_so(tiny_moe, tmp_path, prompts_file, monkeypatch):
+    """`verify OUT` while `build --force` replaces OUT: before, it mixed the two folders and advised removing the
+    new build's shards ("not written by the build ... remove it"). A build holding OUT's lock is named at once;
+    a swap that happened meanwhile replaces every finding with that fact."""
+    import subprocess
+    import sys
+
+    from moe_upcycle.check import verify as verify_module
+    from moe_upcycle.errors import SourceError
+
+    folder = tmp_path / "moe"
+    shutil.copytree(tiny_moe, folder)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".moe.lock").write_text(str(sleeper.pid))
+        with pytest.raises(SourceError, match=rf"OUT: a build into {folder} is running \(pid {sleeper.pid}, it holds "):
+            verify(folder, prompts=prompts_file, max_new_tokens=1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert verify(folder, prompts=prompts_file, max_new_tokens=1).ok  # a dead build's lock file: not running
+    (tmp_path / ".moe.lock").unlink()
+    hashes = verify_module.check_hashes
+
+    def swapped_meanwhile(where, recipe, result):  # a build --force finishing while verify reads
+        shutil.copytree(where, tmp_path / "new")
+        where.rename(tmp_path / "old")
+        (tmp_path / "new").rename(where)
+        hashes(where, recipe, result)
+
+    monkeypatch.setattr(verify_module, "check_hashes", swapped_meanwhile)
+    result = verify(folder, prompts=prompts_file, max_new_tokens=1)
+    assert result.problems == [f"{folder} was replaced while verify read it (a build --force into it finished "
+                               f"meanwhile), so what it found mixes two builds; run verify again"]
+
+
 def test_a_tensor_the_index_does_not_list_is_said_to_load(tiny_moe, tmp_path, prompts_file):
     folder = _damaged_copy(tiny_moe, tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
     result = verify(folder, prompts=prompts_file, max_new_tokens=1, hashes=False)

@@ -330,6 +330,37 @@ def _release_lock(lock: Path, fd: int) -> None:
     os.close(fd)
 
 
+def build_running(target: Path) -> Optional[str]:
+    """Say so when a live process holds the build lock of `target` (its ``.<name>.lock`` records the pid), else None.
+
+    For readers of an output (``verify``): a ``build --force`` into it swaps the folder when it finishes. Reads the
+    lock file only, never locks it, so a build starting at that moment is not refused because of the reader.
+    """
+    lock = Path(target).parent / f".{_stem(Path(target))}.lock"
+    try:
+        pid = int(lock.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:  # a killed build's lock file: no one is writing
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    return f"a build into {target} is running (pid {pid}, it holds {lock})"
+
+
+def folder_identity(folder: Path) -> Optional[tuple[int, int]]:
+    """(device, inode) of `folder`, or None when it is gone: a build --force puts a new folder in its place."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _lock_owner(lock: Path) -> str:
     try:
         return f" (pid {int(lock.read_text().strip())})"
