@@ -254,3 +254,34 @@ def test_a_signal_while_publishing_is_said_to_come_after_the_output_is_in_place(
     assert f"interrupted (SIGTERM) after {target} was complete and in place" in said and "nothing was" not in said
     assert json.loads((target / "config.json").read_text())["num_local_experts"] == 2
     assert leftovers(target) == ["moe"]
+
+
+KILL_AT_IMPORT = """
+import os, signal, sys
+class _Hook:  # sends the signal to this process the moment module KILL_AT starts importing
+    fired = False
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["KILL_AT"] and not _Hook.fired:
+            _Hook.fired = True
+            os.kill(os.getpid(), getattr(signal, os.environ["KILL_SIG"]))
+        return None
+sys.meta_path.insert(0, _Hook())
+"""
+
+
+@pytest.mark.parametrize("at", ["numpy.exceptions", "numpy._core.multiarray"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_torch_imports_stops_the_command(at, sig, stories, tmp_path):
+    """torch's C-level import of numpy caught the exception a signal became inside a command: a traceback
+    ("cannot load module more than once"), or the signal was lost and the build ran to the end with exit 0."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_AT_IMPORT)
+    config = tmp_path / "r.yaml"
+    config.write_text(f"base_model: {stories}\nnum_experts: 2\ngate_mode: random\n")
+    env = {**module_env(), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "KILL_AT": at, "KILL_SIG": sig}
+    run = subprocess.run(module_cmd("build", config, tmp_path / "moe"), env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 128 + getattr(signal, sig), run.stdout + run.stderr
+    assert "Traceback" not in run.stderr and "Built" not in run.stdout, run.stderr
+    assert leftovers(tmp_path / "moe") == []

@@ -93,6 +93,10 @@ def cli_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         forget_published()
+        # torch (and numpy) load before the command's own signal handling: a signal raised as an exception inside
+        # their C imports was caught there ("cannot load module more than once") or lost (the build ran on). Under
+        # start-up's handling (`signals.quiet_startup`) it ends the process at once, as nothing is written yet.
+        import torch  # noqa: F401
         try:
             with (terminations_raise(sigint=True), _warnings_printed(), libraries_quiet(),  # SIGTERM/SIGHUP: as Ctrl-C
                   reporting(for_console(console, QUIET["on"]))):
