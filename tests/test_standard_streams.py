@@ -4,7 +4,9 @@ Each once ended in a traceback or in silence after the work was done (`__main__.
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 from failure_checks import module_cmd, module_env
 
@@ -48,3 +50,36 @@ def test_zero_columns_still_prints_the_message(tmp_path):
     run = _run("MOE build missing.yaml out", tmp_path, COLUMNS="0")
     assert run.returncode == 1
     assert "config error: missing.yaml: config file not found" in " ".join(run.stderr.split()), run.stderr
+
+
+def test_names_transformers_could_not_load_from_are_refused_before_anything_is_made(stories, tmp_path):
+    """The tokenizers library opens a model folder by its UTF-8 name: a demo folder of bytes that are not UTF-8
+    was a traceback; a model path this locale cannot write (LC_ALL=C, PYTHONUTF8=0) was a UnicodeEncodeError."""
+    demo = subprocess.run([*module_cmd("demo"), os.fsencode(str(tmp_path / "demo_")) + b"\xff"],
+                          capture_output=True, cwd=tmp_path, env=module_env(), timeout=600, check=False)
+    err = " ".join(demo.stderr.decode("utf-8", "replace").split())
+    assert demo.returncode == 1 and "Traceback" not in err, err
+    assert "the path holds bytes that are not UTF-8 text, and transformers cannot load a tokenizer" in err
+    assert [p.name for p in tmp_path.iterdir()] == []
+    base = tmp_path / "modèle"
+    base.symlink_to(stories)
+    (tmp_path / "r.yaml").write_text("base_model: ./modèle\nnum_experts: 2\ngate_mode: random\n", encoding="utf-8")
+    run = _run("MOE plan r.yaml", tmp_path, LC_ALL="C", PYTHONUTF8="0", PYTHONIOENCODING="utf-8")
+    said = " ".join(run.stderr.split())
+    assert run.returncode == 1 and "Traceback" not in said, said
+    assert ("holds characters that this locale's file names (ascii) cannot hold; run with a UTF-8 locale "
+            "(LANG=C.UTF-8, or PYTHONUTF8=1)") in said
+
+
+def test_a_locale_writing_file_names_in_latin_1_is_named(monkeypatch):
+    """Under ISO-8859-1, é is one byte on disk, and transformers' tokenizer opens the UTF-8 name: the build said
+    "Built", then its model did not load ("os error 2")."""
+    from moe_upcycle.inputs import paths
+
+    monkeypatch.setattr(paths.os, "fsencode", lambda name: name.encode("latin-1"))
+    monkeypatch.setattr(paths.sys, "getfilesystemencoding", lambda: "iso8859-1")
+    assert paths.unloadable_name(Path("/data/iso_é")) == (
+        "/data/iso_é: this locale writes file names in iso8859-1, so the folder's name on disk is not the UTF-8 text "
+        "transformers' tokenizer opens, and the model would not load; run with a UTF-8 locale (LANG=C.UTF-8, or "
+        "PYTHONUTF8=1), or use a name of ASCII characters")
+    assert paths.unloadable_name(Path("/data/plain")) is None

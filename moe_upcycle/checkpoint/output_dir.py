@@ -28,7 +28,7 @@ from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME  # noqa
 from moe_upcycle.checkpoint.ownership import (cannot_remove, is_ours, protected_reason, remove_ours,
                                               replace_problem, warn_once)
 from moe_upcycle.errors import OutputError, reraise_if_out_of_memory
-from moe_upcycle.inputs.paths import user_name
+from moe_upcycle.inputs.paths import unloadable_name, user_name
 from moe_upcycle.terminal.signals import HANDLED, terminations_raise
 
 MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
@@ -82,11 +82,9 @@ def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inpu
     overlap = _source_overlap(target, sources)
     if overlap:
         return overlap
-    try:
-        str(target).encode("utf-8")
-    except UnicodeEncodeError:  # bytes that are not UTF-8 in a folder name: the tokenizers library takes str paths
-        return (f"output {ascii(str(target))}: the path holds bytes that are not UTF-8 text, and transformers "
-                f"cannot load a tokenizer from such a folder; choose a name of ordinary characters")
+    unloadable = unloadable_name(target)
+    if unloadable:
+        return f"output {unloadable}"
     if target.exists() and not target.is_dir():
         return f"output {target} exists and is a file; choose another output path"
     variable = _foreign_path(target)

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 from moe_upcycle.checkpoint.names import CHAT_TEMPLATE_DIR
 from moe_upcycle.checkpoint.manifest_file import MANIFEST, load_manifest
 from moe_upcycle.errors import OutputError, SourceError, UpcycleWarning
-from moe_upcycle.inputs.paths import user_name
+from moe_upcycle.inputs.paths import resolve_or_raise, unloadable_name, user_name
 
 INDEX = "model.safetensors.index.json"  # names the shards, which `--no-checksums` leaves out of the manifest
 DEMO_PARTS = ("dense", "moe")  # what `demo` writes inside its folder, besides the manifest
@@ -294,7 +294,10 @@ def prepare_demo_folder(folder: Path) -> Path:
     Raises:
         OutputError: the folder is a file, or holds files the demo did not write.
     """
-    folder = Path(os.path.expanduser(folder)).resolve()
+    folder = resolve_or_raise(Path(os.path.expanduser(folder)), OutputError, "demo folder")
+    unloadable = unloadable_name(folder)
+    if unloadable:  # the demo loads what it writes
+        raise OutputError(f"demo folder {unloadable}; nothing is made")
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"demo folder {folder} is a file; give a new or empty folder")
     from moe_upcycle.terminal.hints import odd_new_folder

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import re
 from pathlib import Path
 from typing import Optional, Type
@@ -76,10 +77,43 @@ def user_name(uid: int) -> str:
         return f"user id {uid}"
 
 
+def unencodable_name(path) -> str:
+    """The message for a path this locale cannot write as a file name (its characters are not in the file-system
+    encoding, e.g. ``é`` under ``LC_ALL=C`` with ``PYTHONUTF8=0``)."""
+    return (f"{ascii(str(path))} holds characters that this locale's file names ({sys.getfilesystemencoding()}) "
+            f"cannot hold; run with a UTF-8 locale (LANG=C.UTF-8, or PYTHONUTF8=1), or use a name of ASCII characters")
+
+
+def unloadable_name(folder: Path) -> Optional[str]:
+    """Why transformers could not load a model from a folder of this name, or None: its tokenizer (the Rust
+    tokenizers library) opens the path as UTF-8 text, so the name on disk must be exactly that.
+
+    Not so for bytes that are not UTF-8 (``\\xff``), for characters this locale cannot write in file names,
+    or under a locale that writes them in another encoding (ISO-8859-1 writes é as one byte).
+    """
+    try:
+        utf8 = str(folder).encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"{ascii(str(folder))}: the path holds bytes that are not UTF-8 text, and transformers cannot load a "
+                f"tokenizer from such a folder; choose a name of ordinary characters")
+    try:
+        on_disk = os.fsencode(str(folder))
+    except UnicodeEncodeError:
+        return unencodable_name(folder)
+    if on_disk != utf8:
+        return (f"{folder}: this locale writes file names in {sys.getfilesystemencoding()}, so the folder's name on "
+                f"disk is not the UTF-8 text transformers' tokenizer opens, and the model would not load; run with a "
+                f"UTF-8 locale (LANG=C.UTF-8, or PYTHONUTF8=1), or use a name of ASCII characters")
+    return None
+
+
 def resolve_or_raise(path: Path, error: Type[UpcycleError], where: str = "") -> Path:
     """`path.resolve()`, raising `error` (naming `where`, e.g. a YAML field) on a symlink loop."""
     try:
         return Path(path).resolve()
+    except UnicodeEncodeError:  # a locale whose file names are ASCII (LC_ALL=C with PYTHONUTF8=0)
+        message = unencodable_name(path)
+        raise error(f"{where}: {message}" if where else message) from None
     except ValueError as exc:  # "embedded null byte": no system call takes the path
         if "null" not in str(exc):
             raise
