@@ -7,6 +7,7 @@ When the command is done, the process ends without the interpreter's teardown (`
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -29,6 +30,13 @@ def main() -> None:
         app(prog_name="moe-upcycle")  # click's standalone mode ends with SystemExit
     except SystemExit as done:
         finish(done.code)
+    except OSError as exc:  # --help or --version to a full disk (`> /dev/full`): commands say it themselves
+        if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+            raise
+        with contextlib.suppress(OSError):
+            sys.stderr.write(f"error: writing to standard output failed ({exc.strerror}); send it to a file on a "
+                             f"disk with room, or to a terminal\n")
+        finish(1)
     finish(0)
 
 

@@ -83,3 +83,16 @@ def test_a_locale_writing_file_names_in_latin_1_is_named(monkeypatch):
         "transformers' tokenizer opens, and the model would not load; run with a UTF-8 locale (LANG=C.UTF-8, or "
         "PYTHONUTF8=1), or use a name of ASCII characters")
     assert paths.unloadable_name(Path("/data/plain")) is None
+
+
+def test_help_or_a_build_report_to_a_full_disk_says_what_happened(stories, tmp_path):
+    """`--help > /dev/full` was an OSError traceback; a build whose report could not be written exited 1 without
+    saying that the model itself was complete."""
+    run = _run("MOE --help > /dev/full", tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "error: writing to standard output failed (No space left on device)" in run.stderr
+    _recipe(stories, tmp_path)
+    run = _run("MOE build r.yaml out > /dev/full", tmp_path)
+    said = " ".join(run.stderr.split())
+    assert run.returncode == 1 and "Traceback" not in said, said
+    assert f"failed (No space left on device) ({tmp_path / 'out'} was built and is complete)" in said

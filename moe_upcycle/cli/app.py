@@ -118,10 +118,12 @@ def cli_errors(fn: Callable) -> Callable:
             stream = _failed_console(exc) if isinstance(exc, OSError) and not DEBUG["on"] else None
             if stream is not None:  # results on a full disk (`> /dev/full`): the stream, not a bug
                 if stream is out:
+                    done = published()  # the output is complete: only the report of it is lost
+                    built = f" ({escape(str(done))} was built and is complete)" if done is not None else ""
                     with contextlib.suppress(OSError):
                         console.print(f"[bold red]error:[/] writing the results to standard output failed "
-                                      f"({escape(exc.strerror or str(exc))}); send them to a file on a disk with "
-                                      f"room, or to a terminal", highlight=False, soft_wrap=True)
+                                      f"({escape(exc.strerror or str(exc))}){built}; send them to a file on a disk "
+                                      f"with room, or to a terminal", highlight=False, soft_wrap=True)
                 raise typer.Exit(1)  # stderr failed: nowhere left to say it
             # Path.resolve() on a looping link, a name too long, a path the user may not read: theirs, not a bug
             message = symlink_loop(exc) or denied(exc)
