@@ -24,6 +24,7 @@ def main() -> None:
     if problem:  # before torch loads: it dies on a deleted current folder with a foreign "FATAL ERROR"
         sys.stderr.write(f"error: {problem}\n")
         finish(1)
+    _no_shadowing()
     from moe_upcycle.cli import app
 
     try:
@@ -69,6 +70,14 @@ def standard_streams() -> None:
     columns = os.environ.get("COLUMNS")
     if columns is not None and not (columns.strip().isdigit() and int(columns) > 0):
         del os.environ["COLUMNS"]
+
+
+def _no_shadowing() -> None:
+    """`python -m moe_upcycle` puts the current folder first on sys.path, so a ``yaml.py`` or ``torch.py`` of the
+    user's there was imported instead of the library (three tracebacks). This package is loaded by then, and its
+    modules come from it, so the entry can go."""
+    if sys.path and not sys.flags.safe_path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
 
 
 def _cwd_problem() -> str | None:

@@ -96,3 +96,14 @@ def test_help_or_a_build_report_to_a_full_disk_says_what_happened(stories, tmp_p
     said = " ".join(run.stderr.split())
     assert run.returncode == 1 and "Traceback" not in said, said
     assert f"failed (No space left on device) ({tmp_path / 'out'} was built and is complete)" in said
+
+
+def test_a_users_yaml_py_in_the_current_folder_is_not_imported(stories, tmp_path):
+    """`python -m moe_upcycle` puts the current folder first on sys.path: a yaml.py or torch.py of the user's there
+    was imported instead of the library (AttributeError: module 'yaml' has no attribute 'MarkedYAMLError')."""
+    (tmp_path / "yaml.py").write_text("raise SystemExit('the user yaml.py was imported')\n")
+    (tmp_path / "torch.py").write_text("raise SystemExit('the user torch.py was imported')\n")
+    _recipe(stories, tmp_path)
+    run = _run("MOE plan r.yaml", tmp_path)
+    assert run.returncode == 0 and "was imported" not in run.stderr + run.stdout, run.stderr
+    assert (tmp_path / "yaml.py").read_text().startswith("raise")  # the user's files are left as they are
