@@ -238,3 +238,30 @@ def test_build_without_embedder_warns_once_and_builds(tmp_path, stories, monkeyp
     assert result.output.count("prompt lint skipped") == 1
     assert (tmp_path / "moe" / "config.json").is_file()
     assert json.loads((tmp_path / "moe" / "config.json").read_text())["num_local_experts"] == 2
+
+
+def test_an_uncached_hub_embedder_without_a_network_fails_at_once(monkeypatch, tmp_path):
+    """Not offline, no network, a Hub id not in the cache: sentence-transformers retried for 80 s before its error.
+    One short look at the Hub now says it; a cached or local embedder never asks the network."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    class ConnectError(Exception):  # httpx's name for it
+        pass
+
+    asked = []
+
+    def no_network(repo, timeout):
+        asked.append((repo, timeout))
+        raise ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(huggingface_hub, "model_info", no_network)
+    with pytest.raises(EmbedderError, match=r"embedder: someone/not-cached is not a folder, not in the local Hugging "
+                                            r"Face cache .*and the Hub cannot be reached \(\[Errno -2\] Name or service "
+                                            r"not known\); download it where there is a network"):
+        load_embedder("someone/not-cached")
+    assert asked == [("someone/not-cached", 5)]
+    assert load_embedder().encode(["a prompt"]).shape == (1, 384)  # the packaged default: no network asked
+    assert len(asked) == 1

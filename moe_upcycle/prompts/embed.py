@@ -127,7 +127,37 @@ def load_embedder(name: Optional[str] = None, *, batch_size: int = 64, device: s
         >>> load_embedder().encode(["Write a Python function", "Solve 2x + 3 = 7"]).shape  # doctest: +SKIP
         torch.Size([2, 384])
     """
-    return _embedder(resolve_embedder(name), name or DEFAULT_EMBEDDER, batch_size, device)
+    where = resolve_embedder(name)
+    _refuse_unreachable(where)
+    return _embedder(where, name or DEFAULT_EMBEDDER, batch_size, device)
+
+
+NETWORK_ERRORS = frozenset({"ConnectError", "ConnectTimeout", "TransportError", "NetworkError", "TimeoutException",
+                            "ConnectionError", "Timeout"})  # httpx's and requests' names for "no network"
+
+
+def _refuse_unreachable(where: str) -> None:
+    """Fail at once for a Hub id that is neither a folder nor cached when the Hub cannot be reached: the download
+    sentence-transformers would try took 80 s of retries before its error (one 5-second look here instead)."""
+    import os
+
+    from huggingface_hub import constants
+
+    if Path(where).exists() or constants.HF_HUB_OFFLINE:  # offline: sentence-transformers says it at once itself
+        return
+    from huggingface_hub import model_info, try_to_load_from_cache
+
+    if any(isinstance(try_to_load_from_cache(where, f), str) for f in ("modules.json", "config.json")):
+        return  # cached: loads without the network
+    try:
+        model_info(where, timeout=5)
+    except Exception as exc:  # noqa: BLE001 - only "no network" is ours to say; the rest sentence-transformers says
+        if not NETWORK_ERRORS & {c.__name__ for c in type(exc).__mro__}:
+            return
+        raise EmbedderError(f"embedder: {where} is not a folder, not in the local Hugging Face cache "
+                            f"({os.environ.get('HF_HUB_CACHE') or constants.HF_HUB_CACHE}), and the Hub cannot be "
+                            f"reached ({exc}); download it where there is a network (hf download {where}) or pass "
+                            f"--embedder with a local folder") from None
 
 
 @functools.lru_cache(maxsize=4)
