@@ -292,12 +292,16 @@ def test_tokenizer_files_of_our_own_build_must_match_byte_for_byte(tiny_llama, t
                for p in result.problems), result.problems
 
 
-def test_files_the_build_did_not_write_that_loaders_read_fail_and_others_are_named(tiny_moe, tmp_path,
+def test_files_the_build_did_not_write_that_loaders_read_fail_and_others_are_named(tiny_moe, tiny_llama, tmp_path,
                                                                                    prompts_file):
     """What a loader reads is the output, whatever the build wrote: a stale model.safetensors beside the index
     (transformers loads it first), a second model*.safetensors (llama.cpp's converter reads them all), a
     tokenizer file the build did not copy (AutoTokenizer reads it). Anything else is named, as it gets uploaded."""
     clean = verify(tiny_moe, prompts=prompts_file, max_new_tokens=1)
+    assert clean.ok and not any("not written by the build" in n for n in clean.notes), clean.notes
+    unhashed = upcycle({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random", "checksums": False},
+                       tmp_path / "unhashed").output  # its shards are the ones its (hashed) index lists
+    clean = verify(unhashed, prompts=prompts_file, max_new_tokens=1)
     assert clean.ok and not any("not written by the build" in n for n in clean.notes), clean.notes
     folder = tmp_path / "moe"
     shutil.copytree(tiny_moe, folder)

@@ -50,6 +50,7 @@ from moe_upcycle.check.tokenizer_files import tokenizer_differences
 from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.names import layout_of_config, output_layout
 from moe_upcycle.checkpoint.output_dir import build_running, folder_identity
+from moe_upcycle.checkpoint.ownership import written_files
 from moe_upcycle.checkpoint.manifest_file import MANIFEST as RECIPE_NAME, load_manifest
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
 from moe_upcycle.checkpoint.lora import Adapter, split_ref
@@ -291,7 +292,7 @@ def verify(
         if hashes and recipe is not None:
             check_hashes(folder, recipe, result)
         if recipe is not None and isinstance(recipe.get("sha256"), dict):  # what the build wrote: anything else came later
-            problems, notes = stray_files(folder, set(recipe["sha256"]), RECIPE_NAME)
+            problems, notes = stray_files(folder, written_files(folder, recipe["sha256"]), RECIPE_NAME)
             result.problems += problems
             result.notes += notes
         if plan is None and recorded is not None:

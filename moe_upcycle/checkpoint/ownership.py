@@ -138,7 +138,7 @@ def foreign_entries(folder: Path) -> list[str]:
     folder = Path(folder)
     manifest = _manifest(folder) or {}
     digests = manifest.get("sha256", {})
-    written = set(digests) | _index_shards(folder, digests)
+    written = written_files(folder, digests)
     try:
         since = (folder / MANIFEST).stat().st_mtime_ns
         entries = sorted(folder.iterdir(), key=lambda p: p.name)
@@ -180,6 +180,12 @@ def _touched_since(path: Path, since: int) -> bool:
     present; and a timestamp may be coarser than the time between a build's last file and its manifest."""
     st = path.stat()
     return st.st_ctime_ns >= since or st.st_mtime_ns >= since
+
+
+def written_files(folder: Path, digests: dict) -> set[str]:
+    """The files a build wrote into `folder`: those its manifest hashed (`digests`), and the shards its own index
+    lists (a build with ``checksums: false`` hashes no shard)."""
+    return set(digests) | _index_shards(folder, digests)
 
 
 def _index_shards(folder: Path, digests: dict) -> set[str]:
