@@ -264,3 +264,6 @@ def test_in_place_keeps_the_recipes_permissions(tiny_llama, tmp_path):
         src.chmod(mode)
         write_grown_config(src, {"code": [f"Fix bug {mode}."]}, in_place=True)
         assert src.stat().st_mode & 0o777 == mode
+        # the new NAME.grown.yaml beside it gets the recipe's mode too: a private recipe's prompts stay private
+        grown = write_grown_config(src, {"code": [f"Grow {mode}."]}, output=tmp_path / f"grown-{mode:o}.yaml")
+        assert grown.stat().st_mode & 0o777 == mode

@@ -15,11 +15,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 
-def write_file(target: Path, write: Callable[[Path], None], replace: bool) -> None:
-    """Write `target` through ``write(tmp)``; see the module docstring.
+def write_file(target: Path, write: Callable[[Path], None], replace: bool, mode_from: Optional[Path] = None) -> None:
+    """Write `target` through ``write(tmp)``; see the module docstring. A new file gets the permissions of
+    `mode_from` when given (a grown recipe those of its recipe: a private recipe stays private), else the umask's.
 
     Raises:
         FileExistsError: `replace` is false and the target exists.
@@ -33,6 +34,8 @@ def write_file(target: Path, write: Callable[[Path], None], replace: bool) -> No
         write(tmp)
         if replace and target.exists():
             shutil.copymode(target, tmp)  # a 0600 file replaced stays private
+        elif mode_from is not None:
+            shutil.copymode(mode_from, tmp)
         else:  # mkstemp makes 0600; a new file gets the mode open() would give it
             mask = os.umask(0)
             os.umask(mask)

@@ -112,7 +112,7 @@ def write_grown_config(config_path: Union[str, Path], picks: dict[str, Sequence[
         load_config(dict(grown), allow_unknown_keys=allow_unknown_keys)  # still a valid config
     try:
         write_file(target, lambda tmp: tmp.write_text(text, encoding=encoding, newline=newline),
-                   replace=in_place or force)
+                   replace=in_place or force, mode_from=src)
     except FileExistsError:
         raise OutputError(f"-o {target}: file exists (it appeared while the prompts were chosen); pass --force to "
                           f"replace it or choose another -o") from None
