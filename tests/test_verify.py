@@ -500,6 +500,11 @@ def test_recorded_config_keeps_hub_ids_sets_and_absolute_paths(tmp_path):
         {"source_model": str(tmp_path / "abs"), "positive_prompts_from": "gone.txt"}]
     assert recorded_config({"config": config}, build_dir / "out") is config
     assert recorded_config({}, build_dir / "out") is None
+    # ./x is the build folder's even when gone (the output was copied elsewhere): the message names where it looked
+    moved = tmp_path / "elsewhere" / "out"
+    moved.mkdir(parents=True)
+    got = recorded_config({"config": {"base_model": "./models/base"}, "paths_relative_to": ".."}, moved)
+    assert got["base_model"] == str(tmp_path / "elsewhere" / "models" / "base")
 
 
 def test_a_recipe_of_absolute_paths_records_no_working_folder(tiny_llama, tmp_path, monkeypatch):

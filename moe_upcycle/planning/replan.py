@@ -51,8 +51,8 @@ def recorded_config(manifest: dict, folder: Path) -> Optional[dict]:
 
     A recipe's relative paths (``base_model: ./base``, ``positive_prompts_from: story.txt``) are
     relative to the build's working folder; ``paths_relative_to`` locates that folder from the
-    output. A path that exists there is given as that path; anything else (a hub id, a shipped
-    prompt set, a source moved since) is kept as written. None when the manifest records no config.
+    output. A path that exists there, or is written ``./x`` or ``../x``, is given as that path; anything
+    else (a hub id, a shipped prompt set) is kept as written. None when the manifest records no config.
 
     A build run in ``proj/`` with ``-o out`` and ``base_model: ./base`` records ``..``; verify run
     from any folder then reads ``proj/out/../base``.
@@ -65,7 +65,9 @@ def recorded_config(manifest: dict, folder: Path) -> Optional[dict]:
         return config  # none recorded: relative paths are read from the current folder
     # both ends were real paths (getcwd, the resolved output), so undoing the relpath lexically is exact
     root_dir = Path(os.path.normpath(Path(folder).resolve() / root))
-    return map_paths(config, lambda ref: str(root_dir / ref) if (root_dir / ref).exists() else ref)
+    # a path written ./x or ../x is the build folder's even when it is gone: the message then names where it looked
+    return map_paths(config, lambda ref: str(root_dir / ref) if (root_dir / ref).exists()
+                     or ref.startswith(("./", "../")) else ref)
 
 
 def relative_local_paths(config: dict) -> list[str]:
