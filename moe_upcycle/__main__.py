@@ -76,7 +76,7 @@ def _no_shadowing() -> None:
     """`python -m moe_upcycle` puts the current folder first on sys.path, so a ``yaml.py`` or ``torch.py`` of the
     user's there was imported instead of the library (three tracebacks). This package is loaded by then, and its
     modules come from it, so the entry can go."""
-    if sys.path and not sys.flags.safe_path and sys.path[0] in ("", os.getcwd()):
+    if sys.path and not getattr(sys.flags, "safe_path", False) and sys.path[0] in ("", os.getcwd()):  # 3.11+: -P
         del sys.path[0]
 
 

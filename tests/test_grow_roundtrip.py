@@ -267,3 +267,6 @@ def test_in_place_keeps_the_recipes_permissions(tiny_llama, tmp_path):
         # the new NAME.grown.yaml beside it gets the recipe's mode too: a private recipe's prompts stay private
         grown = write_grown_config(src, {"code": [f"Grow {mode}."]}, output=tmp_path / f"grown-{mode:o}.yaml")
         assert grown.stat().st_mode & 0o777 == mode
+    src.chmod(0o444)  # a read-only recipe (a checkout, chmod a-w): the new file is the owner's to edit
+    grown = write_grown_config(src, {"code": ["Grow read-only."]}, output=tmp_path / "grown-ro.yaml")
+    assert grown.stat().st_mode & 0o777 == 0o644

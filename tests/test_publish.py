@@ -103,7 +103,8 @@ def test_license_sources(tmp_path):
 @pytest.mark.parametrize("stated,expected", [
     ("Apache 2.0", "apache-2.0"), ("Apache License, Version 2.0", "apache-2.0"), ("Apache License 2.0", "apache-2.0"),
     ("MIT", "mit"), ("MIT License", "mit"), ("CC-BY-NC-4.0", "cc-by-nc-4.0"), ("Llama 3.1", "llama3.1"),
-    ("llama3.3", "llama3.3"), ("some-new-id", "some-new-id"), ("[mit]", "mit"), ("my own terms", None),
+    ("llama3.3", "llama3.3"), ("llama-2", "llama2"), ("apache", None), ("some-new-id", None), ("[mit]", "mit"),
+    ("my own terms", None),
     ("[apache-2.0, mit]", None), ("{id: mit}", None),
 ])
 def test_a_license_is_written_as_the_hub_id_it_names_or_left_to_the_user(stated, expected, tiny_llama, tmp_path):

@@ -107,3 +107,17 @@ def test_a_users_yaml_py_in_the_current_folder_is_not_imported(stories, tmp_path
     run = _run("MOE plan r.yaml", tmp_path)
     assert run.returncode == 0 and "was imported" not in run.stderr + run.stdout, run.stderr
     assert (tmp_path / "yaml.py").read_text().startswith("raise")  # the user's files are left as they are
+
+
+def test_the_current_folder_check_runs_on_python_3_10(monkeypatch, tmp_path):
+    """sys.flags.safe_path (-P) exists from Python 3.11; on 3.10, which pyproject allows, reading it ended every
+    command in an AttributeError."""
+    import types
+
+    from moe_upcycle import __main__ as entry
+
+    monkeypatch.chdir(tmp_path)
+    fake = types.SimpleNamespace(path=[str(tmp_path), "/lib"], flags=types.SimpleNamespace(dont_write_bytecode=0))
+    monkeypatch.setattr(entry, "sys", fake)
+    entry._no_shadowing()
+    assert fake.path == ["/lib"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -303,6 +304,12 @@ def test_files_the_build_did_not_write_that_loaders_read_fail_and_others_are_nam
                        tmp_path / "unhashed").output  # its shards are the ones its (hashed) index lists
     clean = verify(unhashed, prompts=prompts_file, max_new_tokens=1)
     assert clean.ok and not any("not written by the build" in n for n in clean.notes), clean.notes
+    snapshot = tmp_path / "snapshot"  # as a Hub download leaves it: every file a link to its blob
+    snapshot.mkdir()
+    for path in unhashed.iterdir():
+        (snapshot / path.name).symlink_to(path)
+    clean = verify(snapshot, prompts=prompts_file, max_new_tokens=1)
+    assert clean.ok and not any("not written by the build" in n for n in clean.notes), (clean.problems, clean.notes)
     folder = tmp_path / "moe"
     shutil.copytree(tiny_moe, folder)
     tensors = load_file(str(folder / SHARD))
@@ -366,16 +373,22 @@ def test_a_folder_replaced_while_verify_reads_it_is_said_so(tiny_moe, tmp_path, 
 
     folder = tmp_path / "moe"
     shutil.copytree(tiny_moe, folder)
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        (tmp_path / ".moe.lock").write_text(str(sleeper.pid))
-        with pytest.raises(SourceError, match=rf"OUT: a build into {folder} is running \(pid {sleeper.pid}, it holds "):
+    lock = tmp_path / ".moe.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock)!r}, os.O_CREAT | os.O_RDWR)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
+                               "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:  # a build holding the lock, as staged_output does
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SourceError, match=rf"OUT: a build into {folder} is running \(pid {holder.pid}, it holds "):
             verify(folder, prompts=prompts_file, max_new_tokens=1)
     finally:
-        sleeper.kill()
-        sleeper.wait()
-    assert verify(folder, prompts=prompts_file, max_new_tokens=1).ok  # a dead build's lock file: not running
-    (tmp_path / ".moe.lock").unlink()
+        holder.kill()
+        holder.wait()
+    assert verify(folder, prompts=prompts_file, max_new_tokens=1).ok  # a killed build's lock file: not running
+    lock.write_text(str(os.getppid()))  # its pid reused by a live process: the lock is still not held
+    assert verify(folder, prompts=prompts_file, max_new_tokens=1).ok
+    lock.unlink()
     hashes = verify_module.check_hashes
 
     def swapped_meanwhile(where, recipe, result):  # a build --force finishing while verify reads

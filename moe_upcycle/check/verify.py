@@ -292,7 +292,7 @@ def verify(
         if hashes and recipe is not None:
             check_hashes(folder, recipe, result)
         if recipe is not None and isinstance(recipe.get("sha256"), dict):  # what the build wrote: anything else came later
-            problems, notes = stray_files(folder, written_files(folder, recipe["sha256"]), RECIPE_NAME)
+            problems, notes = stray_files(folder, written_files(folder, recipe["sha256"], links=True), RECIPE_NAME)
             result.problems += problems
             result.notes += notes
         if plan is None and recorded is not None:

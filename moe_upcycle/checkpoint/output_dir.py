@@ -341,13 +341,30 @@ def build_running(target: Path) -> Optional[str]:
         return None
     if pid == os.getpid():
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:  # a killed build's lock file: no one is writing
+    held = _flock_held(lock)
+    if held is None:  # no /proc/locks: a live pid is the best sign (a reused pid may say so wrongly)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:  # a killed build's lock file: no one is writing
+            return None
+        except PermissionError:  # alive, another user's
+            pass
+    elif not held:  # a killed build's lock file: the kernel dropped its lock, whatever process has its pid now
         return None
-    except PermissionError:  # alive, another user's
-        pass
     return f"a build into {target} is running (pid {pid}, it holds {lock})"
+
+
+def _flock_held(lock: Path) -> Optional[bool]:
+    """Whether some process holds a flock on `lock`, from Linux's /proc/locks (no lock is taken to find out, so a
+    build starting now is never refused for it); None where /proc/locks cannot be read."""
+    try:
+        inode = os.stat(lock).st_ino
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234567 0 EOF": the file is major:minor:inode
+    return any(len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == str(inode)
+               for f in (line.split() for line in table.splitlines()))
 
 
 def folder_identity(folder: Path) -> Optional[tuple[int, int]]:

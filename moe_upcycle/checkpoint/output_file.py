@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
@@ -20,7 +21,8 @@ from typing import Callable, Optional
 
 def write_file(target: Path, write: Callable[[Path], None], replace: bool, mode_from: Optional[Path] = None) -> None:
     """Write `target` through ``write(tmp)``; see the module docstring. A new file gets the permissions of
-    `mode_from` when given (a grown recipe those of its recipe: a private recipe stays private), else the umask's.
+    `mode_from` when given (a grown recipe those of its recipe: a private recipe stays private), writable by its
+    owner even when that file is read-only; else the umask's.
 
     Raises:
         FileExistsError: `replace` is false and the target exists.
@@ -34,8 +36,8 @@ def write_file(target: Path, write: Callable[[Path], None], replace: bool, mode_
         write(tmp)
         if replace and target.exists():
             shutil.copymode(target, tmp)  # a 0600 file replaced stays private
-        elif mode_from is not None:
-            shutil.copymode(mode_from, tmp)
+        elif mode_from is not None:  # its group and others' permissions; the owner may always read and edit it
+            os.chmod(tmp, stat.S_IMODE(os.stat(mode_from).st_mode) | stat.S_IRUSR | stat.S_IWUSR)
         else:  # mkstemp makes 0600; a new file gets the mode open() would give it
             mask = os.umask(0)
             os.umask(mask)

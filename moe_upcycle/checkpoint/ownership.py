@@ -182,16 +182,22 @@ def _touched_since(path: Path, since: int) -> bool:
     return st.st_ctime_ns >= since or st.st_mtime_ns >= since
 
 
-def written_files(folder: Path, digests: dict) -> set[str]:
+def written_files(folder: Path, digests: dict, links: bool = False) -> set[str]:
     """The files a build wrote into `folder`: those its manifest hashed (`digests`), and the shards its own index
-    lists (a build with ``checksums: false`` hashes no shard)."""
-    return set(digests) | _index_shards(folder, digests)
+    lists (a build with ``checksums: false`` hashes no shard).
+
+    Args:
+        links: read an index that is a link (a Hub download's snapshot links every file to its blob) when its
+            bytes are the build's; for reading only (``verify``), never for what ``--force`` may replace.
+    """
+    return set(digests) | _index_shards(folder, digests, links)
 
 
-def _index_shards(folder: Path, digests: dict) -> set[str]:
+def _index_shards(folder: Path, digests: dict, links: bool = False) -> set[str]:
     """The shard names of our index, when the index itself is as the build wrote it."""
     index = folder / INDEX
-    if INDEX not in digests or not index.is_file() or index.is_symlink() or _sha256(index) != digests[INDEX]:
+    if (INDEX not in digests or not index.is_file() or (index.is_symlink() and not links)
+            or _sha256(index) != digests[INDEX]):
         return set()
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
