@@ -351,6 +351,8 @@ def test_a_copy_upcycle_whose_base_is_gone_passes_unchecked_unless_thresholds_ar
     res = _verify_cli(out, "--prompts", prompts_file, "--max-new-tokens", "1")
     assert res.exit_code == 0, res.output
     assert "PASSED (not compared with a dense base)" in res.stdout
+    data = json.loads(_verify_cli(out, "--prompts", prompts_file, "--max-new-tokens", "1", "--json").stdout)
+    assert data["ok"] is True and data["compared_with_base"] is False and data["comparison"] is None
     err = " ".join(res.stderr.split())
     assert "dense comparison skipped" in err and "--max-kl" not in err
     assert ("the experts are unchanged copies of the base, so the MoE should compute what it does (mean KL <= 0.001, "

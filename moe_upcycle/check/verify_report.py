@@ -83,6 +83,7 @@ class VerifyResult:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["ok"] = self.ok
+        data["compared_with_base"] = self.comparison is not None  # ok without it checks files and loading only
         return data
 
 
