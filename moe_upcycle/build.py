@@ -284,8 +284,7 @@ def upcycle(
             with progress_stage("init drift"):
                 drift = build_drift(checking, plan, base.path, stage, base.adapter)
             card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
-            write_model_card(stage, config, plan, card_lines or None, [s.path for s in sources.values() if s.path],
-                             {ref: s.path for ref, s in sources.items()})
+            write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()})
             # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
             verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
             write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files, verification=verification)

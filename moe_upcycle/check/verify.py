@@ -260,141 +260,146 @@ def verify(
     _check_options(device, max_new_tokens, max_kl, min_agreement)
     base_given = _explicit_base(base)  # before any model is loaded: a wrong --base fails at once
     require_moe(folder)  # a dense folder would "pass" against its own base
-    if build_running(folder):  # its --force swap would replace the folder while it is read
-        raise SourceError(f"OUT: {build_running(folder)}; verify the folder after that build finishes")
+    running = build_running(folder)
+    if running:  # its --force swap would replace the folder while it is read
+        raise SourceError(f"OUT: {running}; verify the folder after that build finishes")
     before = folder_identity(folder)
-
-    def checked() -> VerifyResult:
-        nonlocal check, plan
-        result = VerifyResult(folder=str(folder))
-        recipe = load_manifest(folder)  # raises when it is there but damaged
-        recorded: Optional[RecordedBuild] = None
-        if check is None and recipe is not None:
-            config = recorded_config(recipe, folder)
-            if config is None:
-                result.notes.append(f"{RECIPE_NAME}: it records no config; checks without the recipe")
-            else:
-                try:
-                    recorded = recorded_build(config)
-                    check = recorded.check
-                except UpcycleError as exc:
-                    result.notes.append(f"{RECIPE_NAME}: its config is unreadable ({exc}); checks without the recipe")
-        if recipe is None and check is None:
-            result.notes.append(f"no {RECIPE_NAME} (not built by moe-upcycle?): sha256 and plan checks skipped")
-        text_str = _read_text(Path(text), "--text") if text is not None else default_text()
-        if text is not None and not text_str.strip():
-            raise SourceError(f"--text: {text} holds no text, so there is no perplexity to measure; give a text file "
-                              f"(or leave --text out for the shipped text)")
-        prompt_list = read_prompts(prompts) if prompts is not None else _default_prompts(check)
-
-        tensors, unread = check_files(folder, result)
-        result.num_tensors = len(tensors)
-        if hashes and recipe is not None:
-            check_hashes(folder, recipe, result)
-        if recipe is not None and isinstance(recipe.get("sha256"), dict):  # what the build wrote: anything else came later
-            problems, notes = stray_files(folder, written_files(folder, recipe["sha256"], links=True), RECIPE_NAME)
-            result.problems += problems
-            result.notes += notes
-        if plan is None and recorded is not None:
-            try:
-                plan = recorded.plan()
-            except UpcycleError as exc:
-                result.notes.append(f"could not re-make the plan from {RECIPE_NAME} ({'; '.join(exc.problems)}); "
-                                    f"tensors checked by transformers only")
-        if plan is not None:
-            check_against_plan(tensors, plan, result, bool(unread))
-        _check_config(folder, plan, result)
-        if unread:  # transformers would only say the same file is "not found"
-            result.notes.append("not loaded with transformers: a weight file cannot be read (see above)")
-            return result
-
-        advance("verify", note="loading the MoE with transformers")
-        try:
-            moe = load_causal_lm(folder, dtype="auto", device=device)  # as a user would: the folder's own dtype
-        except TokenizerLoadError as exc:
-            result.problems.append(str(exc))
-            return result
-        except Exception as exc:  # any loading failure is the finding, whatever transformers raises
-            reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
-            result.problems.append(f"does not load with transformers AutoModelForCausalLM: {_first_line(exc)}")
-            return result
-        result.loaded_class = moe.class_name
-        dtype = moe.model.dtype
-        result.loaded_dtype = str(dtype).removeprefix("torch.")
-        result.experts_implementation = getattr(moe.model.config, "_experts_implementation", None)
-        for kind, keys in (("missing", moe.missing_keys), ("unexpected", moe.unexpected_keys),
-                           ("mismatched", moe.mismatched_keys)):
-            if keys:
-                result.problems.append(f"transformers reports {len(keys)} {kind} key(s) when loading: {_listed(keys)}")
-        if plan is not None and moe.class_name != output_layout(plan.architecture).class_name:
-            result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
-        max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
-        inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
-        advance("verify", note=f"running the MoE on {len(prompt_list)} prompts")
-        as_written = inputs if dtype == torch.float32 else replace(inputs, text=None)  # 16-bit: perplexity in fp32 below
-        try:
-            user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=as_written)
-        except Exception as exc:  # e.g. grouped_mm on unaligned bf16 experts: the output does not run as written
-            reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
-            result.problems.append(f"loads but does not run in transformers ({result.loaded_dtype}, experts: "
-                                   f"{result.experts_implementation}): {_first_line(exc)}")
-            return result
-        if not all(bool(t.isfinite().all()) for t in user_run.logits):
-            result.problems.append(f"non-finite logits (NaN/inf) when run as written ({result.loaded_dtype})")
-        # the comparison measures the upcycling, not the dtype: both models in fp32 (the thresholds' calibration).
-        # A 16-bit model is upcast in place, not loaded a second time: bf16/fp16 -> fp32 is exact and the experts
-        # implementation comes from config.json either way, so the logits are an fp32 load's, bit for bit.
-        moe_run = user_run
-        if dtype != torch.float32:
-            user_run.logits = []  # checked above; the fp32 run's are compared
-            upcast_to_fp32(moe.model)
-            moe_run = run_model(moe, prompt_list, text_str, continuation_prompts=0, inputs=inputs)
-        del moe
-        gc.collect()  # the MoE is gone before the dense base is loaded: one model in memory at a time
-        result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
-        advance("verify", note="loading the dense base")
-
-        base_path, adapter = base_given or _resolve_base(check, result, folder)
-        if base_given and check is not None:
-            _note_other_base(base, base_given, check.base_model, result)
-        dense_run = None
-        if base_path is not None:
-            result.base = str(base if base is not None else check.base_model if check is not None else base_path)
-            problems, notes = tokenizer_differences(base_path, folder, ours=recipe is not None)
-            result.problems += problems
-            result.notes += notes
-            try:
-                dense = load_causal_lm(base_path, device=device, adapter=adapter)
-            except SourceError:
-                raise
-            except Exception as exc:  # the reference itself is broken: the user must fix --base
-                reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
-                raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
-                                  f"{exc}); pass a working --base DENSE") from None
-            _note_tokenizer_difference(dense.tokenizer, prompt_list, inputs, result)
-            advance("verify", note=f"running the dense base on {len(prompt_list)} prompts")
-            dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs,
-                                  drafts=user_run.continuation_ids)  # decodes only where it departs from the MoE's
-            advance("verify", note="compared")
-            del dense
-            gc.collect()
-            result.comparison = compare_logits(dense_run.logits, moe_run.logits)
-            result.perplexity_dense = dense_run.perplexity
-        result.continuations = [{"prompt": p, "dense": dense_run.continuations[i] if dense_run else None, "moe": m}
-                                for i, (p, m) in enumerate(zip(prompt_list, user_run.continuations))]
-        _apply_thresholds(result, max_kl, min_agreement, check)
-        return result
-
     replaced = (f"{folder} was replaced while verify read it (a build --force into it finished meanwhile), so what "
                 f"it found mixes two builds; run verify again")
     try:
-        result = checked()
+        result = _checked(folder, base, base_given, text=text, prompts=prompts, max_kl=max_kl,
+                          min_agreement=min_agreement, hashes=hashes, max_new_tokens=max_new_tokens, device=device,
+                          check=check, plan=plan)
     except (UpcycleError, OSError):
         if folder_identity(folder) != before:
             raise SourceError(replaced) from None
         raise
     if folder_identity(folder) != before:  # a build --force put another folder in its place meanwhile
         result.problems = [replaced]
+    return result
+
+
+def _checked(folder: Path, base, base_given: Optional[tuple[Path, Optional[Adapter]]], *, text, prompts,
+             max_kl: Optional[float], min_agreement: Optional[float], hashes: bool, max_new_tokens: int, device: str,
+             check: Optional[CheckParams], plan: Optional[Plan]) -> VerifyResult:
+    """`verify`'s checks of a folder that stays in place while they run (arguments as `verify` resolved them)."""
+    result = VerifyResult(folder=str(folder))
+    recipe = load_manifest(folder)  # raises when it is there but damaged
+    recorded: Optional[RecordedBuild] = None
+    if check is None and recipe is not None:
+        config = recorded_config(recipe, folder)
+        if config is None:
+            result.notes.append(f"{RECIPE_NAME}: it records no config; checks without the recipe")
+        else:
+            try:
+                recorded = recorded_build(config)
+                check = recorded.check
+            except UpcycleError as exc:
+                result.notes.append(f"{RECIPE_NAME}: its config is unreadable ({exc}); checks without the recipe")
+    if recipe is None and check is None:
+        result.notes.append(f"no {RECIPE_NAME} (not built by moe-upcycle?): sha256 and plan checks skipped")
+    text_str = _read_text(Path(text), "--text") if text is not None else default_text()
+    if text is not None and not text_str.strip():
+        raise SourceError(f"--text: {text} holds no text, so there is no perplexity to measure; give a text file "
+                          f"(or leave --text out for the shipped text)")
+    prompt_list = read_prompts(prompts) if prompts is not None else _default_prompts(check)
+
+    tensors, unread = check_files(folder, result)
+    result.num_tensors = len(tensors)
+    if hashes and recipe is not None:
+        check_hashes(folder, recipe, result)
+    if recipe is not None and isinstance(recipe.get("sha256"), dict):  # what the build wrote: anything else came later
+        problems, notes = stray_files(folder, written_files(folder, recipe["sha256"], links=True), RECIPE_NAME)
+        result.problems += problems
+        result.notes += notes
+    if plan is None and recorded is not None:
+        try:
+            plan = recorded.plan()
+        except UpcycleError as exc:
+            result.notes.append(f"could not re-make the plan from {RECIPE_NAME} ({'; '.join(exc.problems)}); "
+                                f"tensors checked by transformers only")
+    if plan is not None:
+        check_against_plan(tensors, plan, result, bool(unread))
+    _check_config(folder, plan, result)
+    if unread:  # transformers would only say the same file is "not found"
+        result.notes.append("not loaded with transformers: a weight file cannot be read (see above)")
+        return result
+
+    advance("verify", note="loading the MoE with transformers")
+    try:
+        moe = load_causal_lm(folder, dtype="auto", device=device)  # as a user would: the folder's own dtype
+    except TokenizerLoadError as exc:
+        result.problems.append(str(exc))
+        return result
+    except Exception as exc:  # any loading failure is the finding, whatever transformers raises
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
+        result.problems.append(f"does not load with transformers AutoModelForCausalLM: {_first_line(exc)}")
+        return result
+    result.loaded_class = moe.class_name
+    dtype = moe.model.dtype
+    result.loaded_dtype = str(dtype).removeprefix("torch.")
+    result.experts_implementation = getattr(moe.model.config, "_experts_implementation", None)
+    for kind, keys in (("missing", moe.missing_keys), ("unexpected", moe.unexpected_keys),
+                       ("mismatched", moe.mismatched_keys)):
+        if keys:
+            result.problems.append(f"transformers reports {len(keys)} {kind} key(s) when loading: {_listed(keys)}")
+    if plan is not None and moe.class_name != output_layout(plan.architecture).class_name:
+        result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
+    max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
+    inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
+    advance("verify", note=f"running the MoE on {len(prompt_list)} prompts")
+    as_written = inputs if dtype == torch.float32 else replace(inputs, text=None)  # 16-bit: perplexity in fp32 below
+    try:
+        user_run = run_model(moe, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=as_written)
+    except Exception as exc:  # e.g. grouped_mm on unaligned bf16 experts: the output does not run as written
+        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
+        result.problems.append(f"loads but does not run in transformers ({result.loaded_dtype}, experts: "
+                               f"{result.experts_implementation}): {_first_line(exc)}")
+        return result
+    if not all(bool(t.isfinite().all()) for t in user_run.logits):
+        result.problems.append(f"non-finite logits (NaN/inf) when run as written ({result.loaded_dtype})")
+    # the comparison measures the upcycling, not the dtype: both models in fp32 (the thresholds' calibration).
+    # A 16-bit model is upcast in place, not loaded a second time: bf16/fp16 -> fp32 is exact and the experts
+    # implementation comes from config.json either way, so the logits are an fp32 load's, bit for bit.
+    moe_run = user_run
+    if dtype != torch.float32:
+        user_run.logits = []  # checked above; the fp32 run's are compared
+        upcast_to_fp32(moe.model)
+        moe_run = run_model(moe, prompt_list, text_str, continuation_prompts=0, inputs=inputs)
+    del moe
+    gc.collect()  # the MoE is gone before the dense base is loaded: one model in memory at a time
+    result.perplexity_moe, result.text_tokens = moe_run.perplexity, moe_run.text_tokens
+    advance("verify", note="loading the dense base")
+
+    base_path, adapter = base_given or _resolve_base(check, result, folder)
+    if base_given and check is not None:
+        _note_other_base(base, base_given, check.base_model, result)
+    dense_run = None
+    if base_path is not None:
+        result.base = str(base if base is not None else check.base_model if check is not None else base_path)
+        problems, notes = tokenizer_differences(base_path, folder, ours=recipe is not None)
+        result.problems += problems
+        result.notes += notes
+        try:
+            dense = load_causal_lm(base_path, device=device, adapter=adapter)
+        except SourceError:
+            raise
+        except Exception as exc:  # the reference itself is broken: the user must fix --base
+            reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
+            raise SourceError(f"dense base {base_path} does not load with transformers ({type(exc).__name__}: "
+                              f"{exc}); pass a working --base DENSE") from None
+        _note_tokenizer_difference(dense.tokenizer, prompt_list, inputs, result)
+        advance("verify", note=f"running the dense base on {len(prompt_list)} prompts")
+        dense_run = run_model(dense, prompt_list, text_str, max_new_tokens=max_new_tokens, inputs=inputs,
+                              drafts=user_run.continuation_ids)  # decodes only where it departs from the MoE's
+        advance("verify", note="compared")
+        del dense
+        gc.collect()
+        result.comparison = compare_logits(dense_run.logits, moe_run.logits)
+        result.perplexity_dense = dense_run.perplexity
+    result.continuations = [{"prompt": p, "dense": dense_run.continuations[i] if dense_run else None, "moe": m}
+                            for i, (p, m) in enumerate(zip(prompt_list, user_run.continuations))]
+    _apply_thresholds(result, max_kl, min_agreement, check)
     return result
 
 

@@ -285,7 +285,7 @@ def _take_lock(target: Path) -> tuple[Path, int]:
     Returns:
         The lock path and the open descriptor that holds the lock.
     """
-    lock = target.parent / f".{_stem(target)}.lock"
+    lock = _lock_path(target)
     while True:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
@@ -334,12 +334,9 @@ def build_running(target: Path) -> Optional[str]:
     For readers of an output (``verify``): a ``build --force`` into it swaps the folder when it finishes. Reads the
     lock file only, never locks it, so a build starting at that moment is not refused because of the reader.
     """
-    lock = Path(target).parent / f".{_stem(Path(target))}.lock"
-    try:
-        pid = int(lock.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if pid == os.getpid():
+    lock = _lock_path(Path(target))
+    pid = _lock_pid(lock)
+    if pid is None or pid == os.getpid():
         return None
     held = _flock_held(lock)
     if held is None:  # no /proc/locks: a live pid is the best sign (a reused pid may say so wrongly)
@@ -376,11 +373,21 @@ def folder_identity(folder: Path) -> Optional[tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
-def _lock_owner(lock: Path) -> str:
+def _lock_path(target: Path) -> Path:
+    return target.parent / f".{_stem(target)}.lock"
+
+
+def _lock_pid(lock: Path) -> Optional[int]:
+    """The pid a build wrote into its lock file, or None (no file, or not a number)."""
     try:
-        return f" (pid {int(lock.read_text().strip())})"
+        return int(lock.read_text().strip())
     except (OSError, ValueError):
-        return ""
+        return None
+
+
+def _lock_owner(lock: Path) -> str:
+    pid = _lock_pid(lock)
+    return f" (pid {pid})" if pid is not None else ""
 
 
 def _recover(target: Path) -> Optional[Path]:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from moe_upcycle.checkpoint.headers import tensor_nbytes
+from moe_upcycle.checkpoint.names import LM_HEAD
 from moe_upcycle.recipe.schema import ExpertConfig
 
 
@@ -110,6 +111,11 @@ class Plan:
                 slots.setdefault(leaf.expert, []).append((leaf.layer, leaf.source, leaf.transforms))
         ways = {tuple(sorted(slot, key=repr)) for slot in slots.values()}
         return len(ways) <= 1 and not any(t for way in ways for _, _, t in way)
+
+    @property
+    def tied_head_written(self) -> bool:
+        """The tied head is written beside the embedding as ``lm_head.weight`` (for llama.cpp, see `llamacpp`)."""
+        return self.tied_embeddings and any(s.name == LM_HEAD for s in self.steps)
 
     @property
     def ties_decide(self) -> bool:

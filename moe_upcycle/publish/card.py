@@ -15,7 +15,6 @@ from typing import Mapping, Optional, Sequence
 import yaml
 
 from moe_upcycle import __version__
-from moe_upcycle.checkpoint import names
 from moe_upcycle.planning.plan_report import parameter_counts, readable_count
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.schema import UpcycleConfig
@@ -138,20 +137,20 @@ def choose_license(sources: Sequence[tuple[str, Path]]) -> tuple[Optional[dict],
 
 
 def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
-               source_paths: Sequence[Path] = (), sources: Optional[Mapping[str, Optional[Path]]] = None) -> str:
+               sources: Optional[Mapping[str, Optional[Path]]] = None) -> str:
     """The model card text.
 
     Args:
         config: the recipe as used.
         plan: the build plan (architecture, experts, parameter counts).
         verify_lines: markdown from `verify.VerifyResult.lines`, when verification ran.
-        source_paths: folders of the base (first) and expert models, read for their license.
-        sources: reference -> folder of every model the recipe names, read for hub ids
-            (``_name_or_path``); default: the references alone.
+        sources: reference -> folder of every model the recipe names, the base first, read for hub ids
+            (``_name_or_path``) and licenses; default: the references alone.
     """
     named = Sources(config, sources or {})
     bases = named.base_models()  # hub ids only: the hub rejects local paths in base_model
-    license_keys, license_note = choose_license([(named.plain_path(path), path) for path in source_paths])
+    license_keys, license_note = choose_license([(named.plain(ref), path) for ref, path in (sources or {}).items()
+                                                 if path is not None])
     front = {
         **({"base_model": bases} if bases else {}),
         "base_model_relation": "merge",
@@ -177,8 +176,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
     how = "\n".join(making_of(config))
     recipe = yaml.safe_dump(_public_recipe(config, named), sort_keys=False, allow_unicode=True)
     verify = "\n".join(named.without_paths(line, sources or {}) for line in verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
-    stored = ("stored twice: llama.cpp requires output.weight" if any(st.name == names.LM_HEAD for st in plan.steps)
-              else "stored once")
+    stored = "stored twice: llama.cpp requires output.weight" if plan.tied_head_written else "stored once"
     tied = f"\nThe input and output embeddings are tied ({stored}).\n" if plan.tied_embeddings else ""
     note = f"\n> **License:** {license_note}\n" if license_note else ""
     return f"""---
@@ -255,5 +253,5 @@ def _changes(expert) -> str:
 
 
 def write_model_card(folder: Path, config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
-                     source_paths: Sequence[Path] = (), sources: Optional[Mapping[str, Optional[Path]]] = None) -> None:
-    (folder / "README.md").write_text(model_card(config, plan, verify_lines, source_paths, sources), encoding="utf-8")
+                     sources: Optional[Mapping[str, Optional[Path]]] = None) -> None:
+    (folder / "README.md").write_text(model_card(config, plan, verify_lines, sources), encoding="utf-8")

@@ -47,7 +47,6 @@ class Sources:
         refs = [config.base_model] + [e.source_model for e in config.expert_list()]
         refs += [e.source_model for e in config.shared_experts]
         self.refs = list(dict.fromkeys(refs))
-        self.paths = paths
         # mergekit's model+adapter: named by its two parts (the model's folder is paths[ref])
         self.lora = {ref: split_ref(ref) for ref in self.refs if split_ref(ref)[1] is not None}
         self.hub = {ref: None if ref in self.lora else hub_id(ref, paths.get(ref)) for ref in self.refs}
@@ -103,11 +102,6 @@ class Sources:
             for form in {str(paths.get(ref) or ""), str(Path(os.path.expanduser(ref)).resolve()), ref} - {""}:
                 text = text.replace(form, self.plain(ref))
         return text
-
-    def plain_path(self, path: Path) -> str:
-        """`plain` of the source read from folder `path`; a folder no reference names, by its name only."""
-        ref = next((r for r in self.refs if self.paths.get(r) is not None and Path(self.paths[r]) == Path(path)), None)
-        return self.plain(ref) if ref is not None else f"{LOCAL} {Path(path).name}"
 
     def plain(self, ref: str) -> str:
         """A source without markdown: its hub id or ``local model ft0``."""
