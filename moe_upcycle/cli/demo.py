@@ -16,7 +16,7 @@ from moe_upcycle.terminal.markup import escape
 from moe_upcycle.build import upcycle
 from moe_upcycle.check.compare import compare_logits, load_causal_lm, run_model
 from moe_upcycle.checkpoint.tiny import make_dense_model
-from moe_upcycle.checkpoint.ownership import prepare_demo_folder, record_demo_dense, remove_ours
+from moe_upcycle.checkpoint.ownership import DEMO_PARTS, prepare_demo_folder, record_demo_dense, remove_ours
 from moe_upcycle.errors import OutputError, reraise_if_out_of_memory
 
 DEMO_TEXT = "Once upon a time there was a little dragon who loved to add numbers."
@@ -37,7 +37,7 @@ def run_demo(folder: Path, console: Console | None = None, num_experts: int = 4)
                               f"wrote is left") from None
         return _upcycle_and_compare(folder, dense, console, num_experts)
     except BaseException:  # an error, Ctrl-C: what this run wrote goes (the build's own output is staged)
-        for part in ("dense", "moe"):
+        for part in DEMO_PARTS:
             remove_ours(folder / part)
         if not existed:
             remove_ours(folder)

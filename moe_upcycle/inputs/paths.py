@@ -77,11 +77,14 @@ def user_name(uid: int) -> str:
         return f"user id {uid}"
 
 
+_UTF8_LOCALE = "run with a UTF-8 locale (LANG=C.UTF-8, or PYTHONUTF8=1), or use a name of ASCII characters"
+
+
 def unencodable_name(path) -> str:
     """The message for a path this locale cannot write as a file name (its characters are not in the file-system
     encoding, e.g. ``é`` under ``LC_ALL=C`` with ``PYTHONUTF8=0``)."""
     return (f"{ascii(str(path))} holds characters that this locale's file names ({sys.getfilesystemencoding()}) "
-            f"cannot hold; run with a UTF-8 locale (LANG=C.UTF-8, or PYTHONUTF8=1), or use a name of ASCII characters")
+            f"cannot hold; {_UTF8_LOCALE}")
 
 
 def unloadable_name(folder: Path) -> Optional[str]:
@@ -102,8 +105,7 @@ def unloadable_name(folder: Path) -> Optional[str]:
         return unencodable_name(folder)
     if on_disk != utf8:
         return (f"{folder}: this locale writes file names in {sys.getfilesystemencoding()}, so the folder's name on "
-                f"disk is not the UTF-8 text transformers' tokenizer opens, and the model would not load; run with a "
-                f"UTF-8 locale (LANG=C.UTF-8, or PYTHONUTF8=1), or use a name of ASCII characters")
+                f"disk is not the UTF-8 text transformers' tokenizer opens, and the model would not load; {_UTF8_LOCALE}")
     return None
 
 
