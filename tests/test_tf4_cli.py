@@ -61,6 +61,7 @@ def test_fused_layout_refused_before_any_work_in_transformers_4(stories, tmp_pat
 
 TF4_UPCYCLE_MODEL = r"""
 import warnings, torch
+torch.manual_seed(0)  # the random models below are the same in every run
 from transformers import AutoModelForCausalLM, Qwen2Config
 from moe_upcycle import upcycle_model
 from moe_upcycle.errors import ConfigError
@@ -80,11 +81,12 @@ from transformers import LlamaConfig
 moe = upcycle_model(AutoModelForCausalLM.from_config(LlamaConfig(**small)), num_experts=2,
                     output_router_logits=True).eval()
 ids = torch.tensor([[1, 5, 9, 3, 7]])
+steps = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)  # decoding steps past the first: no early eos
 try:
-    moe.generate(ids, max_new_tokens=3, do_sample=False)
+    moe.generate(ids, **steps)
 except RuntimeError as exc:
     print("GENERATE FAILS", str(exc).splitlines()[0])
-print("WORKAROUND", moe.generate(ids, max_new_tokens=3, do_sample=False, output_router_logits=False).shape[1])
+print("WORKAROUND", moe.generate(ids, **steps, output_router_logits=False).shape[1])
 """
 
 
