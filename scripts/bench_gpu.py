@@ -31,6 +31,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -105,7 +106,8 @@ def per_layer_capture(loaded, encoded, groups, batch_size):
         cap._PENDING_BYTES = held
 
 
-def bench_capture(shapes, batch_sizes, device, repeats, tokenizer, per_expert: int = PROMPTS_PER_EXPERT) -> list[dict]:
+def bench_capture(shapes, batch_sizes, device, repeats, tokenizer, per_expert: int = PROMPTS_PER_EXPERT,
+                  per_layer: bool = True, show: Callable[[dict], None] = lambda row: None) -> list[dict]:
     pool = [p for name in set_names() for p in load_prompts(name, "bench")]
     texts = [pool[i % len(pool)] for i in range(EXPERTS * per_expert)]
     groups = [i // per_expert for i in range(len(texts))]
@@ -116,17 +118,18 @@ def bench_capture(shapes, batch_sizes, device, repeats, tokenizer, per_expert: i
         model = random_llama(hidden, layers, device, torch.bfloat16 if device != "cpu" else torch.float32)
         loaded = loaded_model(model, tokenizer)
         for bs in batch_sizes:
-            times, rounds = best_times({
-                "plain": lambda m=loaded, b=bs: plain_pass(m, encoded, b, full=False),
-                "gates": lambda m=loaded, b=bs: cap.capture_router_inputs(m, encoded, groups, EXPERTS, "mean", b),
-                "per_layer": lambda m=loaded, b=bs: per_layer_capture(m, encoded, groups, b),
-            }, device, repeats)
+            fns = {"plain": lambda m=loaded, b=bs: plain_pass(m, encoded, b, full=False),
+                   "gates": lambda m=loaded, b=bs: cap.capture_router_inputs(m, encoded, groups, EXPERTS, "mean", b)}
+            if per_layer:
+                fns["per_layer"] = lambda m=loaded, b=bs: per_layer_capture(m, encoded, groups, b)
+            times, rounds = best_times(fns, device, repeats)
             rows.append({"hidden": hidden, "layers": layers, "batch_size": bs, "tokens": tokens,
                          "plain_tokens_per_s": round(tokens / times["plain"]),
                          "gates_tokens_per_s": round(tokens / times["gates"]),
                          "ratio": round(times["plain"] / times["gates"], 3),
                          "ratio_median_round": median_ratio(rounds, "plain", "gates"),
-                         "ratio_per_layer": round(times["plain"] / times["per_layer"], 3)})
+                         "ratio_per_layer": round(times["plain"] / times["per_layer"], 3) if per_layer else None})
+            show(rows[-1])
         del model, loaded
         if device != "cpu":
             torch.cuda.empty_cache()
@@ -202,6 +205,13 @@ def bench_round_trip(device, steps, tokenizer, windows: int = 32) -> list[dict]:
     return rows
 
 
+def show_capture(r: dict) -> None:
+    alone = f"; each layer reduced alone: {r['ratio_per_layer']:.3f}" if r["ratio_per_layer"] is not None else ""
+    print(f"capture {r['hidden']}x{r['layers']} batch {r['batch_size']:>3}: "
+          f"plain {r['plain_tokens_per_s']:>9} tok/s, gates {r['gates_tokens_per_s']:>9} tok/s, "
+          f"ratio {r['ratio']:.3f}, median round {r['ratio_median_round']:.3f} (target >= 0.9{alone})", flush=True)
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
 
@@ -216,7 +226,8 @@ def main() -> None:
                         help="capture: prompts per expert (8 experts); more make each timed pass longer and steadier")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--windows", type=int, default=32, help="round trip: 64-token windows of text (batches of 16)")
-    parser.add_argument("--skip", default="", help="parts to skip: capture,upcycle,roundtrip")
+    parser.add_argument("--skip", default="",
+                        help="parts to skip: capture,upcycle,roundtrip; per_layer: the capture's each-layer-alone column")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -230,9 +241,12 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     out = {"device": device_name, "torch": torch.__version__}
-    if "capture" not in skip:
+    if not args.json:
+        print(f"[{device_name}, torch {torch.__version__}]", flush=True)
+    if "capture" not in skip:  # each row is printed as it is measured: a run cut off at a limit keeps its rows
         out["capture"] = bench_capture(shapes, batch_sizes, args.device, args.repeats, tokenizer,
-                                       args.prompts_per_expert)
+                                       args.prompts_per_expert, "per_layer" not in skip,
+                                       show=show_capture if not args.json else lambda row: None)
     if "upcycle" not in skip:
         out["upcycle"] = bench_upcycle(shapes[0], args.device)
     if "roundtrip" not in skip:
@@ -240,12 +254,6 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"[{device_name}, torch {torch.__version__}]")
-    for r in out.get("capture", []):
-        print(f"capture {r['hidden']}x{r['layers']} batch {r['batch_size']:>3}: "
-              f"plain {r['plain_tokens_per_s']:>9} tok/s, gates {r['gates_tokens_per_s']:>9} tok/s, "
-              f"ratio {r['ratio']:.3f}, median round {r['ratio_median_round']:.3f} (target >= 0.9; "
-              f"each layer reduced alone: {r['ratio_per_layer']:.3f})")
     for r in out.get("upcycle", []):
         print(f"upcycle_model {r['hidden']}x{r['layers']} -> {EXPERTS} experts ({r['params_b']} B params), "
               f"{r['init']:<5}: {r['seconds']:6.2f} s, device and dtype kept: {r['device_and_dtype_kept']}")

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 16 in one call, for a lent GPU machine (the `device` tool) or any CUDA box:
 #   bash scripts/gpu_check.sh [LOG_DIR]
-# 1. `pytest -m cuda` (every init x {on CUDA, spread CUDA + CPU} x {fp32, bf16}; capture on CUDA vs CPU);
-# 2. scripts/bench_gpu.py: capture vs a plain forward, upcycle_model on the GPU, the train/save/reload round trip;
-# 3. the build/gates/route tests with the GPU present (device "auto" picks it), in parallel.
-# Each step has its own time limit (80 + 300 + 200 s: under the device tool's 600 s per call) and writes its log
-# to LOG_DIR (default: $OUT or ./gpu_logs); a failing step does not stop the next. Wheels in .whl/ (git-ignored;
-# for a machine without a registry) are installed to /tmp/site and put first on the path. For the lent H100
+# 1. scripts/bench_gpu.py's capture part alone, first and with nothing else running: capture vs a plain forward
+#    (every cell at batch >= 8 must reach 0.9; 9 interleaved rounds, each row printed as it is measured);
+# 2. then, side by side: `pytest -m cuda` (every init x {on CUDA, spread CUDA + CPU} x {fp32, bf16}, every output
+#    architecture, capture and route on CUDA vs CPU); the build/gates/route tests with the GPU present (device
+#    "auto" picks it); bench_gpu.py's upcycle_model timing and train/save/reload round trip.
+# Each step has its own time limit (220 s, then 150 s for the three side by side: under the device tool's 600 s
+# per call, with time left for a second call) and writes its log to LOG_DIR (default: $OUT or ./gpu_logs); a failing
+# step does not stop the next. Wheels in .whl/ (git-ignored;
+# for a machine without a registry) are installed to /tmp/site and put first on the path. For the lent H100/H200
 # image (Python 3.12, no pydantic or ruamel.yaml, another transformers):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 \
@@ -23,21 +26,26 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH=$PWD
 fi
-step() {  # name, seconds, command...
+SUM=$(mktemp -d)  # each step's summary (LOG holds only the logs: the device tool returns 8 files at most)
+step() {  # name, seconds, command...: runs it, then writes what it found to $SUM/name
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
   local rc=$?
-  echo "== $name: exit $rc in $((SECONDS - t0)) s"
-  grep -E "^(\[gw[0-9]+\] )?(FAILED|ERROR)|(FAILED|ERROR) tests/" "$LOG/$name.log" | head -n 20
-  tail -n 25 "$LOG/$name.log"
+  { echo "== $name: exit $rc in $((SECONDS - t0)) s"
+    grep -E "^(\[gw[0-9]+\] )?(FAILED|ERROR)|(FAILED|ERROR) tests/" "$LOG/$name.log" | head -n 20
+    tail -n 25 "$LOG/$name.log"; } >"$SUM/$name"
 }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"; } 2>&1 | tee "$LOG/env.log"
-step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs
-step bench_gpu 300 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 5 \
-  --prompts-per-expert 96 --steps 50
-step gpu_present_tests "${GPU_SUITE_SECONDS:-200}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 \
+step bench_capture 220 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 9 \
+  --prompts-per-expert 96 --skip per_layer,upcycle,roundtrip
+cat "$SUM/bench_capture"
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs &
+step gpu_present_tests "${GPU_SUITE_SECONDS:-150}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 \
   --tb=short -rfE tests/test_hidden_gates.py tests/test_research_path.py tests/test_cli_build.py tests/test_route.py \
-  tests/test_plan_memory.py tests/test_trust_recipe.py  # -v: each result is logged as it ends, a cut-off run too
+  tests/test_plan_memory.py tests/test_trust_recipe.py &  # -v: each result is logged as it ends, a cut-off run too
+step bench_round_trip 150 python3 scripts/bench_gpu.py --shapes 2048x16 --steps 50 --skip capture &
+wait
+cat "$SUM/cuda_tests" "$SUM/gpu_present_tests" "$SUM/bench_round_trip"
