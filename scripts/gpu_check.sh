@@ -3,12 +3,15 @@
 #   bash scripts/gpu_check.sh [LOG_DIR]
 # 1. scripts/bench_gpu.py's capture part alone, first and with nothing else running: capture vs a plain forward
 #    (every cell at batch >= 8 must reach 0.9; 9 interleaved rounds, each row printed as it is measured);
-# 2. then, side by side: `pytest -m cuda` (every init x {on CUDA, spread CUDA + CPU} x {fp32, bf16}, every output
-#    architecture, capture and route on CUDA vs CPU); the build/gates/route tests with the GPU present (device
-#    "auto" picks it); bench_gpu.py's upcycle_model timing and train/save/reload round trip.
-# Each step has its own time limit (220 s, then 150 s for the three side by side: under the device tool's 600 s
-# per call, with time left for a second call) and writes its log to LOG_DIR (default: $OUT or ./gpu_logs); a failing
-# step does not stop the next. Wheels in .whl/ (git-ignored;
+# 2. `pytest -m cuda` (every init x {on CUDA, spread CUDA + CPU} x {fp32, bf16}, every output architecture, capture
+#    and route on CUDA vs CPU);
+# 3. the build/gates/route tests with the GPU present (device "auto" picks it), 8 workers of 2 threads;
+# 4. bench_gpu.py's upcycle_model timing and train/save/reload round trip.
+# One after another (side by side, 8 workers of 16 threads each and the benchmark slowed each other past their
+# limits on an H200's 16 cores). GPU_STEPS="cuda_tests gpu_present_tests" runs only those. Each step has its own
+# time limit (220 + 120 + 200 + 120 s; about 430 s in all when it passes, so run it in two calls if the device tool
+# allows 600 s a call) and writes its log to LOG_DIR (default: $OUT or ./gpu_logs); a failing step does not stop
+# the next. Wheels in .whl/ (git-ignored;
 # for a machine without a registry) are installed to /tmp/site and put first on the path. For the lent H100/H200
 # image (Python 3.12, no pydantic or ruamel.yaml, another transformers):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -39,13 +42,23 @@ step() {  # name, seconds, command...: runs it, then writes what it found to $SU
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"; } 2>&1 | tee "$LOG/env.log"
-step bench_capture 220 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 9 \
-  --prompts-per-expert 96 --skip per_layer,upcycle,roundtrip
-cat "$SUM/bench_capture"
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs &
-step gpu_present_tests "${GPU_SUITE_SECONDS:-150}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 8 \
-  --tb=short -rfE tests/test_hidden_gates.py tests/test_research_path.py tests/test_cli_build.py tests/test_route.py \
-  tests/test_plan_memory.py tests/test_trust_recipe.py &  # -v: each result is logged as it ends, a cut-off run too
-step bench_round_trip 150 python3 scripts/bench_gpu.py --shapes 2048x16 --steps 50 --skip capture &
-wait
-cat "$SUM/cuda_tests" "$SUM/gpu_present_tests" "$SUM/bench_round_trip"
+want() { [[ " ${GPU_STEPS:-bench_capture cuda_tests gpu_present_tests bench_round_trip} " == *" $1 "* ]]; }
+if want bench_capture; then
+  step bench_capture 220 python3 scripts/bench_gpu.py --shapes 2048x16,4096x32 --batch-sizes 8,32,256 --repeats 9 \
+    --prompts-per-expert 96 --skip per_layer,upcycle,roundtrip
+  cat "$SUM/bench_capture"
+fi
+if want cuda_tests; then
+  step cuda_tests 120 python3 -m pytest -v -p no:cacheprovider -m cuda tests/test_cuda_paths.py -rs
+  cat "$SUM/cuda_tests"
+fi
+if want gpu_present_tests; then  # 8 workers of 2 threads each on 16 cores (each would take 16 threads otherwise)
+  OMP_NUM_THREADS=2 step gpu_present_tests "${GPU_SUITE_SECONDS:-200}" python3 -m pytest -v -p no:cacheprovider \
+    -p no:benchmark -n 8 --tb=short -rfE tests/test_hidden_gates.py tests/test_research_path.py \
+    tests/test_cli_build.py tests/test_route.py tests/test_plan_memory.py tests/test_trust_recipe.py
+  cat "$SUM/gpu_present_tests"  # -v: each result is logged as it ends, a cut-off run too
+fi
+if want bench_round_trip; then
+  step bench_round_trip 120 python3 scripts/bench_gpu.py --shapes 2048x16 --steps 50 --skip capture
+  cat "$SUM/bench_round_trip"
+fi
