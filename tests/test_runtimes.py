@@ -89,9 +89,32 @@ def test_bf16_stories_generates_and_verify_fails_without_the_written_experts_imp
         broken.problems
 
 
-def test_fp32_stories_keeps_transformers_default(stories, tmp_path):
+def test_fp32_build_loaded_as_bf16_runs_and_aligned_shapes_keep_transformers_default(stories, tiny_llama, tmp_path):
+    """An fp32 stories260K MoE has 688-byte rows (grouped_mm runs them) but 344-byte rows once loaded as bf16, as
+    `route` loads it on a GPU and as most users load an fp32 checkpoint: the written field covers both (the H200
+    run of `route` on CUDA failed with "strides should be multiple of 16 bytes" before)."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle.check.route import load_kwargs
+
     result = upcycle(_recipe(stories, "mixtral"), tmp_path / "moe")
-    assert "experts_implementation" not in json.loads((result.output / "config.json").read_text())
+    cfg_path = result.output / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert (cfg["dtype"], cfg["intermediate_size"], cfg["experts_implementation"]) == ("float32", 172, "eager")
+    model = AutoModelForCausalLM.from_pretrained(str(result.output), dtype=torch.bfloat16).eval()
+    assert model.config._experts_implementation == "eager"
+    out = model.generate(torch.tensor([[1, 400, 37, 90]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 8)
+    # a folder written without the field (an older build, another tool): route passes it where it loads in bf16
+    del cfg["experts_implementation"]
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_kwargs(result.output, "cuda") == {"dtype": torch.bfloat16, "device_map": "auto",
+                                                  "experts_implementation": "eager"}
+    assert load_kwargs(result.output, "cpu") == {"dtype": torch.float32}
+    # rows aligned in every dtype (intermediate 128): transformers' own choice is left alone
+    aligned = upcycle(_recipe(tiny_llama, "mixtral"), tmp_path / "aligned")
+    assert "experts_implementation" not in json.loads((aligned.output / "config.json").read_text())
+    assert load_kwargs(aligned.output, "cuda") == {"dtype": torch.bfloat16, "device_map": "auto"}
 
 
 # the ids come from the test (transformers 5 writes tiny tokenizers as "TokenizersBackend", unknown to 4.x)

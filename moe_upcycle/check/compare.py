@@ -291,3 +291,12 @@ def compare_logits(reference: list[torch.Tensor], other: list[torch.Tensor]) -> 
     return LogitComparison(max_abs_diff=float(torch.stack(diffs).max()),
                            top1_agreement=float(torch.cat(agree).float().mean()),
                            mean_kl=float(kl.mean()), max_kl=float(kl.max()), positions=int(kl.numel()))
+
+
+def eager_experts() -> dict:
+    """``experts_implementation="eager"`` for `from_pretrained`, where transformers has the option (5.x): 4.x
+    runs the experts in an eager loop anyway, and refuses the keyword (``MixtralForCausalLM.__init__() got an
+    unexpected keyword argument 'experts_implementation'``)."""
+    from transformers import PretrainedConfig
+
+    return {"experts_implementation": "eager"} if hasattr(PretrainedConfig(), "_experts_implementation") else {}

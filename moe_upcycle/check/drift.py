@@ -84,7 +84,7 @@ def measure_drift_folders(dense: Path, moe: Path, text: str = DRIFT_TEXT, adapte
     merge_into_model(dense_model, adapter)
     check_token_ids(ids, dense_model.get_input_embeddings().num_embeddings, dense, text)
     # eager experts: the reference loop, which (unlike grouped_mm on CPU) takes any intermediate size
-    moe_model = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32, **eager_experts()).eval()
+    moe_model = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32, **compare.eager_experts()).eval()
     return measure_drift(dense_model, moe_model, ids)
 
 
@@ -101,12 +101,3 @@ def build_drift(check: CheckParams, plan: Plan, dense: Optional[Path], moe: Path
     if check.report_init_drift is None and not has_tokenizer(dense):
         return None
     return measure_drift_folders(dense, moe, check.drift_text, adapter)
-
-
-def eager_experts() -> dict:
-    """``experts_implementation="eager"`` for `from_pretrained`, where transformers has the option (5.x): 4.x
-    runs the experts in an eager loop anyway, and refuses the keyword (``MixtralForCausalLM.__init__() got an
-    unexpected keyword argument 'experts_implementation'``)."""
-    from transformers import PretrainedConfig
-
-    return {"experts_implementation": "eager"} if hasattr(PretrainedConfig(), "_experts_implementation") else {}

@@ -10,6 +10,7 @@ model.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from moe_upcycle.check.compare import eager_experts
 from moe_upcycle.check.moe_folder import require_moe
 from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError, reraise_if_out_of_memory
 from moe_upcycle.checkpoint.manifest_file import load_manifest
@@ -25,6 +27,7 @@ from moe_upcycle.checkpoint.output_file import write_file
 from moe_upcycle.gates.capture import batch_on, encode, on_device, pad_batch, padding_id, resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
+from moe_upcycle.planning.model_config import experts_implementation_for
 from moe_upcycle.terminal.progress import stage
 
 
@@ -145,8 +148,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     if not prompts:
         raise ConfigError("prompts: there is no prompt to route; give at least one")
     require_moe(folder, command="route")  # from config.json: a dense folder is refused before it is loaded
-    dev = resolve_device(device)
-    kwargs = {"dtype": torch.float32} if dev == "cpu" else {"dtype": torch.bfloat16, "device_map": "auto"}
+    kwargs = load_kwargs(folder, resolve_device(device))
     try:
         with stage("load MoE", note=str(folder)):
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -294,3 +296,18 @@ def plot_routing(result: RoutingResult, path: Union[str, Path], title: Optional[
     finally:
         plt.close(fig)
     return out
+
+
+def load_kwargs(folder: Path, device: str) -> dict:
+    """`from_pretrained`'s arguments for routing on `device`: fp32 on the CPU; bf16 spread over the GPUs, with
+    transformers 5's eager experts where its grouped_mm cannot run the bf16 expert shapes ("strides should be
+    multiple of 16 bytes": an fp32 build of rows that are aligned in fp32 only, or a folder built elsewhere)."""
+    if device == "cpu":
+        return {"dtype": torch.float32}
+    kwargs = {"dtype": torch.bfloat16, "device_map": "auto"}
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        misaligned = experts_implementation_for(cfg, torch.bfloat16) is not None
+    except (OSError, ValueError, KeyError, TypeError):  # an architecture whose sizes this tool does not read
+        misaligned = False
+    return {**kwargs, **eager_experts()} if misaligned else kwargs

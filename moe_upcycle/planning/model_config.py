@@ -6,7 +6,7 @@ respelled by `rope.rope_fields` so that llama.cpp's converter, vLLM and ExLlamaV
 It is pure: `publish.model_files` writes it, `runtimes` judges it, `in_memory` builds a model from it.
 
 `experts_implementation` picks the config's ``experts_implementation`` so that transformers 5
-runs the output in its written dtype: its default, ``grouped_mm``, needs every expert matrix row
+runs the output in its written dtype and in bf16 (what an fp32 checkpoint is most often loaded as): its default, ``grouped_mm``, needs every expert matrix row
 (hidden and expert intermediate size times the dtype's bytes) to be a multiple of 16 bytes and
 otherwise fails in ``generate`` with "strides should be multiple of 16 bytes" (bf16
 stories260K: 172 x 2 = 344 bytes); ``eager`` loops over the hit experts and runs any shape on any
@@ -116,7 +116,10 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
         torch_dtype=dtype,
     )
     cfg.update(config_fields(plan))  # per architecture: expert count/size keys, shared expert, biases
-    implementation = experts_implementation(cfg["hidden_size"], cfg[layout.expert_size_key], plan.dtype)
+    # checked in bf16 too: an fp32 checkpoint is most often loaded as bf16 (route does on a GPU), as
+    # `upcycle_model` checks for a model trained in fp32 and saved in bf16
+    sizes = cfg["hidden_size"], cfg[layout.expert_size_key]
+    implementation = experts_implementation(*sizes, plan.dtype) or experts_implementation(*sizes, torch.bfloat16)
     if implementation:
         cfg["experts_implementation"] = implementation
     if "router_jitter_noise" in cfg:
