@@ -55,7 +55,7 @@ BUILDS = {
 REFUSED = {
     "null_prompts_hidden": ["experts[0].positive_prompts", "gate_mode hidden needs at least one prompt"],
     "deepseek_shared": ["architecture: deepseek", "trust_remote_code", "use architecture: qwen2_moe",
-                        "shared_expert_gate: constant"],
+                        "shared_expert_gate: constant", "shared_experts[0].residual_scale: 0.2"],
     "typo_key": ["experts[0].postive_prompts: unknown key", "did you mean positive_prompts?"],
     "too_many_per_token": ["experts_per_token is 4 but there are only 2 experts", "use a value from 1 to 2"],
     "unknown_keys": ["merge_method: unknown key", "--allow-unknown-keys", "experts[0].weight: unknown key"],

@@ -392,6 +392,11 @@ def test_unprompted_shared_expert_on_llama_says_mergekit_would_write_deepseek(ti
     assert plain.architecture == "qwen2_moe"
     assert any("mergekit-moe 0.1.5 writes DeepSeek MoE for llama experts" in n and "architecture: qwen2_moe" in n
                for n in plain.notes), plain.notes
+    # DeepSeek adds the shared expert at full weight; the constant gate halves it: the note gives the doubled scale
+    assert any("for mergekit's FFN output set shared_experts[0].residual_scale: 0.2" in n for n in plain.notes)
+    advised = build({"base_model": base, "gate_mode": "random", "experts": experts, "architecture": "qwen2_moe",
+                     "shared_experts": [{"source_model": base, "residual_scale": 0.2}]}, dry_run=True).plan
+    assert any("1 x routed + 1/2 x 0.2 x shared" in n for n in advised.notes), advised.notes
     explicit = build({"base_model": base, "gate_mode": "random", "experts": experts, "architecture": "qwen2_moe",
                       "shared_experts": [{"source_model": base}]}, dry_run=True).plan
     assert not any("DeepSeek" in n for n in explicit.notes)

@@ -131,7 +131,16 @@ def mergekit_choice_notes(config: UpcycleConfig, base: Checkpoint, layout: names
     return notes + [
         f"mergekit-moe 0.1.5 writes DeepSeek MoE for {base.model_type} experts with an unprompted shared expert "
         f"(loadable only with trust_remote_code); this build writes {layout.model_type}, which transformers "
-        f"loads natively — add architecture: {layout.model_type} to the YAML to make the choice explicit"]
+        f"loads natively — add architecture: {layout.model_type} to the YAML to make the choice explicit. "
+        f"DeepSeek adds the shared expert ungated, at full weight; here its constant gate is sigmoid = 1/2, so it "
+        f"adds half as much: for mergekit's FFN output set {_full_weight_scales(config)}"]
+
+
+def _full_weight_scales(config: UpcycleConfig) -> str:
+    """The shared experts' residual_scale that makes a constant (sigmoid = 1/2) qwen2_moe shared-expert gate add
+    them at DeepSeek's full weight: twice what each has."""
+    scales = [2 * (e.residual_scale if e.residual_scale is not None else 1.0) for e in config.shared_experts]
+    return "; ".join(f"shared_experts[{i}].residual_scale: {s:g}" for i, s in enumerate(scales))
 
 
 def _window_note(base: Checkpoint, layout: names.OutputLayout) -> list[str]:
@@ -180,8 +189,9 @@ def _no_layers(where: str, base: Checkpoint, family: names.InputFamily) -> str:
 def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
     """Why `architecture: deepseek` is refused, and what to write instead."""
     if config.shared_experts:
-        instead = ("architecture: qwen2_moe, which has a shared expert (add shared_expert_gate: constant for "
-                   "DeepSeek's always-on, ungated shared expert)")
+        instead = ("architecture: qwen2_moe, which has a shared expert; for DeepSeek's always-on shared expert, "
+                   "which it adds ungated at full weight, add shared_expert_gate: constant (sigmoid = 1/2) and "
+                   f"{_full_weight_scales(config)} (twice the weight, against the gate's 1/2)")
     else:
         instead = f"architecture: {natural} (or leave architecture: out), which transformers loads natively"
     return (f"architecture: deepseek: mergekit-moe writes DeepSeek-MoE (v1) checkpoints, which transformers can only "
