@@ -292,10 +292,18 @@ def test_special_only_prompts_are_named_by_field_before_the_weights_load(mode, s
         upcycle(config, tmp_path / "moe")
     assert info.value.problems == [
         "experts[0].positive_prompts: prompt '</s>' has no tokens besides special tokens (['<s>', '</s>'] with the base "
-        "model's tokenizer); write some text, e.g. a sentence of what this expert should see",
+        "model's tokenizer); write some text, e.g. a sentence of what this expert should see" + MERGEKIT_HINT,
         "experts[1].negative_prompts: prompt '<s><s>' has no tokens besides special tokens (['<s>', '<s>', '<s>'] "
-        "with the base model's tokenizer); write some text, e.g. a sentence of what this expert should see"]
+        "with the base model's tokenizer); write some text, e.g. a sentence of what this expert should see"
+        + MERGEKIT_HINT]
     assert not (tmp_path / "moe").exists() and list(tmp_path.iterdir()) == []
+    # the hint holds: --mergekit (gate_source: mergekit) builds the same recipe
+    monkeypatch.undo()
+    built = upcycle({**config, "gate_source": "mergekit"}, tmp_path / "mk", verify=True)
+    assert built.verify.ok, built.verify.problems
+
+
+MERGEKIT_HINT = " (or build with --mergekit, which computes the routers as mergekit-moe does, special tokens included)"
 
 
 @pytest.mark.cuda

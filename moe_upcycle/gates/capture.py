@@ -237,7 +237,8 @@ def encode(tokenizer, texts: list[str], max_length: int, where: str = "prompt",
             field = f"{fields[k]}: {where}" if fields else where
             problems.append(f"{field} {text!r} has no tokens besides special tokens ({tokenizer.convert_ids_to_tokens(ids)} "
                             f"with the base model's tokenizer); write some text, e.g. a sentence of what this expert "
-                            f"should see")
+                            f"should see" + (" (or build with --mergekit, which computes the routers as mergekit-moe "
+                                             "does, special tokens included)" if fields else ""))
         out.append(Encoded(tuple(ids), real))
     if problems:
         raise ConfigError(*problems)
