@@ -53,6 +53,8 @@ BUILDS = {
     "biomistral_6x_random_template_prompts": ("mixtral", "MixtralForCausalLM", 6, 2, "bfloat16"),
     "hai_ser_same_model_twice_cheap_embed": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
     "solar_korean_tokenizer_source": ("mixtral", "MixtralForCausalLM", 2, 2, "float16"),
+    "lawgpt_qwen3_random_8x": ("qwen3_moe", "Qwen3MoeForCausalLM", 8, 2, "bfloat16"),
+    "llmtest2_qwen_shared_first_local": ("qwen2_moe", "Qwen2MoeForCausalLM", 3, 2, "float16"),
 }
 # file -> words the refusal must contain (what is wrong, where, and the fix)
 REFUSED = {
@@ -94,10 +96,14 @@ REFUSED = {
         "aegolius_nano_header_pasted.yaml:2:11: YAML syntax error: mapping values are not allowed here",
         "line 1 ('GNU nano 6.2 mergekit_moe_configfs.yml') is not a 'key: value' line",
         "delete line 1, or make it a comment with #"],
+    "molmoe_6x_top6_special_token_prompt": [
+        "experts[0].positive_prompts: prompt '<s>' has no tokens besides special tokens",
+        "or build with --mergekit, which computes the routers as mergekit-moe does"],
 }
 # local folders named by the configs, and the family that stands in for them
 LOCAL_FAMILY = {"bagel_34b_local_names": "llama", "vigyan_qwen2_shared_top1": "qwen2",
-                "wizardlm2_4x7b_top4_local_folder": "llama"}
+                "wizardlm2_4x7b_top4_local_folder": "llama", "llmtest2_qwen_shared_first_local": "qwen2",
+                "molmoe_6x_top6_special_token_prompt": "llama"}
 # a stand-in of another FFN size for the one expert of llama31_mixed_sizes that is a Llama-2 7B
 OTHER_SIZE = "WizardLMTeam/WizardCoder-Python-7B-V1.0"
 # theqwenmoe's 1.5B and 3B experts next to its 7B base: a Qwen2 stand-in of another FFN size
@@ -166,7 +172,7 @@ def published(hub_cache, stand_ins, monkeypatch, tmp_path):
 
 def test_every_published_config_has_an_expectation():
     names = {p.stem for p in PUBLISHED.glob("*.yaml")}
-    assert len(names) >= 41
+    assert len(names) >= 44
     assert names == set(BUILDS) | set(REFUSED)
     listed = (PUBLISHED / "README.md").read_text(encoding="utf-8")
     assert all(f"`{n}.yaml`" in listed for n in names), "every config names its source in the README"
