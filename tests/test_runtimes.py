@@ -115,6 +115,12 @@ def test_fp32_build_loaded_as_bf16_runs_and_aligned_shapes_keep_transformers_def
     aligned = upcycle(_recipe(tiny_llama, "mixtral"), tmp_path / "aligned")
     assert "experts_implementation" not in json.loads((aligned.output / "config.json").read_text())
     assert load_kwargs(aligned.output, "cuda") == {"dtype": torch.bfloat16, "device_map": "auto"}
+    # an MoE of an architecture this tool does not write (OLMoE): plain bf16, not a "plan error"
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    olmoe = make_dense_model(tmp_path / "olmoe", family="olmoe", seed=0, intermediate_size=172, num_experts=4,
+                             num_experts_per_tok=2)
+    assert load_kwargs(olmoe, "cuda") == {"dtype": torch.bfloat16, "device_map": "auto"}
 
 
 # the ids come from the test (transformers 5 writes tiny tokenizers as "TokenizersBackend", unknown to 4.x)

@@ -21,7 +21,8 @@ import torch
 
 from moe_upcycle.check.compare import eager_experts
 from moe_upcycle.check.moe_folder import require_moe
-from moe_upcycle.errors import ConfigError, DependencyError, OutputError, SourceError, reraise_if_out_of_memory
+from moe_upcycle.errors import (ConfigError, DependencyError, OutputError, SourceError, UpcycleError,
+                                reraise_if_out_of_memory)
 from moe_upcycle.checkpoint.manifest_file import load_manifest
 from moe_upcycle.checkpoint.output_file import write_file
 from moe_upcycle.gates.capture import batch_on, encode, on_device, pad_batch, padding_id, resolve_device
@@ -308,6 +309,6 @@ def load_kwargs(folder: Path, device: str) -> dict:
     try:
         cfg = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
         misaligned = experts_implementation_for(cfg, torch.bfloat16) is not None
-    except (OSError, ValueError, KeyError, TypeError):  # an architecture whose sizes this tool does not read
+    except (OSError, ValueError, KeyError, TypeError, UpcycleError):  # an MoE this tool does not write (OLMoE...)
         misaligned = False
     return {**kwargs, **eager_experts()} if misaligned else kwargs
