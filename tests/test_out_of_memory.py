@@ -200,3 +200,46 @@ def test_an_embedder_library_that_did_not_fit_is_not_a_missing_install(write_yam
     assert code == 1 and "Traceback" not in output, output
     assert "error: the machine ran out of memory (the library libgfortran-8f1e9814.so.5.0.0 could not be loaded)" in flat
     assert "pip install" not in flat
+
+
+IMPORT_FAILS = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class Fail(MetaPathFinder):  # torch failing to load, as under `ulimit -v` (seen for real: 300 MB and 600 MB)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise {exc}
+
+sys.meta_path.insert(0, Fail())
+sys.argv = ["moe-upcycle", "demo", sys.argv[1]]
+from moe_upcycle.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("exc, words", [
+    ('ImportError("libtorch_cpu.so: failed to map segment from shared object")',
+     "error: the machine ran out of memory (the library libtorch_cpu.so could not be loaded); free memory (close "
+     "other programs) and run it again\n"),
+    ("MemoryError()", "error: the machine ran out of memory; free memory (close other programs) and run it again\n"),
+    ('SystemError("<function _find_and_load> returned NULL without setting an exception")',
+     "error: torch could not be loaded (SystemError: <function _find_and_load> returned NULL without setting an "
+     "exception), as happens when memory is limited (ulimit -v, a container); free memory or raise the limit, and "
+     "run it again\n"),
+])
+def test_torch_that_cannot_load_for_want_of_memory_is_one_line(tmp_path, exc, words):
+    """torch is imported before the command's own error handling (for its signals): running out of memory there was
+    a traceback; now it is the one line every other shortage gets, in plain text (rich imports more to render
+    markup, which failed too), and nothing is made."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(IMPORT_FAILS.format(exc=exc))
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", words)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run.py"]

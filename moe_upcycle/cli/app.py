@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import shlex
+import sys
 import warnings
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -96,7 +97,16 @@ def cli_errors(fn: Callable) -> Callable:
         # torch (and numpy) load before the command's own signal handling: a signal raised as an exception inside
         # their C imports was caught there ("cannot load module more than once") or lost (the build ran on). Under
         # start-up's handling (`signals.quiet_startup`) it ends the process at once, as nothing is written yet.
-        import torch  # noqa: F401
+        try:
+            import torch  # noqa: F401
+        except (MemoryError, ImportError, OSError, SystemError) as exc:  # `ulimit -v`: torch could not be mapped
+            message = _torch_not_loaded(exc)
+            if message is None or DEBUG["on"]:
+                raise
+            with contextlib.suppress(OSError, MemoryError):  # plain text: rich imports more to render markup
+                sys.stderr.write(f"error: {message}\n")
+                sys.stderr.flush()
+            raise typer.Exit(1) from None
         try:
             with (terminations_raise(sigint=True), _warnings_printed(), libraries_quiet(),  # SIGTERM/SIGHUP: as Ctrl-C
                   reporting(for_console(console, QUIET["on"]))):
@@ -140,6 +150,17 @@ def cli_errors(fn: Callable) -> Callable:
             raise typer.Exit(exit_code(exc))
 
     return wrapper
+
+
+def _torch_not_loaded(exc: BaseException) -> Optional[str]:
+    """The message for torch failing to import for want of memory (`ulimit -v`, a small container), else None.
+    Out of memory, the interpreter itself may fail an import with a SystemError ("returned NULL without setting
+    an exception")."""
+    message = out_of_memory(exc, "import", {})
+    if message is None and isinstance(exc, SystemError):
+        message = (f"torch could not be loaded ({type(exc).__name__}: {exc}), as happens when memory is limited "
+                   f"(ulimit -v, a container); free memory or raise the limit, and run it again")
+    return message
 
 
 # the commands that write an output (staged, then renamed into place): an interrupt leaves nothing under its name
