@@ -343,3 +343,32 @@ def test_a_deleted_current_folder_is_said_before_torch_loads(tmp_path):
     assert run.returncode == 1, run.stderr
     assert run.stderr.endswith("error: the current folder no longer exists (it was deleted or moved); cd to a folder "
                                "that exists and run the command again\n"), run.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "{cfg}"], ["build", "{cfg}", "{world}/out"], ["lint", "{cfg}"],
+    ["prompts", "grow", "{cfg}", "--pool", "{world}/pool.txt"],
+    ["route", "{world}/base", "--prompts", "{world}/closed.txt"], ["verify", "{world}/base", "--text", "{world}/closed.txt"],
+])
+def test_a_file_given_on_the_command_line_the_user_cannot_read_is_ours_to_say(args, world):
+    """typer checks every Path argument's readability itself (its default) and printed a usage box, exit 2
+    ("Invalid value for 'CONFIG': path 'r.yaml' is not readable."), no user named, nothing to check. The command
+    now reads the file itself: the recipe's refusal names the user and the `ls -ld` to run; the others get on to
+    their own checks and words, exit 1."""
+    cfg = recipe(world, world / "base")
+    closed = world / "closed.txt"
+    closed.write_text("hello\n")
+    (world / "pool.txt").write_text("a candidate prompt\n")
+    (world / "pool.txt").chmod(0o644)
+    for path in (cfg, closed):
+        path.chmod(0)
+    code, output = as_user(*[a.format(cfg=cfg, world=world) for a in args])
+    assert code == 1, output
+    assert "Invalid value" not in output and "Usage:" not in output and "not readable" not in output, output
+    if args[0] in ("plan", "build", "lint", "prompts"):
+        user_said(output, [f"{cfg}: Permission denied for {USER}", f"(ls -ld {cfg} {world})"])
+    elif args[0] == "route":
+        user_said(output, [f"prompt file {closed}: cannot read it (Permission denied)"])
+    else:  # verify refuses the dense folder before it reads the text: the text's permissions did not stop it first
+        user_said(output, ["is a dense model", "nothing to verify"])
+    assert not (world / "out").exists()

@@ -31,10 +31,10 @@ def print_plan(result) -> None:
 @app.command()
 @cli_errors
 def build(
-    config: Path = typer.Argument(..., metavar="CONFIG",
+    config: Path = typer.Argument(..., readable=False, metavar="CONFIG",
                                   help="The YAML recipe (mergekit-moe configs are accepted unchanged)."),
-    out_dir: Optional[Path] = typer.Argument(None, metavar="OUT", help="Output folder (else -o, else output: in the YAML)."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder."),
+    out_dir: Optional[Path] = typer.Argument(None, readable=False, metavar="OUT", help="Output folder (else -o, else output: in the YAML)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", readable=False, help="Output folder."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty output folder (atomically)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
     clone_tensors: Optional[bool] = typer.Option(None, "--clone-tensors/--share-tensors",
@@ -106,9 +106,9 @@ def build(
 @app.command()
 @cli_errors
 def plan(
-    config: Path = typer.Argument(..., metavar="CONFIG",
+    config: Path = typer.Argument(..., readable=False, metavar="CONFIG",
                                   help="The YAML recipe."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder, for the free-disk check "
+    output: Optional[Path] = typer.Option(None, "-o", "--output", readable=False, help="Output folder, for the free-disk check "
                                                                        "(else output: in the YAML)."),
     from_config: bool = typer.Option(False, "--from-config", help="Describe the models from their config.json "
                                                                   "alone: plan before downloading any weights."),
@@ -133,12 +133,12 @@ def plan(
 @app.command("verify")
 @cli_errors
 def verify_cmd(
-    folder: Path = typer.Argument(..., metavar="OUT", help="The built MoE folder."),
+    folder: Path = typer.Argument(..., readable=False, metavar="OUT", help="The built MoE folder."),
     base: Optional[str] = typer.Option(None, "--base", help="Dense model to compare with (default: the recipe's "
                                                              "base_model)."),
-    text: Optional[Path] = typer.Option(None, "--text", help="Text file for perplexity (default: a short text "
+    text: Optional[Path] = typer.Option(None, "--text", readable=False, help="Text file for perplexity (default: a short text "
                                                               "shipped with moe-upcycle)."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file, one per line, or records as "
+    prompts: Optional[Path] = typer.Option(None, "--prompts", readable=False, help="Prompts file, one per line, or records as "
                                                                     "route --prompts reads them (default: shipped "
                                                                     "prompts plus each expert's first prompt)."),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", min=0, help="Fail when mean KL(dense||moe) is above this."),
@@ -170,7 +170,7 @@ def verify_cmd(
 
 @app.command()
 @cli_errors
-def demo(folder: Path = typer.Argument(Path("demo_out"), metavar="FOLDER",
+def demo(folder: Path = typer.Argument(Path("demo_out"), readable=False, metavar="FOLDER",
                                        help="Scratch folder for the demo models.")) -> None:
     """Generate a tiny dense Llama, upcycle it to 4 experts and show the MoE reproduces its logits."""
     from moe_upcycle.cli.demo import run_demo
@@ -226,13 +226,13 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
 @app.command()
 @cli_errors
 def route(
-    model: Path = typer.Argument(..., metavar="OUT", help="A built MoE folder."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: text, one per line; a YAML/JSON list (or prompts: key); or JSONL/CSV/TSV records with a \"text\" or \"prompt\" field."),
-    labeled: Optional[Path] = typer.Option(None, "--labeled", help="Prompts with the expert each should go to "
+    model: Path = typer.Argument(..., readable=False, metavar="OUT", help="A built MoE folder."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", readable=False, help="Prompts: text, one per line; a YAML/JSON list (or prompts: key); or JSONL/CSV/TSV records with a \"text\" or \"prompt\" field."),
+    labeled: Optional[Path] = typer.Option(None, "--labeled", readable=False, help="Prompts with the expert each should go to "
                                            "(JSONL with text/expert, or expert<TAB>prompt lines): routing accuracy."),
     label_by: Optional[str] = typer.Option(None, "--label-by", help="Label prompts that have none: 'embedding' "
                                            "(nearest expert centroid of the recorded prompts)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Save a prompts x experts heatmap (needs matplotlib)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", readable=False, help="Save a prompts x experts heatmap (needs matplotlib)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --plot file."),
     as_json: bool = typer.Option(False, "--json", help="Print the routing as JSON instead of tables."),
     device: str = typer.Option("auto", help=DEVICE_HELP),

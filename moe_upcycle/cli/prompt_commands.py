@@ -31,7 +31,7 @@ EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cach
 @app.command()
 @cli_errors
 def lint(
-    config: Path = typer.Argument(..., metavar="CONFIG",
+    config: Path = typer.Argument(..., readable=False, metavar="CONFIG",
                                   help="The YAML recipe whose expert prompts are checked."),
     embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when a pair of experts is above the threshold."),
@@ -88,9 +88,9 @@ def lint(
 @prompts_app.command("grow")
 @cli_errors
 def grow(
-    config: Path = typer.Argument(..., metavar="CONFIG",
+    config: Path = typer.Argument(..., readable=False, metavar="CONFIG",
                                   help="The YAML recipe whose experts get more prompts."),
-    pool: Path = typer.Option(..., "--pool", help="Candidate prompts: text (paragraphs separated by blank lines, "
+    pool: Path = typer.Option(..., "--pool", readable=False, help="Candidate prompts: text (paragraphs separated by blank lines, "
                                                   "or one per line when there is no blank line), or records: "
                                                   "JSONL, a JSON list, CSV or TSV with a \"text\"/\"prompt\" "
                                                   "field (or instruction, question; chat messages)."),
@@ -98,7 +98,7 @@ def grow(
                                                                    "content), paragraphs, lines, jsonl, json, csv "
                                                                    "or tsv."),
     per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the new YAML (default CONFIG.grown.yaml)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", readable=False, help="Where to write the new YAML (default CONFIG.grown.yaml)."),
     in_place: bool = typer.Option(False, "--in-place", help="Replace CONFIG itself."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output file (never CONFIG without --in-place)."),
     margin: Optional[float] = typer.Option(None, "--margin", help="Least lead over the next most similar expert (default 0.05)."),

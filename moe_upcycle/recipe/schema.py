@@ -31,6 +31,7 @@ from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_repeated_keys, drop_unknown_keys, intended_key, key_elsewhere, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
 from moe_upcycle.recipe.values import device_problem, strict_bools_and_numbers, short_repr
+from moe_upcycle.inputs.paths import denied
 from moe_upcycle.inputs.text import unicode_problem
 
 GateMode = Literal[
@@ -459,6 +460,8 @@ def load_config(source: Union[str, Path, Mapping], *, overrides: Optional[dict] 
             mark = exc.problem_mark
             pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
             raise ConfigError(f"{path}{pos}: YAML syntax error: {exc.problem or exc}") from None
+        except PermissionError as exc:  # mode 000, another user's file: theirs to fix, with who and what to check
+            raise ConfigError(denied(exc) or str(exc)) from None
         except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as exc:
             raise ConfigError(f"{path}: not a readable YAML file ({exc})") from None
     if not isinstance(data, dict):
