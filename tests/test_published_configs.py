@@ -247,6 +247,15 @@ BEYONDER = (PUBLISHED / "beyonder_4x7b_v3.yaml").read_text(encoding="utf-8")
      [":3: line 3 starts with '\u2013' (U+2013)"]),
     ("bullet-prompts", BEYONDER.replace('    - "chat"', '    \u2022 "chat"', 1).encode(),
      ["starts with '\u2022' (U+2022)", 'write - "chat"']),
+    # unquoted bulleted prompts below the key: YAML joined them into one string '\u2022 chat \u2022 code', and the
+    # bare-string refusal quoted that back as the fix, bullets and all, without a line
+    ("bullet-plain-prompts", BEYONDER.replace('    - "chat"\n    - "assistant"', '      \u2022 chat\n      \u2022 assistant',
+                                              1).encode(),
+     [":5: line 5 starts with '\u2022' (U+2022), a list bullet copied from a rendered page",
+      "YAML list items start with '-': write - chat"]),
+    ("dash-plain-prompts", BEYONDER.replace('    - "chat"\n    - "assistant"', '      \u2013 chat\n      \u2013 assistant',
+                                            1).encode(),
+     [":5: line 5 starts with '\u2013' (U+2013)"]),
     # curly quotes are text to YAML: a comma inside them split one prompt in two (whole ones are kept as written)
     ("curly-quotes-split", BEYONDER.replace('    positive_prompts:\n    - "chat"',
                                             '    positive_prompts: [\u201cchat, then code\u201d, \u201cok\u201d]\n'

@@ -60,7 +60,7 @@ def load_recipe_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not a UTF-8 text file ({encoding_hint(data, exc)}); re-save it as UTF-8 "
                           f"(in Notepad: Save as → Encoding: UTF-8)") from None
     lines = text.splitlines()
-    bullets = [n for n, line in enumerate(lines) if _BULLET_ITEM.match(line)]
+    bullets = sorted({n for n, line in enumerate(lines) if _BULLET_ITEM.match(line)} | set(_bulleted_prompts(lines)))
     if bullets:  # YAML reads them as keys named '• source_model', a duplicate key, or one prompt of every line
         raise ConfigError(f"{path}:{bullets[0] + 1}: {_syntax_hint(lines, bullets[0] + 1, '')}")
     try:
@@ -87,6 +87,26 @@ _BULLET = re.compile(r"^(\s*)[\u2022\u25e6\u25aa\u2023\u25cf\u2219\u00b7\u2013\u
 # the same where it is surely a bulleted recipe line, a key or a quoted prompt (a prompt may start with a bullet)
 _BULLET_ITEM = re.compile(_BULLET.pattern + r"(?:[\"']|(?:source_model|positive_prompts|negative_prompts|name|"
                           r"noise_scale|residual_scale|expert_init|layers)\s*:)")
+
+
+# `positive_prompts:` (or any `*_prompts:`) with nothing after it: the line that opens a list of prompts
+_PROMPTS_KEY = re.compile(r"^\s*(?:-\s+)?\w*prompts\s*:\s*(?:#.*)?$")
+
+
+def _bulleted_prompts(lines: list[str]) -> list[int]:
+    """Lines under a `*_prompts:` key that start with a bullet instead of '-': YAML reads them all as one string
+    ('• a • b'), which the recipe's check would then call a bare string and quote back, bullets and all."""
+    found = []
+    for n, line in enumerate(lines):
+        if not _BULLET.match(line):
+            continue
+        indent = len(line) - len(line.lstrip())
+        parent = next((lines[m] for m in range(n - 1, -1, -1) if lines[m].strip()
+                       and not lines[m].lstrip().startswith("#") and len(lines[m]) - len(lines[m].lstrip()) < indent),
+                      "")
+        if _PROMPTS_KEY.match(parent):
+            found.append(n)
+    return found
 
 
 # `base_model:org/x` or `- source_model:org/x`: a recipe key glued to its value (YAML needs ': ')
