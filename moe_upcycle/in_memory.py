@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -287,21 +288,37 @@ def keep_frozen(model: torch.nn.Module, plan: Plan, dense_model: torch.nn.Module
     """Freeze each MoE parameter whose every source the dense model has frozen (``requires_grad=False``).
 
     A researcher who froze the embeddings (or attention, or the FFNs) gets them frozen in the MoE too;
-    a parameter fed by any trainable source, and every router (new), stays trainable.
+    a parameter fed by any trainable source, and every router (new), stays trainable. One fed by frozen and
+    trainable sources alike (transformers 5's fused ``gate_up_proj`` of a layer whose ``gate_proj`` alone was
+    frozen) cannot be half frozen: it trains, and an `UpcycleWarning` names it and the sources.
     """
+    from moe_upcycle.errors import UpcycleWarning
+
     trainable = {name: p.requires_grad for name, p in dense_model.named_parameters(remove_duplicate=False)}
     if all(trainable.values()):
         return
     params = dict(model.named_parameters(remove_duplicate=False))
-    feeds: dict[str, list[bool]] = {}
+    feeds: dict[str, dict[str, bool]] = {}  # MoE parameter -> {dense source: trainable}
     for step in plan.steps:
         leaves = step.parts or (step,)
         target, _ = _place(step.name, params)
-        feeds.setdefault(target, []).extend(trainable.get(leaf.source[1], True) if leaf.source else True
-                                            for leaf in leaves)
+        for leaf in leaves:
+            name = leaf.source[1] if leaf.source else f"(new) {leaf.name}"
+            feeds.setdefault(target, {})[name] = trainable.get(name, True) if leaf.source else True
+    mixed = []
     for target, flags in feeds.items():
-        if not any(flags):
+        if not any(flags.values()):
             params[target].requires_grad_(False)
+        elif not all(flags.values()):
+            frozen = sorted(n for n, t in flags.items() if not t)
+            mixed.append(f"{target} (from {', '.join(frozen)}, frozen, and "
+                         f"{', '.join(sorted(n for n, t in flags.items() if t))}, not)")
+    if mixed:
+        shown = "; ".join(mixed[:3]) + (f"; and {len(mixed) - 3} more" if len(mixed) > 3 else "")
+        warnings.warn(UpcycleWarning(
+            f"{len(mixed)} MoE parameter(s) hold frozen and trainable dense weights together, and one parameter "
+            f"cannot be half frozen, so they train: {shown}. Freeze or unfreeze the whole FFN of those layers "
+            f"before upcycling, or set requires_grad on the MoE's parameters after it"), stacklevel=3)
 
 
 def _peft_types(model: Any) -> str:

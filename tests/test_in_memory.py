@@ -140,6 +140,40 @@ def test_frozen_parameters_stay_frozen_and_routers_train(tiny_llama):
     assert moe.model.embed_tokens.weight.grad is None
 
 
+def test_a_half_frozen_ffn_trains_and_says_so(tiny_llama):
+    """transformers 5 holds a layer's experts' gate and up projections in one fused gate_up_proj: with only the
+    dense gate_proj frozen, it cannot be half frozen and trains — said, with the parameter and its sources (before:
+    silent, against the README's "what the dense model froze stays frozen"). A wholly frozen FFN warns nothing."""
+    import warnings
+
+    from moe_upcycle.errors import UpcycleWarning
+
+    dense, ids = load(tiny_llama)
+    dense.model.layers[1].mlp.gate_proj.weight.requires_grad_(False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        moe = upcycle_model(dense, num_experts=2, experts_per_token=1, gate="random")
+    said = [w for w in said if issubclass(w.category, UpcycleWarning)]
+    params = dict(moe.named_parameters())
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    if fused not in params:  # transformers 4.57: per-expert w1 from gate_proj alone stays frozen, nothing mixed
+        assert not any("half frozen" in str(w.message) for w in said)
+        return
+    assert params[fused].requires_grad
+    assert [str(w.message) for w in said if "half frozen" in str(w.message)] == [
+        f"1 MoE parameter(s) hold frozen and trainable dense weights together, and one parameter cannot be half "
+        f"frozen, so they train: {fused} (from model.layers.1.mlp.gate_proj.weight, frozen, and "
+        f"model.layers.1.mlp.up_proj.weight, not). Freeze or unfreeze the whole FFN of those layers before upcycling, "
+        f"or set requires_grad on the MoE's parameters after it"]
+    assert said[0].filename == __file__  # at the caller's line
+    dense.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    dense.model.layers[1].mlp.down_proj.weight.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UpcycleWarning)
+        whole = upcycle_model(dense, num_experts=2, experts_per_token=1, gate="random")
+    assert not dict(whole.named_parameters())[fused].requires_grad
+
+
 def test_gradient_checkpointing_carries_over_and_trains(tiny_llama):
     """Activation (gradient) checkpointing on in the dense model is on in the MoE (transformers 5's name for it,
     without its deprecation warning), and a backward pass runs through it."""
