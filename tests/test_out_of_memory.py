@@ -243,3 +243,19 @@ def test_torch_that_cannot_load_for_want_of_memory_is_one_line(tmp_path, exc, wo
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert (done.returncode, done.stdout, done.stderr) == (1, "", words)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run.py"]
+
+
+def test_a_system_error_from_a_broken_torch_is_still_a_bug(tmp_path):
+    """Only the interpreter's out-of-memory SystemErrors are called memory; one from a broken install keeps its
+    traceback (a one-line "free memory" would send the user the wrong way)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(IMPORT_FAILS.format(exc='SystemError("initialization of _C raised unreported exception")'))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "demo")], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 1 and "Traceback" in done.stderr
+    assert done.stderr.rstrip().endswith("SystemError: initialization of _C raised unreported exception")
+    assert "memory" not in done.stderr

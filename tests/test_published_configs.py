@@ -412,6 +412,11 @@ def test_unprompted_shared_expert_on_llama_says_mergekit_would_write_deepseek(ti
     advised = build({"base_model": base, "gate_mode": "random", "experts": experts, "architecture": "qwen2_moe",
                      "shared_experts": [{"source_model": base, "residual_scale": 0.2}]}, dry_run=True).plan
     assert any("1 x routed + 1/2 x 0.2 x shared" in n for n in advised.notes), advised.notes
+    # a doubled scale past the recipe's limit is not advised: the limit is, with what it leaves
+    big = build({"base_model": base, "gate_mode": "random", "experts": experts,
+                 "shared_experts": [{"source_model": base, "residual_scale": 60}]}, dry_run=True).plan
+    assert any("shared_experts[0].residual_scale: 100 (the largest it takes; DeepSeek's weight would need 120, so "
+               "this one stays at 50x, not 60x)" in n for n in big.notes), big.notes
     explicit = build({"base_model": base, "gate_mode": "random", "experts": experts, "architecture": "qwen2_moe",
                       "shared_experts": [{"source_model": base}]}, dry_run=True).plan
     assert not any("DeepSeek" in n for n in explicit.notes)
@@ -585,3 +590,21 @@ def test_plan_says_when_every_expert_is_one_unchanged_model(name, noted, publish
     if noted:
         assert "the MoE gives the dense model's output whichever experts" in said[0]
         assert "--i-understand-this-is-not-useful-without-training" in said[0]
+
+
+@pytest.mark.parametrize("prompts, read", [
+    ('      - "Dialogue:\n      \u2013 Hello, said the cat.\n      \u2013 Hi, said the dog."',
+     ["Dialogue: \u2013 Hello, said the cat. \u2013 Hi, said the dog."]),
+    ('      - "A quote from the book:\n      \u00b7 chapter one"', ["A quote from the book: \u00b7 chapter one"]),
+    ("      [Write a dialogue,\n      \u2013 Hello, said the cat.]", ["Write a dialogue", "\u2013 Hello", "said the cat."]),
+    ("      - |\n        Dialogue:\n        \u2013 Hello", ["Dialogue:\n\u2013 Hello\n"]),
+])
+def test_dialogue_dashes_inside_a_prompt_are_text_not_bullets(prompts, read, tmp_path):
+    """A dash or dot that starts a line inside a quoted prompt, a flow list or a block scalar is the prompt's text
+    (dialogue as French or Russian write it); only lines that are all bullets under the key are a pasted list.
+    (The bullet check refused these with "write - Hello, said the cat.", which would have broken the quote.)"""
+    path = tmp_path / "dialogue.yaml"
+    path.write_text(f"base_model: org/base\ngate_mode: hidden\nexperts:\n  - source_model: org/base\n"
+                    f"    positive_prompts:\n{prompts}\n  - source_model: org/other\n    positive_prompts: [b]\n",
+                    encoding="utf-8")
+    assert load_config(path).experts[0].positive_prompts == read

@@ -155,9 +155,11 @@ def cli_errors(fn: Callable) -> Callable:
 def _torch_not_loaded(exc: BaseException) -> Optional[str]:
     """The message for torch failing to import for want of memory (`ulimit -v`, a small container), else None.
     Out of memory, the interpreter itself may fail an import with a SystemError ("returned NULL without setting
-    an exception")."""
+    an exception", "error return without exception set"); any other SystemError (a broken install) is a bug's
+    traceback, as before."""
     message = out_of_memory(exc, "import", {})
-    if message is None and isinstance(exc, SystemError):
+    if message is None and isinstance(exc, SystemError) and any(
+            words in str(exc) for words in ("without setting an exception", "error return without exception set")):
         message = (f"torch could not be loaded ({type(exc).__name__}: {exc}), as happens when memory is limited "
                    f"(ulimit -v, a container); free memory or raise the limit, and run it again")
     return message

@@ -139,8 +139,15 @@ def mergekit_choice_notes(config: UpcycleConfig, base: Checkpoint, layout: names
 def _full_weight_scales(config: UpcycleConfig) -> str:
     """The shared experts' residual_scale that makes a constant (sigmoid = 1/2) qwen2_moe shared-expert gate add
     them at DeepSeek's full weight: twice what each has."""
-    scales = [2 * (e.residual_scale if e.residual_scale is not None else 1.0) for e in config.shared_experts]
-    return "; ".join(f"shared_experts[{i}].residual_scale: {s:g}" for i, s in enumerate(scales))
+    from moe_upcycle.recipe.schema import MAX_SCALE
+
+    said = []
+    for i, e in enumerate(config.shared_experts):
+        scale = 2 * (e.residual_scale if e.residual_scale is not None else 1.0)
+        said.append(f"shared_experts[{i}].residual_scale: {scale:g}" if scale <= MAX_SCALE else
+                    f"shared_experts[{i}].residual_scale: {MAX_SCALE:g} (the largest it takes; DeepSeek's weight "
+                    f"would need {scale:g}, so this one stays at {MAX_SCALE / 2:g}x, not {scale / 2:g}x)")
+    return "; ".join(said)
 
 
 def _window_note(base: Checkpoint, layout: names.OutputLayout) -> list[str]:

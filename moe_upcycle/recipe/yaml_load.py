@@ -95,16 +95,19 @@ _PROMPTS_KEY = re.compile(r"^\s*(?:-\s+)?\w*prompts\s*:\s*(?:#.*)?$")
 
 def _bulleted_prompts(lines: list[str]) -> list[int]:
     """Lines under a `*_prompts:` key that start with a bullet instead of '-': YAML reads them all as one string
-    ('• a • b'), which the recipe's check would then call a bare string and quote back, bullets and all."""
+    ('• a • b'), which the recipe's check would then call a bare string and quote back, bullets and all.
+
+    Only where every line from the key down to it is such a bullet line: a dialogue dash continuing a quoted prompt
+    (``- "Dialogue:`` then ``– Hello``) or a flow list (``[a,`` then ``– b]``) is text, and is left to YAML."""
     found = []
     for n, line in enumerate(lines):
         if not _BULLET.match(line):
             continue
         indent = len(line) - len(line.lstrip())
-        parent = next((lines[m] for m in range(n - 1, -1, -1) if lines[m].strip()
-                       and not lines[m].lstrip().startswith("#") and len(lines[m]) - len(lines[m].lstrip()) < indent),
-                      "")
-        if _PROMPTS_KEY.match(parent):
+        above = [m for m in range(n - 1, -1, -1) if lines[m].strip() and not lines[m].lstrip().startswith("#")]
+        parent = next((m for m in above if len(lines[m]) - len(lines[m].lstrip()) < indent), None)
+        between = [m for m in above if parent is not None and m > parent]
+        if parent is not None and _PROMPTS_KEY.match(lines[parent]) and all(_BULLET.match(lines[m]) for m in between):
             found.append(n)
     return found
 
