@@ -312,3 +312,23 @@ def test_split_note_says_16_bit_router_logits_can_tie_across_groups():
                             "grouped_mm kernel needs: the config sets experts_implementation: eager")
     aligned, _ = split_notes(8, 2, 2, groups, 128, "random", itemsize=2)
     assert "grouped_mm" not in aligned[0]
+
+
+def test_uniform_split_llamacpp_reason_says_it_takes_whole_groups(tiny_llama):
+    """Under uniform gates llama.cpp takes experts 0..k-1; for a split whose G divides k those are whole virtual
+    groups, so llama.cpp computes the dense FFN (measured: 6.8e-7 of max |logit| against transformers 5 on
+    E=4 and E=8, k=2); the reason says so instead of "these experts differ"."""
+    from moe_upcycle.build import upcycle as build_plan
+    from moe_upcycle.planning import llamacpp
+
+    def plan(init, k):
+        return build_plan({"base_model": str(tiny_llama), "num_experts": 8, "experts_per_token": k,
+                           "gate_mode": "uniform", "expert_init": init}, dry_run=True).plan
+
+    status, why = llamacpp.verdict(plan({"method": "split", "granularity": 2}, 2))
+    assert status == "runs, not exact"
+    assert "lowest-indexed experts, 0 to 1, 1 whole virtual group(s) of this split, so it computes the dense FFN" in why
+    _, why = llamacpp.verdict(plan({"method": "split", "granularity": 2}, 4))
+    assert "0 to 3, 2 whole virtual group(s)" in why
+    _, why = llamacpp.verdict(plan({"method": "noise", "scale": 0.01}, 2))
+    assert "these experts differ, so the outputs do" in why and "virtual group" not in why

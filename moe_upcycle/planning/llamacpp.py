@@ -142,6 +142,14 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                 f"{plan.experts_per_token} softmax mass (< 1, per token) there; exact only with "
                 f"experts_per_token: {experts} (all experts active) or architecture: qwen3_moe / mixtral")
     if plan.ties_decide:
+        k, dense = plan.experts_per_token, plan.base_config.get("intermediate_size")
+        g = dense // plan.expert_intermediate_size if plan.expert_intermediate_size and dense else 1
+        if g > 1 and k % g == 0 and experts % g == 0:  # split: experts 0..k-1 are k/G whole virtual groups
+            return ("runs, not exact", f"gate_mode uniform ties every expert's score; llama.cpp breaks the tie with the "
+                                       f"lowest-indexed experts, 0 to {k - 1}, {k // g} whole virtual group(s) of this "
+                                       f"split, so it computes the dense FFN; torch.topk's order may take halves of "
+                                       f"different groups (top-2 of 8 on a CPU: experts 6 and 5), so transformers can "
+                                       f"differ from it; the same in both with experts_per_token: {experts}")
         return ("runs, not exact", f"gate_mode uniform ties every expert's score, and llama.cpp breaks the tie with "
                                    f"the lowest-indexed experts, torch.topk not always (top-2 of 4 on a CPU: experts "
                                    f"2 and 3); these experts differ, so the outputs do; exact with "
