@@ -93,8 +93,9 @@ def _cell(text: str) -> str:
 
 
 
-def print_verify(result: VerifyResult, out: Console, err: Console) -> None:
-    """Print the result table and continuations to `out`, notes and problems to `err`."""
+def print_verify(result: VerifyResult, out: Console, err: Console, notes: bool = True) -> None:
+    """Print the result table and continuations to `out`, notes (unless `notes` is False: ``-q``) and problems
+    to `err`."""
     table = Table(title=f"moe-upcycle verify {escape(str(result.folder))}", show_header=False)
     for check, value in result.rows():
         style = "" if check != "result" else ("bold green" if result.ok else "bold red")
@@ -107,7 +108,7 @@ def print_verify(result: VerifyResult, out: Console, err: Console) -> None:
         for c in result.continuations:
             cont.add_row(escape(c["prompt"]), escape(c["dense"]) if c["dense"] is not None else "-", escape(c["moe"]))
         out.print(cont)
-    for note in result.notes:
+    for note in result.notes if notes else ():
         err.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     for problem in result.problems:
         err.print(f"[bold red]verify failed:[/] {escape(problem)}", highlight=False, soft_wrap=True)

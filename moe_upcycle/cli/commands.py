@@ -17,6 +17,7 @@ from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
 from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, app, cli_errors, console, note, out  # noqa: F401
 from moe_upcycle.errors import ConfigError, UpcycleError, UpcycleWarning
+from moe_upcycle.terminal.json_text import json_text
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.terminal.tables import fit
 
@@ -98,7 +99,7 @@ def build(
     if result.verify is not None:
         from moe_upcycle.check.verify_report import print_verify
 
-        print_verify(result.verify, out, console)
+        print_verify(result.verify, out, console, notes=not QUIET["on"])
         if not result.verify.ok:
             raise typer.Exit(1)
 
@@ -121,11 +122,10 @@ def plan(
 
     result = upcycle(config, output, dry_run=True, from_config=from_config, allow_unknown_keys=allow_unknown_keys)
     if as_json:
-        import json
 
         from moe_upcycle.planning.plan_report import summary_dict
 
-        out.out(json.dumps(summary_dict(result.summary), indent=2, ensure_ascii=False), highlight=False)
+        out.out(json_text(summary_dict(result.summary)), highlight=False)
         return
     print_plan(result)
 
@@ -152,7 +152,6 @@ def verify_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Check that OUT loads with transformers and how far it is from the dense base. Exit 1 on failure."""
-    import json
 
     from moe_upcycle.check.verify import verify
     from moe_upcycle.check.verify_report import print_verify
@@ -161,9 +160,9 @@ def verify_cmd(
     result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
                     hashes=hashes, max_new_tokens=max_new_tokens, device=resolve_device(device, "--device"))
     if as_json:
-        out.out(json.dumps(result.to_dict(), indent=2, ensure_ascii=False), highlight=False)
+        out.out(json_text(result.to_dict()), highlight=False)
     else:
-        print_verify(result, out, console)
+        print_verify(result, out, console, notes=not QUIET["on"])
     if not result.ok:
         raise typer.Exit(1)
 
@@ -239,7 +238,6 @@ def route(
     batch_size: int = typer.Option(8, min=1, help="Prompts per forward pass."),
 ) -> None:
     """Show how the MoE in OUT routes each prompt: top-1 expert shares and per-layer expert load."""
-    import json as _json
 
     from moe_upcycle.check.route import check_plot_path, plot_routing, read_prompts
     from moe_upcycle.check.route import route as route_prompts
@@ -278,7 +276,7 @@ def route(
         data = result.to_dict()
         if score is not None:
             data["accuracy"] = score.to_dict()
-        print(_json.dumps(data, indent=2, ensure_ascii=False))
+        print(json_text(data))
         return
     data = result.to_dict()
     names = data["experts"]

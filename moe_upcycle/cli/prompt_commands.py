@@ -6,7 +6,6 @@ thin shell over `lint`, `grow` and `embed`; rich tables go to stdout, warnings t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ from rich.table import Table
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli.app import app, cli_errors, console, out
 from moe_upcycle.cli.tables import lint_tables
+from moe_upcycle.terminal.json_text import json_text
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.terminal.tables import fit
 
@@ -53,8 +53,12 @@ def lint(
 
     cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
-        out.print(f"Nothing to lint: gate_mode {cfg.gate_mode} makes routers without prompts "
-                  f"({PROMPTLESS_GATE_MODES[cfg.gate_mode]}).", highlight=False)
+        why = f"gate_mode {cfg.gate_mode} makes routers without prompts ({PROMPTLESS_GATE_MODES[cfg.gate_mode]})"
+        if as_json:  # one JSON document on stdout, as every --json promises: the report's lists, empty
+            out.out(json_text({"nothing_to_lint": why, "experts": [], "pairs": [], "offenders": [],
+                               "flagged_pairs": [], "problems": []}), highlight=False)
+        else:
+            out.print(f"Nothing to lint: {why}.", highlight=False)
         return
     if not any(e.positive_prompts for e in cfg.expert_list()):  # *_prompts_from resolved
         raise ConfigError(f"{config}: no expert has positive_prompts, so there is nothing to lint; list experts "
@@ -68,7 +72,7 @@ def lint(
                              duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None
                              else duplicate_threshold)
     if as_json:
-        out.out(json.dumps(report.to_dict(), indent=2), highlight=False)
+        out.out(json_text({**report.to_dict(), "nothing_to_lint": None}), highlight=False)
     else:
         for table in lint_tables(report):
             out.print(fit(table, out, optional=("negatives", "cosine")))
