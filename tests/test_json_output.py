@@ -93,9 +93,14 @@ def test_lint_json_when_nothing_is_linted(tmp_path, stories_module):
     recipe.write_text(f"base_model: {stories_module}\nnum_experts: 4\ngate_mode: random\n")
     done = cli("lint", recipe, "--json")
     assert done.returncode == 0
-    assert strict(done.stdout.decode()) == {
-        "nothing_to_lint": "gate_mode random makes routers without prompts (random rows)", "experts": [],
-        "pairs": [], "offenders": [], "flagged_pairs": [], "problems": []}
+    data = strict(done.stdout.decode())
+    assert data["nothing_to_lint"] == "gate_mode random makes routers without prompts (random rows)"
+    assert [data[k] for k in ("experts", "pairs", "offenders", "skipped", "flagged_pairs", "problems")] == [[]] * 6
+    # the same keys as a report of a recipe that is linted, so a script reads either
+    from moe_upcycle.prompts.lint import LintReport, PAIR_THRESHOLD
+
+    linted = {**LintReport([], [], [], PAIR_THRESHOLD, 0.9, "x").to_dict(), "nothing_to_lint": None}
+    assert set(data) == set(linted) and data["pair_threshold"] == PAIR_THRESHOLD
     human = cli("lint", recipe)
     assert human.stdout.decode().strip() == "Nothing to lint: gate_mode random makes routers without prompts " \
                                             "(random rows)."
@@ -117,3 +122,18 @@ def test_quiet_verify_prints_no_notes(tmp_path, stories_module):
     assert "note: dense comparison skipped" in loud.stderr.decode()
     assert quiet.stderr.decode() == ""
     assert "PASSED (not compared with a dense base)" in quiet.stdout.decode()
+
+
+def test_identical_logits_with_masked_entries_compare_as_identical():
+    """-inf at the same vocabulary entry in both models (a masked token) is no difference: 0 * log 0 counts 0, and
+    -inf - -inf is not NaN here (a NaN KL would now fail verify's thresholds)."""
+    import torch
+
+    from moe_upcycle.check.compare import compare_logits
+
+    t = torch.tensor([[1.0, 2.0, -float("inf")], [0.5, -float("inf"), 0.1]])
+    same = compare_logits([t], [t.clone()])
+    assert (same.max_abs_diff, same.mean_kl, same.max_kl, same.top1_agreement) == (0.0, 0.0, 0.0, 1.0)
+    other = t.clone()
+    other[0, 2] = 0.0  # the MoE gives the masked token some probability: a finite KL, p = 0 there
+    assert math.isfinite(compare_logits([t], [other]).mean_kl) and compare_logits([t], [other]).mean_kl > 0

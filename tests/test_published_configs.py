@@ -415,8 +415,12 @@ def test_unprompted_shared_expert_on_llama_says_mergekit_would_write_deepseek(ti
     # a doubled scale past the recipe's limit is not advised: the limit is, with what it leaves
     big = build({"base_model": base, "gate_mode": "random", "experts": experts,
                  "shared_experts": [{"source_model": base, "residual_scale": 60}]}, dry_run=True).plan
-    assert any("shared_experts[0].residual_scale: 100 (the largest it takes; DeepSeek's weight would need 120, so "
-               "this one stays at 50x, not 60x)" in n for n in big.notes), big.notes
+    assert any("shared_experts[0].residual_scale: 100 — the furthest it goes; DeepSeek's weight would need 120, so "
+               "this one stays at 50x, not 60x" in n for n in big.notes), big.notes
+    negative = build({"base_model": base, "gate_mode": "random", "experts": experts,
+                      "shared_experts": [{"source_model": base, "residual_scale": -60}]}, dry_run=True).plan
+    assert any("shared_experts[0].residual_scale: -100 — the furthest it goes; DeepSeek's weight would need -120"
+               in n for n in negative.notes), negative.notes
     explicit = build({"base_model": base, "gate_mode": "random", "experts": experts, "architecture": "qwen2_moe",
                       "shared_experts": [{"source_model": base}]}, dry_run=True).plan
     assert not any("DeepSeek" in n for n in explicit.notes)

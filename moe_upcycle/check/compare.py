@@ -282,11 +282,13 @@ def compare_logits(reference: list[torch.Tensor], other: list[torch.Tensor]) -> 
     for ref, oth in zip(reference, other, strict=True):
         if ref.shape != oth.shape:
             raise ValueError(f"logit shapes differ: {tuple(ref.shape)} vs {tuple(oth.shape)}")
-        diffs.append((ref - oth).abs().max())
+        # equal values differ by 0, -inf too (a masked vocabulary entry in both): -inf - -inf would be NaN
+        diffs.append(torch.where(ref == oth, 0.0, (ref - oth).abs()).max())
         agree.append(ref.argmax(-1) == oth.argmax(-1))
         log_p = torch.log_softmax(ref.double(), -1)
         log_q = torch.log_softmax(oth.double(), -1)
-        kls.append((log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0))  # (T,)
+        p = log_p.exp()  # 0 * log 0 counts 0 (where the reference gives a token no probability)
+        kls.append(torch.where(p == 0, 0.0, p * (log_p - log_q)).sum(-1).clamp_min(0.0))  # (T,); NaN stays NaN
     kl = torch.cat(kls)
     return LogitComparison(max_abs_diff=float(torch.stack(diffs).max()),
                            top1_agreement=float(torch.cat(agree).float().mean()),

@@ -548,11 +548,11 @@ def _apply_thresholds(result: VerifyResult, max_kl: Optional[float], min_agreeme
                                 f"base this was not checked — pass --base DENSE to check it")
         return
     result.max_kl, result.min_agreement = max_kl, min_agreement
-    if (max_kl is not None or min_agreement is not None) and not math.isfinite(c.mean_kl):
+    if max_kl is not None and not math.isfinite(c.mean_kl):
         result.problems.append(f"mean KL(dense‖moe) is {c.mean_kl}, not a number to check a threshold against: the "
                                f"MoE's or the dense base's logits hold NaN or inf (see perplexity), so the comparison "
                                f"says nothing; check both models' weights")
-    elif max_kl is not None and not c.mean_kl <= max_kl:
+    elif max_kl is not None and c.mean_kl > max_kl:
         result.problems.append(f"mean KL(dense‖moe) is {c.mean_kl:.4g} nats, above the threshold {max_kl:g}; "
                                f"the MoE's predictions moved away from the dense model's")
     if min_agreement is not None and c.top1_agreement < min_agreement:

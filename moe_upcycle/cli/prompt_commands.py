@@ -48,15 +48,20 @@ def lint(
     from moe_upcycle.recipe.schema import load_config
     from moe_upcycle.prompts.embed import load_embedder
     from moe_upcycle.errors import ConfigError
-    from moe_upcycle.prompts.lint import DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, PAIR_THRESHOLD, lint_config
+    from moe_upcycle.prompts.lint import (DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, OFFENDER_MARGIN, PAIR_THRESHOLD,
+                                          lint_config)
     from moe_upcycle.recipe.resolve import expert_prompts
 
     cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
     if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
         why = f"gate_mode {cfg.gate_mode} makes routers without prompts ({PROMPTLESS_GATE_MODES[cfg.gate_mode]})"
         if as_json:  # one JSON document on stdout, as every --json promises: the report's lists, empty
-            out.out(json_text({"nothing_to_lint": why, "experts": [], "pairs": [], "offenders": [],
-                               "flagged_pairs": [], "problems": []}), highlight=False)
+            out.out(json_text({"experts": [], "pairs": [], "offenders": [],
+                               "pair_threshold": PAIR_THRESHOLD if threshold is None else threshold,
+                               "duplicate_threshold": DUPLICATE_THRESHOLD if duplicate_threshold is None
+                               else duplicate_threshold, "embedder": None, "offender_margin": OFFENDER_MARGIN,
+                               "seconds": 0.0, "skipped": [], "flagged_pairs": [], "problems": [],
+                               "nothing_to_lint": why}), highlight=False)
         else:
             out.print(f"Nothing to lint: {why}.", highlight=False)
         return

@@ -144,9 +144,10 @@ def _full_weight_scales(config: UpcycleConfig) -> str:
     said = []
     for i, e in enumerate(config.shared_experts):
         scale = 2 * (e.residual_scale if e.residual_scale is not None else 1.0)
-        said.append(f"shared_experts[{i}].residual_scale: {scale:g}" if scale <= MAX_SCALE else
-                    f"shared_experts[{i}].residual_scale: {MAX_SCALE:g} (the largest it takes; DeepSeek's weight "
-                    f"would need {scale:g}, so this one stays at {MAX_SCALE / 2:g}x, not {scale / 2:g}x)")
+        capped = max(-MAX_SCALE, min(MAX_SCALE, scale))  # the recipe takes |residual_scale| <= MAX_SCALE
+        said.append(f"shared_experts[{i}].residual_scale: {scale:g}" if capped == scale else
+                    f"shared_experts[{i}].residual_scale: {capped:g} — the furthest it goes; DeepSeek's weight "
+                    f"would need {scale:g}, so this one stays at {capped / 2:g}x, not {scale / 2:g}x")
     return "; ".join(said)
 
 
