@@ -48,20 +48,18 @@ def lint(
     from moe_upcycle.recipe.schema import load_config
     from moe_upcycle.prompts.embed import load_embedder
     from moe_upcycle.errors import ConfigError
-    from moe_upcycle.prompts.lint import (DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, OFFENDER_MARGIN, PAIR_THRESHOLD,
+    from moe_upcycle.prompts.lint import (DUPLICATE_THRESHOLD, MAX_BUILD_OFFENDERS, PAIR_THRESHOLD, LintReport,
                                           lint_config)
     from moe_upcycle.recipe.resolve import expert_prompts
 
     cfg = load_config(config, allow_unknown_keys=allow_unknown_keys)
+    pair_threshold = PAIR_THRESHOLD if threshold is None else threshold
+    duplicate_threshold = DUPLICATE_THRESHOLD if duplicate_threshold is None else duplicate_threshold
     if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
         why = f"gate_mode {cfg.gate_mode} makes routers without prompts ({PROMPTLESS_GATE_MODES[cfg.gate_mode]})"
-        if as_json:  # one JSON document on stdout, as every --json promises: the report's lists, empty
-            out.out(json_text({"experts": [], "pairs": [], "offenders": [],
-                               "pair_threshold": PAIR_THRESHOLD if threshold is None else threshold,
-                               "duplicate_threshold": DUPLICATE_THRESHOLD if duplicate_threshold is None
-                               else duplicate_threshold, "embedder": None, "offender_margin": OFFENDER_MARGIN,
-                               "seconds": 0.0, "skipped": [], "flagged_pairs": [], "problems": [],
-                               "nothing_to_lint": why}), highlight=False)
+        if as_json:  # one JSON document on stdout, as every --json promises: an empty report, the same keys
+            empty = LintReport([], [], [], pair_threshold, duplicate_threshold, embedder="")
+            out.out(json_text({**empty.to_dict(), "nothing_to_lint": why}), highlight=False)
         else:
             out.print(f"Nothing to lint: {why}.", highlight=False)
         return
@@ -72,10 +70,8 @@ def lint(
         loaded = load_embedder(embedder, batch_size=batch_size)
     n_prompts = sum(len(e.positive_prompts) + len(e.negative_prompts) for e in cfg.expert_list())
     with stage("embed prompts", note=f"{n_prompts} prompts"):
-        report = lint_config(expert_prompts(cfg.expert_list()), loaded,
-                             pair_threshold=PAIR_THRESHOLD if threshold is None else threshold,
-                             duplicate_threshold=DUPLICATE_THRESHOLD if duplicate_threshold is None
-                             else duplicate_threshold)
+        report = lint_config(expert_prompts(cfg.expert_list()), loaded, pair_threshold=pair_threshold,
+                             duplicate_threshold=duplicate_threshold)
     if as_json:
         out.out(json_text({**report.to_dict(), "nothing_to_lint": None}), highlight=False)
     else:

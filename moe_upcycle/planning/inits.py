@@ -210,9 +210,6 @@ def split_notes(num_experts: int, top_k: int, g: int, group_sources: list[set[st
     head = (f"expert_init split: {num_experts} experts of intermediate size {intermediate // g} "
             f"(dense {intermediate} / granularity {g}) in {-(-num_experts // g)} virtual group(s); routers tied "
             f"within each group, down_proj scaled by {g}")
-    if (intermediate // g * 2) % 16:  # misaligned in bf16 (so also in fp32): `model_config` writes eager
-        head += (f". Its expert rows ({intermediate // g} values) are not multiples of 16 bytes, which transformers' "
-                 f"default grouped_mm kernel needs: the config sets experts_implementation: eager")
     if why:
         inexact = ("expert_init split is NOT function-preserving at init: " + "; ".join(why)
                    + ". Expect the outputs to move from the dense model's.")
