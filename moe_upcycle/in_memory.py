@@ -46,6 +46,9 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from moe_upcycle.planning.model_config import experts_implementation_for
+from moe_upcycle.distributed.fsdp_layout import fsdp_layout
+from moe_upcycle.distributed.local_fill import ShardedSource
+from moe_upcycle.distributed.sharded_model import build_sharded_moe
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
@@ -241,8 +244,11 @@ def upcycle_model(
     # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
     # which autograd refuses: the model could never be trained. It is built as ordinary tensors.
     with torch.inference_mode(False):
+        layout = fsdp_layout(dense_model)  # None unless sharded with FSDP2 (DTensors): then so is the MoE
         placement = dense_placement(dense_model)
         source = state_dict_source(dense_model)
+        if layout is not None:
+            source = ShardedSource.of(source, source.state)
         sources = {IN_MEMORY_REF: source}
         plan = make_plan(config, sources)
         refuse_unused_parameters(plan, dense_model)  # a head bias the MoE has no place for
@@ -254,12 +260,15 @@ def upcycle_model(
         router = router_fields(config)
         cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
         model = empty_moe_model(cfg, plan, getattr(dense_model.config, "_attn_implementation", None))
-        fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
-        move_buffers(model, placement)
+        if layout is not None:  # each rank makes its own shards (moe_upcycle.distributed)
+            build_sharded_moe(model, plan, source, gates, config.seed, layout, _place)
+        else:
+            fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
+            move_buffers(model, placement)
         keep_frozen(model, plan, dense_model)
         keep_checkpointing(model, dense_model)
         keep_generation_config(model, dense_model)
-        return dispatch_like(model, placement).train()
+        return (model if layout is not None else dispatch_like(model, placement)).train()
 
 
 def keep_generation_config(model: torch.nn.Module, dense_model: torch.nn.Module) -> None:
