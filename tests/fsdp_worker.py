@@ -53,9 +53,13 @@ def ids_of(path: Path, text: str) -> torch.Tensor:
 def logits(model, ids):
     """Logits of a sharded model; its root's parameters are sharded again after (FSDP keeps them gathered after a
     forward without backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
     with torch.no_grad():
         out = model(input_ids=ids).logits
-    model.reshard()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     return out
 
 
@@ -134,6 +138,37 @@ def hsdp_llama(out: Path, llama: Path, rank: int) -> dict:
                          "frozen": sorted(n for n, p in moe.named_parameters() if not p.requires_grad),
                          "reshard_after_forward": state.post_forward_mesh_info is not None,
                          "mp_policy": str(state.mp_policy)}
+    return result
+
+
+def wrappings(out: Path, llama: Path, rank: int) -> dict:
+    """Other ways to shard: layers only (the root's parameters stay whole, unmanaged), each MLP projection wrapped
+    (mirrored by the MoE block), parameters sharded on dim 1 (shard_placement_fn)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    def layers_only(model):
+        for layer in model.model.layers:
+            fully_shard(layer)
+
+    def per_projection(model):
+        for layer in model.model.layers:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                fully_shard(getattr(layer.mlp, proj))
+        shard(model)
+
+    def dim_one(model):
+        shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+
+    result = {}
+    for name, wrap in {"layers_only": layers_only, "per_projection": per_projection, "dim_one": dim_one}.items():
+        dense = load_dense(llama)
+        wrap(dense)
+        moe = upcycle_model(dense, num_experts=4, experts_per_token=2, seed=3)
+        result[name] = {"units": [n for n, m in moe.named_modules() if type(m).__name__.startswith("FSDP")],
+                        "placements": placements(moe), "dense_placements": placements(dense),
+                        "plain": sorted(n for n, p in moe.named_parameters() if not hasattr(p, "placements")),
+                        "logits": logits(moe.eval(), ids_of(llama, PROMPTS[0]))}
     return result
 
 
@@ -216,7 +251,7 @@ def _error(call) -> tuple[str, str]:
 
 SCENARIOS = {"copy_llama": (copy_llama, "llama"), "tied_qwen2": (tied_qwen2, "qwen2"),
              "random_llama": (random_llama, "llama"),
-             "hsdp_llama": (hsdp_llama, "llama"), "train_qwen3": (train_qwen3, "qwen3"),
+             "hsdp_llama": (hsdp_llama, "llama"), "wrappings": (wrappings, "llama"), "train_qwen3": (train_qwen3, "qwen3"),
              "refusals": (refusals, "llama")}
 
 

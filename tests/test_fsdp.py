@@ -156,6 +156,22 @@ def test_hsdp_is_mirrored_with_the_dense_settings(run, tiny_llama, shape):
     assert "param_dtype=torch.float32, reduce_dtype=torch.float32" in got["mp_policy"]
 
 
+def test_other_wrappings_are_mirrored(run, tiny_llama):
+    dense, tok = load(tiny_llama)
+    expected = logits(dense, tok)
+    got = run[0]["wrappings"]
+    for case in got.values():
+        assert_close_rel(case["logits"], expected)
+    assert got["layers_only"]["units"] == ["model.layers.0", "model.layers.1"]
+    assert got["layers_only"]["plain"] == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    # each projection was a unit: the MoE block that replaces them is one
+    assert got["per_projection"]["units"] == ["", "model.layers.0", "model.layers.0.mlp", "model.layers.1",
+                                               "model.layers.1.mlp"]
+    dim_one = got["dim_one"]
+    assert dim_one["placements"]["model.layers.0.self_attn.q_proj.weight"] == (("S(1)",), (2,))
+    assert all(dim_one["placements"][n] == p for n, p in dim_one["dense_placements"].items() if ".mlp." not in n)
+
+
 def test_adamw_trains_the_sharded_moe_and_gradients_reach_routers_and_experts(run):
     got = run[0]["train_qwen3"]
     assert got["losses"] == run[1]["train_qwen3"]["losses"]  # all-reduced: one number per step
