@@ -143,8 +143,9 @@ def hsdp_llama(out: Path, llama: Path, rank: int) -> dict:
 
 def wrappings(out: Path, llama: Path, rank: int) -> dict:
     """Other ways to shard: layers only (the root's parameters stay whole, unmanaged), each MLP projection wrapped
-    (mirrored by the MoE block), parameters sharded on dim 1 (shard_placement_fn)."""
-    from torch.distributed.fsdp import fully_shard
+    (mirrored by the MoE block), parameters sharded on dim 1 (shard_placement_fn), grouped modules with an ignored
+    head, CPU offload and activation checkpointing."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     def layers_only(model):
@@ -160,15 +161,29 @@ def wrappings(out: Path, llama: Path, rank: int) -> dict:
     def dim_one(model):
         shard(model, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
 
+    def grouped_ignored_offloaded(model):  # activation checkpointing on, head ignored, shards offloaded
+        model.activation_checkpointing_enable()
+        for layer in model.model.layers:
+            fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard([model.model.norm, model.model.embed_tokens])
+        fully_shard(model, ignored_params={model.lm_head.weight})
+
     result = {}
-    for name, wrap in {"layers_only": layers_only, "per_projection": per_projection, "dim_one": dim_one}.items():
+    for name, wrap in {"layers_only": layers_only, "per_projection": per_projection, "dim_one": dim_one,
+                       "grouped_ignored_offloaded": grouped_ignored_offloaded}.items():
         dense = load_dense(llama)
         wrap(dense)
         moe = upcycle_model(dense, num_experts=4, experts_per_token=2, seed=3)
         result[name] = {"units": [n for n, m in moe.named_modules() if type(m).__name__.startswith("FSDP")],
                         "placements": placements(moe), "dense_placements": placements(dense),
                         "plain": sorted(n for n, p in moe.named_parameters() if not hasattr(p, "placements")),
+                        "checkpointing": moe.is_activation_checkpointing,
+                        "offloaded": type(moe.model.layers[0]._get_fsdp_state()._fsdp_param_groups[0]
+                                          .offload_policy).__name__,
                         "logits": logits(moe.eval(), ids_of(llama, PROMPTS[0]))}
+        ids = ids_of(llama, PROMPTS[1])
+        moe.train()(input_ids=ids, labels=ids).loss.backward()  # trains as sharded (offloaded, checkpointed)
+        result[name]["grads"] = sorted(n for n, p in moe.named_parameters() if p.grad is not None)
     return result
 
 

@@ -162,11 +162,17 @@ def test_other_wrappings_are_mirrored(run, tiny_llama):
     got = run[0]["wrappings"]
     for case in got.values():
         assert_close_rel(case["logits"], expected)
+        assert case["grads"] == sorted([*case["placements"], *case["plain"]])  # every parameter got a gradient
     assert got["layers_only"]["units"] == ["model.layers.0", "model.layers.1"]
     assert got["layers_only"]["plain"] == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
     # each projection was a unit: the MoE block that replaces them is one
     assert got["per_projection"]["units"] == ["", "model.layers.0", "model.layers.0.mlp", "model.layers.1",
                                                "model.layers.1.mlp"]
+    grouped = got["grouped_ignored_offloaded"]
+    assert grouped["units"] == ["", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"]
+    assert grouped["plain"] == ["lm_head.weight"]  # ignored by FSDP in the dense model, so in the MoE
+    assert grouped["checkpointing"] and grouped["offloaded"] == "CPUOffloadPolicy"
+    assert not got["layers_only"]["checkpointing"]
     dim_one = got["dim_one"]
     assert dim_one["placements"]["model.layers.0.self_attn.q_proj.weight"] == (("S(1)",), (2,))
     assert all(dim_one["placements"][n] == p for n, p in dim_one["dense_placements"].items() if ".mlp." not in n)

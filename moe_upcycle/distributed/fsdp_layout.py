@@ -14,6 +14,7 @@ It does not shard anything (see `sharded_model`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -99,8 +100,7 @@ def fsdp_layout(model: torch.nn.Module) -> Optional[FsdpLayout]:
         seen.add(id(state))
         names = tuple(n for n, s in states if s is state)  # several for fully_shard([a, b])
         unit, owned = _unit(state, names, name_of)
-        if unit is not None:
-            units.append(unit)
+        units.append(unit)
         managed |= set(owned)
         devices |= {params[n].to_local().device for n in owned}
     _refuse_foreign_dtensors(params, managed)
@@ -108,6 +108,10 @@ def fsdp_layout(model: torch.nn.Module) -> Optional[FsdpLayout]:
         raise ConfigError(f"dense_model: its FSDP shards live on several devices ({', '.join(map(str, devices))}); "
                           f"upcycle_model gives the MoE one device for its shards: shard every module to one device")
     device = devices.pop() if devices else torch.device("cpu")
+    # a unit that manages no parameter (a root whose parameters all sit in units below it, or are ignored) still
+    # orchestrates the others: it takes the mesh of a unit that has one (FSDP does not record one for it)
+    mesh = next((u.mesh for u in units if u.mesh is not None), None)
+    units = [u if u.mesh is not None else dataclasses.replace(u, mesh=mesh) for u in units]
     return FsdpLayout(tuple(units), device, frozenset(n for n in params if n not in managed))
 
 
@@ -120,16 +124,18 @@ def _state(module: Any, name: str) -> Any:
                           f"upcycle before sharding, or use torch 2.13") from None
 
 
-def _unit(state: Any, names: tuple[str, ...], name_of: dict[int, str]) -> tuple[Optional[ShardedUnit], list[str]]:
-    """One `ShardedUnit` from FSDP's state of a ``fully_shard`` call, and the parameters it manages (None for a call
-    that manages none: every parameter below it belongs to a unit further down, and the MoE needs none there)."""
+def _unit(state: Any, names: tuple[str, ...], name_of: dict[int, str]) -> tuple[ShardedUnit, list[str]]:
+    """One `ShardedUnit` from FSDP's state of a ``fully_shard`` call, and the parameters it manages (its mesh is
+    None when it manages none: FSDP then records none)."""
+    from torch.distributed.fsdp import OffloadPolicy
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
     from torch.distributed.tensor import Shard
 
     where = ", ".join(repr(n or "(root)") for n in names)
     groups = state._fsdp_param_groups
     if not groups:
-        return None, []
+        return ShardedUnit(names, None, None if state._auto_reshard_after_forward else True, state._mp_policy,
+                           OffloadPolicy()), []
     if len(groups) > 1:
         raise ConfigError(f"dense_model: module(s) {where} were sharded with per-parameter meshes (fully_shard's "
                           f"shard_placement_fn returning a mesh), which upcycle_model does not mirror; upcycle before "
