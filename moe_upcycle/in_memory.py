@@ -17,8 +17,12 @@ unshuffled ``split`` involve no randomness in the experts and are identical ever
 fp32 master weights are often cast before saving), so ``save_pretrained`` → ``from_pretrained``
 runs the same kernel.
 
+A dense model sharded with FSDP2's ``fully_shard`` (its parameters DTensors: FSDP or HSDP) gives an MoE sharded the
+same way, each rank making only its own shards (`moe_upcycle.distributed`, docs/fsdp.md); tensor parallelism is
+refused with what to do instead.
+
 It does not load or save checkpoints (use `build.upcycle` for files), and it holds the whole MoE
-in memory (that is its purpose). Prompt-based gate modes need a tokenizer and files, so only
+in memory (that is its purpose; sharded: each rank its part). Prompt-based gate modes need a tokenizer and files, so only
 ``random``, ``uniform_random`` and ``uniform`` are offered here.
 """
 
@@ -191,7 +195,7 @@ def upcycle_model(
 
     Args:
         dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` / Qwen2 / Qwen3 (left
-            untouched), on any device(s).
+            untouched), on any device(s), or sharded with FSDP2's ``fully_shard`` (then call this on every rank).
         num_experts: routed experts per layer.
         experts_per_token: top-k.
         expert_init: "copy", or a mapping such as ``{"method": "drop", "ratio": 0.5}`` (the YAML
@@ -207,11 +211,13 @@ def upcycle_model(
 
     Returns:
         A ``MixtralForCausalLM`` (or the `architecture`'s class) in training mode whose every
-        parameter has its own storage, on the dense model's device(s).
+        parameter has its own storage, on the dense model's device(s); for a sharded dense model, sharded
+        the same way (same mesh, placements and FSDP settings).
 
     Raises:
         ConfigError: an invalid option (reported with the option's name), a `dense_model` that is
-            not a loaded transformers causal LM, or one whose weights are offloaded (on the meta device).
+            not a loaded transformers causal LM, one whose weights are offloaded (on the meta device), or one
+            spread with tensor parallelism.
         PlanError: the dense model cannot be upcycled (e.g. an unsupported architecture).
 
     Example:

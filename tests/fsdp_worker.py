@@ -116,7 +116,9 @@ def random_llama(out: Path, llama: Path, rank: int) -> dict:
                         gate="uniform_random")
     noise = upcycle_model(dense, num_experts=4, experts_per_token=1, expert_init={"method": "noise", "scale": 0.01},
                           seed=7, architecture="qwen2_moe")
-    return {"full": gathered(moe), "noise_full": gathered(noise)}
+    split = upcycle_model(dense, num_experts=4, experts_per_token=2, seed=7,
+                          expert_init={"method": "split", "granularity": 2, "shuffle": True})
+    return {"full": gathered(moe), "noise_full": gathered(noise), "split_full": gathered(split)}
 
 
 def hsdp_llama(out: Path, llama: Path, rank: int) -> dict:
@@ -235,6 +237,12 @@ def refusals(out: Path, llama: Path, rank: int) -> dict:
         parallelize_module(layer, mesh, {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                                          "mlp.down_proj": RowwiseParallel()})
     result["tp"] = _error(lambda: upcycle_model(dense, num_experts=2))
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    dense = load_dense(llama)  # FSDP over tensor parallelism (2-D): refused the same way
+    for layer in dense.model.layers:
+        parallelize_module(layer, mesh["tp"], {"self_attn.q_proj": ColwiseParallel(),
+                                               "self_attn.o_proj": RowwiseParallel()})
+    result["fsdp_tp"] = _error(lambda: upcycle_model(shard(dense, mesh=mesh["dp"]), num_experts=2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result["one_rank_fails"] = _error(lambda: _fail_on(1))

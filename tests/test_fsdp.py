@@ -113,6 +113,9 @@ def test_a_seed_gives_the_same_random_experts_on_two_ranks_as_in_one_process(run
     noise = upcycle_model(dense, num_experts=4, experts_per_token=1, expert_init={"method": "noise", "scale": 0.01},
                           seed=7, architecture="qwen2_moe")
     assert_same_parameters(run[1]["random_llama"]["noise_full"], noise)
+    split = upcycle_model(dense, num_experts=4, experts_per_token=2, seed=7,
+                          expert_init={"method": "split", "granularity": 2, "shuffle": True})
+    assert_same_parameters(run[0]["random_llama"]["split_full"], split)
 
 
 def test_the_published_copy_is_the_file_build_byte_for_byte(run, tiny_llama, tmp_path):
@@ -210,6 +213,9 @@ def test_tensor_parallelism_is_refused_with_the_parameter_and_the_fix(run):
         assert kind == "ConfigError"
         assert "'model.layers.0.mlp.gate_proj.weight'" in message and "tensor parallelism" in message
         assert "upcycle the model before applying tensor parallelism, then apply your TP plan to the MoE" in message
+        kind, message = run[rank]["refusals"]["fsdp_tp"]  # FSDP over TP (2-D mesh): refused the same way
+        assert kind == "ConfigError" and "self_attn.q_proj.weight' is sharded by tensor parallelism and FSDP" in message
+        assert "upcycle the model before applying tensor parallelism" in message
 
 
 def test_one_ranks_failure_is_raised_on_every_rank(run):

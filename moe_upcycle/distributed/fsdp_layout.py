@@ -152,8 +152,9 @@ def _unit(state: Any, names: tuple[str, ...], name_of: dict[int, str]) -> tuple[
         pname = name_of.get(id(fsdp_param.sharded_param), "?")
         if fsdp_param.is_dtensor or getattr(info, "is_spmd_mesh", False):
             raise ConfigError(f"dense_model: parameter {pname!r} is sharded by tensor parallelism and FSDP together "
-                              f"(a DTensor on mesh {info.mesh} of {tuple(fsdp_param.sharded_param.device_mesh.shape)}), "
-                              f"which upcycle_model cannot carry into experts; {TP_FIX}")
+                              f"(placements {tuple(fsdp_param.sharded_param.placements)} on a mesh of "
+                              f"{tuple(fsdp_param.sharded_param.device_mesh.shape)}), which upcycle_model cannot "
+                              f"carry into experts; {TP_FIX}")
         if fsdp_param.mesh_info is not info:
             raise ConfigError(f"dense_model: parameter {pname!r} is sharded on its own mesh (shard_placement_fn), "
                               f"which upcycle_model does not mirror; upcycle before sharding")
