@@ -262,3 +262,36 @@ def test_the_example_training_script_runs_with_nccl_on_gpus(tmp_path, stories):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["checkpoint_round_trip"] is True and report["losses"][-1] < report["losses"][0]
     load(tmp_path / "hf")
+
+
+def test_save_hf_folder_in_one_process_writes_the_build_and_replaces_only_its_own(tiny_llama, tmp_path):
+    """The world-size-1 case: a model holding no DTensor is published the same way, with no process group."""
+    from moe_upcycle.distributed.dcp_export import save_hf_folder
+    from moe_upcycle.errors import ConfigError, OutputError
+
+    dense, tok = load(tiny_llama)
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, seed=3,
+                        expert_init={"method": "drop", "ratio": 0.5})
+    built = upcycle({"base_model": str(tiny_llama), "num_experts": 4, "experts_per_token": 2, "gate_mode": "random",
+                     "seed": 3, "expert_init": {"method": "drop", "ratio": 0.5}, "report_init_drift": False},
+                    tmp_path / "built").output
+    out = save_hf_folder(moe, tmp_path / "nested" / "moe", tokenizer=tiny_llama, max_shard_size="100KB")
+    expected, got = tensors(built), tensors(out)
+    assert sorted(got) == sorted(expected) and not [k for k in got if not torch.equal(got[k], expected[k])]
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    assert_close_rel(logits(load(out)[0], tok), logits(moe.eval(), tok))
+    with pytest.raises(OutputError, match="already exists and is not empty"):
+        save_hf_folder(moe, out)
+    save_hf_folder(moe, out, force=True, tokenizer=tok)  # ours: replaced; a loaded tokenizer is saved
+    assert (out / "tokenizer.json").is_file() and (out / "moe_upcycle.json").is_file()
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(OutputError):
+        save_hf_folder(moe, tmp_path / "file", force=True)
+    assert (tmp_path / "file").read_text() == "mine"
+    with pytest.raises(ConfigError, match="tokenizer: .* is not a folder"):
+        save_hf_folder(moe, tmp_path / "x", tokenizer=tmp_path / "missing")
+    with pytest.raises(ConfigError, match="tokenizer: expected a folder or a tokenizer"):
+        save_hf_folder(moe, tmp_path / "x", tokenizer=123)
+    with pytest.raises(ConfigError, match="max_shard_size"):
+        save_hf_folder(moe, tmp_path / "x", max_shard_size=0)
+    assert not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["built", "file", "nested"]
