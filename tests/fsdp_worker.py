@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from moe_upcycle import upcycle_model
 from moe_upcycle.distributed.dcp_export import save_hf_folder
+from moe_upcycle.distributed.fsdp_layout import reshard
 from moe_upcycle.distributed.rank_failures import all_or_none
 from moe_upcycle.errors import ConfigError, UpcycleError
 
@@ -53,13 +54,9 @@ def ids_of(path: Path, text: str) -> torch.Tensor:
 def logits(model, ids):
     """Logits of a sharded model; its root's parameters are sharded again after (FSDP keeps them gathered after a
     forward without backward)."""
-    from torch.distributed.fsdp import FSDPModule
-
     with torch.no_grad():
         out = model(input_ids=ids).logits
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(model)
     return out
 
 

@@ -294,4 +294,7 @@ def test_save_hf_folder_in_one_process_writes_the_build_and_replaces_only_its_ow
         save_hf_folder(moe, tmp_path / "x", tokenizer=123)
     with pytest.raises(ConfigError, match="max_shard_size"):
         save_hf_folder(moe, tmp_path / "x", max_shard_size=0)
+    with pytest.raises(ConfigError) as caught:
+        save_hf_folder(dense.config, None, force="yes", checksums=1)
+    assert [p.split(":")[0] for p in caught.value.problems] == ["force", "checksums", "output", "model"]
     assert not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["built", "file", "nested"]

@@ -21,6 +21,7 @@ call this. It writes no optimizer state (DCP keeps that) and no model card.
 from __future__ import annotations
 
 import itertools
+import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.output_dir import check_target, made_parent, staged_output
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
+from moe_upcycle.distributed.fsdp_layout import reshard
 from moe_upcycle.distributed.local_fill import full_tensor
 from moe_upcycle.distributed.rank_failures import all_or_none, world
 from moe_upcycle.errors import ConfigError
@@ -101,17 +103,26 @@ def save_hf_folder(model: torch.nn.Module, output: Union[str, Path], *, tokenize
         The output folder (on every rank).
 
     Raises:
-        ConfigError: a bad `max_shard_size`.
+        ConfigError: an argument of the wrong type or value (all of them, named), raised on every rank before
+            anything is written.
         OutputError: the folder cannot be written, or is not ours to replace; raised on every rank, and nothing is
             published.
 
     Example:
         >>> save_hf_folder(moe, "my-moe", tokenizer="path/to/dense")  # doctest: +SKIP
     """
+    problems = [f"{name}: expected True or False, got {value!r}" for name, value in
+                (("force", force), ("checksums", checksums)) if not isinstance(value, bool)]
+    if not isinstance(output, (str, os.PathLike)) or not str(output):
+        problems.append(f"output: expected a folder path, not {output!r}")
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        problems.append(f"model: expected the MoE (a transformers model), not {type(model).__name__}")
     try:
         max_bytes = parse_size(max_shard_size)
     except ValueError as exc:
-        raise ConfigError(f"max_shard_size: {exc}") from None
+        problems.append(f"max_shard_size: {exc}")
+    if problems:
+        raise ConfigError(*problems)
     target = Path(output).expanduser().resolve()
     folder = Path(tokenizer).expanduser() if isinstance(tokenizer, (str, Path)) else None
     if folder is not None and not folder.is_dir():
@@ -120,6 +131,7 @@ def save_hf_folder(model: torch.nn.Module, output: Union[str, Path], *, tokenize
     if tokenizer is not None and folder is None and not hasattr(tokenizer, "save_pretrained"):
         raise ConfigError(f"tokenizer: expected a folder or a tokenizer with save_pretrained, not "
                           f"{type(tokenizer).__name__}")
+    reshard(model)  # after an evaluation forward the root's parameters are whole: each rank gathers its shards
     entries = hf_entries(model)
     params = dict(model.named_parameters())
     rank, size = world()
@@ -159,7 +171,11 @@ def hf_config(model: torch.nn.Module) -> dict:
     config.pop("transformers_version", None)
     layout = names.OUTPUT_LAYOUTS.get(config.get("model_type"))
     config["architectures"] = [layout.class_name if layout else type(model).__name__.removeprefix("FSDP")]
-    config["torch_dtype"] = str(config.get("dtype") or next(model.parameters()).dtype).removeprefix("torch.")
+    # the weights' dtype as written (most bytes), not the one the model was made with: it may have been cast since
+    sizes: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    config["dtype"] = config["torch_dtype"] = str(max(sizes, key=sizes.get)).removeprefix("torch.")
     return dict(sorted(config.items()))
 
 

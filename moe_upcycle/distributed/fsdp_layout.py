@@ -81,11 +81,8 @@ def fsdp_layout(model: torch.nn.Module) -> Optional[FsdpLayout]:
         return None
     from torch.distributed.fsdp import FSDPModule
 
+    reshard(model)
     fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    for _, module in fsdp_modules:
-        # after a forward without backward (eval) the root keeps its parameters gathered (reshard_after_forward
-        # False): register the shards again, as the next forward would (local, no collective)
-        module.reshard()
     params = dict(model.named_parameters())
     name_of = {id(p): n for n, p in params.items()}
     states = [(name, _state(m, name)) for name, m in fsdp_modules]
@@ -113,6 +110,19 @@ def fsdp_layout(model: torch.nn.Module) -> Optional[FsdpLayout]:
     mesh = next((u.mesh for u in units if u.mesh is not None), None)
     units = [u if u.mesh is not None else dataclasses.replace(u, mesh=mesh) for u in units]
     return FsdpLayout(tuple(units), device, frozenset(n for n in params if n not in managed))
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Register every FSDP module's shards again as its parameters (local: no collective).
+
+    After a forward without backward (evaluation) FSDP keeps the root's parameters gathered whole
+    (``reshard_after_forward`` is False for the root), so its parameters are plain tensors until the next backward.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _state(module: Any, name: str) -> Any:

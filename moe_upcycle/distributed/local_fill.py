@@ -158,9 +158,10 @@ def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ShardedSource,
     primary = dict(model.named_parameters())  # a second name of a tied parameter may be left to the first
     wrong = {n: (written[n], t.numel()) for n, t in locals_.items()
              if written[n] != t.numel() and (n in primary or written[n])}
-    if wrong:
-        raise RuntimeError(f"sharded upcycle set these local shards partly or twice (elements written, held): "
-                           f"{wrong}; this is a bug: the plan and {type(model).__name__} disagree")
+    with all_or_none("checking its shards"):  # else the other ranks would go on to train, and wait for this one
+        if wrong:
+            raise RuntimeError(f"sharded upcycle set these local shards partly or twice (elements written, held): "
+                               f"{wrong}; this is a bug: the plan and {type(model).__name__} disagree")
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
