@@ -17,8 +17,12 @@ unshuffled ``split`` involve no randomness in the experts and are identical ever
 fp32 master weights are often cast before saving), so ``save_pretrained`` → ``from_pretrained``
 runs the same kernel.
 
+A dense model sharded with FSDP2's ``fully_shard`` (its parameters DTensors: FSDP or HSDP) gives an MoE sharded the
+same way, each rank making only its own shards (`moe_upcycle.distributed`, docs/fsdp.md); tensor parallelism is
+refused with what to do instead.
+
 It does not load or save checkpoints (use `build.upcycle` for files), and it holds the whole MoE
-in memory (that is its purpose). Prompt-based gate modes need a tokenizer and files, so only
+in memory (that is its purpose; sharded: each rank its part). Prompt-based gate modes need a tokenizer and files, so only
 ``random``, ``uniform_random`` and ``uniform`` are offered here.
 """
 
@@ -46,6 +50,9 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from moe_upcycle.planning.model_config import experts_implementation_for
+from moe_upcycle.distributed.fsdp_layout import fsdp_layout
+from moe_upcycle.distributed.local_fill import ShardedSource
+from moe_upcycle.distributed.sharded_model import build_sharded_moe
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
@@ -188,7 +195,7 @@ def upcycle_model(
 
     Args:
         dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` / Qwen2 / Qwen3 (left
-            untouched), on any device(s).
+            untouched), on any device(s), or sharded with FSDP2's ``fully_shard`` (then call this on every rank).
         num_experts: routed experts per layer.
         experts_per_token: top-k.
         expert_init: "copy", or a mapping such as ``{"method": "drop", "ratio": 0.5}`` (the YAML
@@ -204,11 +211,13 @@ def upcycle_model(
 
     Returns:
         A ``MixtralForCausalLM`` (or the `architecture`'s class) in training mode whose every
-        parameter has its own storage, on the dense model's device(s).
+        parameter has its own storage, on the dense model's device(s); for a sharded dense model, sharded
+        the same way (same mesh, placements and FSDP settings).
 
     Raises:
         ConfigError: an invalid option (reported with the option's name), a `dense_model` that is
-            not a loaded transformers causal LM, or one whose weights are offloaded (on the meta device).
+            not a loaded transformers causal LM, one whose weights are offloaded (on the meta device), or one
+            spread with tensor parallelism.
         PlanError: the dense model cannot be upcycled (e.g. an unsupported architecture).
 
     Example:
@@ -241,8 +250,11 @@ def upcycle_model(
     # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
     # which autograd refuses: the model could never be trained. It is built as ordinary tensors.
     with torch.inference_mode(False):
+        layout = fsdp_layout(dense_model)  # None unless sharded with FSDP2 (DTensors): then so is the MoE
         placement = dense_placement(dense_model)
         source = state_dict_source(dense_model)
+        if layout is not None:
+            source = ShardedSource.of(source, source.state)
         sources = {IN_MEMORY_REF: source}
         plan = make_plan(config, sources)
         refuse_unused_parameters(plan, dense_model)  # a head bias the MoE has no place for
@@ -254,12 +266,15 @@ def upcycle_model(
         router = router_fields(config)
         cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
         model = empty_moe_model(cfg, plan, getattr(dense_model.config, "_attn_implementation", None))
-        fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
-        move_buffers(model, placement)
+        if layout is not None:  # each rank makes its own shards (moe_upcycle.distributed)
+            build_sharded_moe(model, plan, source, gates, config.seed, layout, _place)
+        else:
+            fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
+            move_buffers(model, placement)
         keep_frozen(model, plan, dense_model)
         keep_checkpointing(model, dense_model)
         keep_generation_config(model, dense_model)
-        return dispatch_like(model, placement).train()
+        return (model if layout is not None else dispatch_like(model, placement)).train()
 
 
 def keep_generation_config(model: torch.nn.Module, dense_model: torch.nn.Module) -> None:

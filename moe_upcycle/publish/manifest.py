@@ -22,13 +22,16 @@ from moe_upcycle.planning.replan import relative_local_paths
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 
-def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],
-                 skip: Sequence[str] = (), verification: Optional[dict] = None) -> None:
+def write_recipe(folder: Path, config: Optional[UpcycleConfig], shard_hashes: dict[str, str],
+                 skip: Sequence[str] = (), verification: Optional[dict] = None, extra: Optional[dict] = None) -> None:
     """Record tool version, resolved config, seed, verification and the sha256 of every output file.
 
     Args:
+        config: the recipe; None for a folder no recipe made (a trained model exported by
+            `distributed.dcp_export`): no config and no seed are recorded.
         shard_hashes: digests computed while writing (not computed again here).
         skip: files left unhashed (the shards with ``checksums: false``).
+        extra: more top-level fields (an export says what wrote it).
     """
     hashes = dict(shard_hashes)
     templates = folder / CHAT_TEMPLATE_DIR  # the named chat templates: the one folder a build writes
@@ -36,14 +39,11 @@ def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, st
         name = path.relative_to(folder).as_posix()
         if path.is_file() and name not in hashes and name not in skip:
             hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    recipe = {
-        "tool": "moe-upcycle",
-        "version": __version__,
-        "config": config.model_dump(mode="json"),
-        "seed": config.seed,
-        "sha256": dict(sorted(hashes.items())),
-    }
-    if relative_local_paths(recipe["config"]):  # only then: the field tells where the build ran
+    recipe = {"tool": "moe-upcycle", "version": __version__}
+    if config is not None:
+        recipe.update(config=config.model_dump(mode="json"), seed=config.seed)
+    recipe.update(extra or {}, sha256=dict(sorted(hashes.items())))
+    if config is not None and relative_local_paths(recipe["config"]):  # only then: the field tells where the build ran
         try:  # from the staging folder, a sibling of the output: the same path as from the output itself
             recipe["paths_relative_to"] = os.path.relpath(os.getcwd(), Path(folder).resolve())
         except OSError:  # the working folder was deleted meanwhile: relative paths lead nowhere anyway
