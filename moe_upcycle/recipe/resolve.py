@@ -6,7 +6,8 @@ everything downstream gets a frozen dataclass with just what it needs.
 
 from __future__ import annotations
 
-from moe_upcycle.recipe.params import CheckParams, ExpertPrompts, GateParams, RouterFields, WriteParams
+from moe_upcycle.recipe.params import CheckParams, ExpertPrompts, GateParams, MoeLayers, RouterFields, WriteParams
+from moe_upcycle.recipe.layer_choice import LayerEvery
 from moe_upcycle.recipe.schema import ExpertConfig, ExpertInit, UpcycleConfig
 
 
@@ -50,6 +51,16 @@ def gate_params(config: UpcycleConfig) -> GateParams:
         center=config.gate_center, calibration_text=config.calibration_text, batch_size=config.batch_size,
         device=config.device, dtype=config.gate_dtype, quantize=config.quantize,
     )
+
+
+def moe_layers(config: UpcycleConfig) -> MoeLayers:
+    """Which layers the recipe makes MoE layers (``moe_layers:``; every layer when it is left out)."""
+    chosen = config.moe_layers
+    if chosen is None:
+        return MoeLayers()
+    if isinstance(chosen, LayerEvery):
+        return MoeLayers(every=chosen.every, start=chosen.first)
+    return MoeLayers(indices=tuple(chosen))
 
 
 def write_params(config: UpcycleConfig) -> WriteParams:
