@@ -30,8 +30,12 @@ def layer_notes(config: UpcycleConfig, chosen: MoeLayers, num_layers: int) -> li
         return [f"moe_layers: {chosen.text()} is every one of the {num_layers} layers: the same as leaving it out"]
     where = "from base_model, not averaged" if config.attention_from == "average" else "from base_model"
     shared = "; the shared expert is in the MoE layers only" if config.shared_experts else ""
-    return [f"moe_layers: {chosen.text()}: MoE in layers {', '.join(map(str, moe))} of {num_layers}; layers "
-            f"{', '.join(map(str, dense))} keep the dense MLP ({where}, copied unchanged){shared}"]
+    return [f"moe_layers: {chosen.text()}: MoE in {_layers(moe)} of {num_layers}; {_layers(dense)} "
+            f"keep{'s' if len(dense) == 1 else ''} the dense MLP ({where}, copied unchanged){shared}"]
+
+
+def _layers(layers: tuple[int, ...]) -> str:
+    return f"layer{'s' if len(layers) != 1 else ''} {', '.join(map(str, layers))}"
 
 
 def renormalisation_notes(config: UpcycleConfig, layout: names.OutputLayout, num_experts: int) -> tuple[list[str],

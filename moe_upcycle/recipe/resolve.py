@@ -74,8 +74,11 @@ def router_fields(config: UpcycleConfig) -> RouterFields:
 
 
 def is_function_preserving(config: UpcycleConfig) -> bool:
-    """True when every expert is the base FFN with no mergekit noise or residual scale and no shared expert."""
+    """True when every expert is the base FFN with no mergekit noise or residual scale and no shared expert, and
+    the top-k weights sum to 1 (renormalised, or every expert active)."""
     if config.shared_experts:
+        return False
+    if config.norm_topk_prob is False and config.experts_per_token < config.expert_count:
         return False
     return all(e.source_model == config.base_model and not e.noise_scale and e.residual_scale in (None, 1.0)
                for e in config.expert_list())
