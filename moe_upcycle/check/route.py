@@ -148,7 +148,8 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
         The routing counts.
 
     Raises:
-        SourceError: the folder is not a loadable MoE with one router per layer.
+        SourceError: the folder is not a loadable MoE with a router in at least one layer (a layer that keeps
+            the dense MLP, ``moe_layers:``, has none and is not reported).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

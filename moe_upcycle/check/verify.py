@@ -4,7 +4,8 @@
 shards), the sha256 recorded in ``moe_upcycle.json``, the tensors on disk against the plan (re-made
 from the recorded recipe, headers only), the router fields of config.json, and loading with
 ``AutoModelForCausalLM``/``AutoTokenizer`` exactly as a user would (missing, unexpected or
-mismatched keys): in the folder's own dtype and with the experts implementation transformers
+mismatched keys; and, against the plan, which layers it built as MoE blocks — ``moe_layers:``): in the
+folder's own dtype and with the experts implementation transformers
 picks for it, so an output that cannot run where it is published (a bf16 build whose experts
 grouped_mm cannot multiply) fails here, and so do NaN logits; the greedy continuations shown are
 this run's. Then, against the dense base (the recipe's ``base_model`` unless given), it compares
