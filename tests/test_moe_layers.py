@@ -358,3 +358,18 @@ def test_cli_refuses_a_bad_value_and_writes_nothing(deep, tmp_path):
     assert result.exit_code == 1 and "moe_layers: '1,3' is text, not a list of layers; write moe_layers: [1, 3]" in \
         " ".join(result.output.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+def test_python_callers_may_pass_ranges_tuples_and_arrays():
+    import numpy as np
+
+    from moe_upcycle.recipe.resolve import moe_layers
+    from moe_upcycle.recipe.schema import load_config
+
+    base = {"base_model": "m", "num_experts": 4, "gate_mode": "random"}
+    for value in (range(1, 8, 2), (1, 3, 5, 7), np.array([1, 3, 5, 7]), torch.tensor([7, 5, 3, 1]), {3, 1, 7, 5},
+                  [np.int64(1), 3, 5, 7]):
+        assert moe_layers(load_config({**base, "moe_layers": value})).layers(8) == (1, 3, 5, 7), value
+    assert moe_layers(load_config({**base, "moe_layers": {"every": 2}})).layers(8) == (1, 3, 5, 7)
+    assert moe_layers(load_config({**base, "moe_layers": {"every": 2, "start": 0}})).layers(8) == (0, 2, 4, 6)
+    assert moe_layers(load_config(base)).layers(3) == (0, 1, 2)

@@ -16,6 +16,7 @@ It reads no checkpoint.
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Annotated, Any, Optional, Union
 
@@ -74,6 +75,8 @@ def check_value(value: Any) -> Any:
     """
     if value is None or isinstance(value, (dict, LayerEvery)):
         return value  # a mapping's keys and values are LayerEvery's to check
+    if not isinstance(value, (list, tuple, str)) and callable(getattr(value, "tolist", None)):
+        value = value.tolist()  # a numpy / torch array from Python: its list (a 0-d one: its number)
     if isinstance(value, bool):
         raise ValueError(f"{str(value).lower()} is a boolean, not layers; write {EXAMPLES}, or {ALL_LAYERS}")
     if isinstance(value, (int, float)):
@@ -86,6 +89,8 @@ def check_value(value: Any) -> Any:
         raise ValueError(_text_fix(value))
     if isinstance(value, (range, set, frozenset)):  # from Python: upcycle_model(moe_layers=range(1, 8, 2))
         value = sorted(value) if not isinstance(value, range) else list(value)
+    if isinstance(value, (list, tuple)):  # numpy / torch integers are layer indices too
+        value = [int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x for x in value]
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{short_repr(value)} is not layers; write {EXAMPLES}")
     if not value:
