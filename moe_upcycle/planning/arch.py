@@ -256,14 +256,14 @@ def config_fields(plan: "Plan") -> dict:
     layout = names.output_layout(plan.architecture)
     base = plan.base_config
     leaves = {s.name: s for s in plan.leaf_steps()}
-    first = plan.moe_layers[0] if plan.moe_layers else 0  # layer 0 may be a dense one (``moe_layers:``)
-    gate0 = leaves.get(names.fill(layout.expert["gate_proj"], layer=first, expert=0))
+    first_moe = plan.moe_layers[0] if plan.moe_layers else 0  # layer 0 may be a dense one (``moe_layers:``)
+    gate0 = leaves.get(names.fill(layout.expert["gate_proj"], layer=first_moe, expert=0))
     fields = dict(layout.config)
     fields[layout.experts_key] = len(plan.expert_names)
     fields[layout.expert_size_key] = gate0.shape[0] if gate0 else base["intermediate_size"]
     if layout.shared_expert:
         top = {s.name: s for s in plan.steps}  # several shared experts are one step made of parts
-        shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=first))
+        shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=first_moe))
         fields["shared_expert_intermediate_size"] = shared.shape[0] if shared else 0
     if "norm_topk_prob" in layout.config:
         fields["norm_topk_prob"] = plan.norm_topk_prob
