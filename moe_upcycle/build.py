@@ -248,7 +248,7 @@ def upcycle(
         if no_tokenizer:
             warnings.warn(no_tokenizer, UpcycleWarning, stacklevel=2)
         gating, writing, checking = gate_params(config), write_params(config), check_params(config)
-        with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
+        with progress_stage("gates", total=len(plan.moe_layers), unit="layers") as st:
             gates = compute_gates(gating, plan, base)
             shared_gates = shared_gate_rows(gating, plan, base)
             st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")

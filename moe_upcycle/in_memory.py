@@ -33,7 +33,7 @@ import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -190,6 +190,7 @@ def upcycle_model(
     output_router_logits: bool = False,
     dtype: Union[str, torch.dtype, None] = None,
     architecture: Optional[str] = None,
+    moe_layers: Union[Sequence[int], dict, None] = None,
 ) -> torch.nn.Module:
     """Turn a dense model into an MoE model in memory (Mixtral by default), ready for continued training.
 
@@ -208,6 +209,9 @@ def upcycle_model(
         dtype: "float32", "bfloat16" or "float16" (or the torch.dtype); default (or "auto"): the dense model's parameter dtype.
         architecture: the output architecture ("mixtral", "qwen2_moe", "qwen3_moe"...); default:
             the one a build picks for the dense family.
+        moe_layers: which layers become MoE layers, as the recipe's ``moe_layers:`` — a list such as
+            ``[1, 3, 5]`` or ``{"every": 2}`` (layers 1, 3, 5, ...); the others keep the dense MLP (a
+            Qwen-MoE output: a Llama or Mistral becomes ``qwen2_moe``). Default: every layer.
 
     Returns:
         A ``MixtralForCausalLM`` (or the `architecture`'s class) in training mode whose every
@@ -246,6 +250,7 @@ def upcycle_model(
         "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef,
         "output_router_logits": output_router_logits, "dtype": dtype,
         **({"architecture": architecture} if architecture else {}),
+        **({"moe_layers": moe_layers} if moe_layers is not None else {}),
     }, unknown_option=None, name="upcycle_model")
     # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
     # which autograd refuses: the model could never be trained. It is built as ordinary tensors.

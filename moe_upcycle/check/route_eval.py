@@ -39,6 +39,7 @@ class RoutingScore:
         confusion: (E, E) int; row = label, column = expert with the largest share summed over
             layers (ties go to the lower index). Row i sums to the number of prompts labelled i.
         layer_confusion: (L, E, E) int; the same per layer.
+        layers: the model layer of each of the L rows (only MoE layers route, ``moe_layers:``); None: 0 to L-1.
     """
 
     expert_names: list[str]
@@ -46,6 +47,12 @@ class RoutingScore:
     overall: float
     confusion: torch.Tensor
     layer_confusion: torch.Tensor
+    layers: Optional[list[int]] = None
+
+    @property
+    def layer_indices(self) -> list[int]:
+        """The model layer of each `layer_accuracy` entry."""
+        return list(self.layers) if self.layers is not None else list(range(len(self.layer_accuracy)))
 
     @property
     def label_counts(self) -> list[int]:
@@ -54,17 +61,19 @@ class RoutingScore:
 
     def to_dict(self) -> dict:
         return {"experts": self.expert_names, "layer_accuracy": self.layer_accuracy, "overall": self.overall,
-                "confusion": self.confusion.tolist(), "layer_confusion": self.layer_confusion.tolist()}
+                "confusion": self.confusion.tolist(), "layer_confusion": self.layer_confusion.tolist(),
+                "layers": self.layer_indices}
 
 
 def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
-                     expert_names: Sequence[str]) -> RoutingScore:
+                     expert_names: Sequence[str], layers: Optional[Sequence[int]] = None) -> RoutingScore:
     """Score routing against labels.
 
     Args:
         routing: (P, L, E) shares, or (P, L) integer top-1 expert per prompt and layer.
         labels: per prompt, the expert it should go to (name or index).
         expert_names: the experts in router order.
+        layers: the model layer of each of the L routing rows (`route.RoutingResult.layers`); default 0 to L-1.
 
     Returns:
         Accuracy per layer and overall, and the confusion matrices.
@@ -87,17 +96,17 @@ def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
     if len(labels) != routing.shape[0]:
         raise ConfigError(f"labels: {len(labels)} labels for {routing.shape[0]} prompts; give one label per prompt")
     idx = torch.tensor(label_indices(labels, names))  # (P,)
-    p, layers, _ = routing.shape
+    p, n_layers, _ = routing.shape
     hit = routing[torch.arange(p), :, idx]  # (P, L): share routed to the label
-    layer_acc = hit.mean(0).tolist() if p else [0.0] * layers
-    layer_conf = torch.zeros(layers, e, e, dtype=torch.long)
+    layer_acc = hit.mean(0).tolist() if p else [0.0] * n_layers
+    layer_conf = torch.zeros(n_layers, e, e, dtype=torch.long)
     pred = routing.argmax(-1)  # (P, L)
-    for layer in range(layers):
+    for layer in range(n_layers):
         layer_conf[layer].index_put_((idx, pred[:, layer]), torch.ones(p, dtype=torch.long), accumulate=True)
     conf = torch.zeros(e, e, dtype=torch.long)
     conf.index_put_((idx, routing.sum(1).argmax(-1)), torch.ones(p, dtype=torch.long), accumulate=True)
-    overall = sum(layer_acc) / layers if layers else 0.0
-    return RoutingScore(names, layer_acc, overall, conf, layer_conf)
+    overall = sum(layer_acc) / n_layers if n_layers else 0.0
+    return RoutingScore(names, layer_acc, overall, conf, layer_conf, None if layers is None else list(layers))
 
 
 def label_indices(labels: Sequence[Union[str, int]], expert_names: Sequence[str],

@@ -271,7 +271,7 @@ def route(
     if labels is not None:
         from moe_upcycle.check.route_eval import routing_accuracy
 
-        score = routing_accuracy(result.shares(), labels, result.expert_names)
+        score = routing_accuracy(result.shares(), labels, result.expert_names, result.layers)
     if as_json:
         data = result.to_dict()
         if score is not None:

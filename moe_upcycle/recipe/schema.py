@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
+from moe_upcycle.recipe.layer_choice import LayerChoice, check_value
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
@@ -275,6 +276,11 @@ class UpcycleConfig(_Strict):
     device: str = "auto"
     gate_dtype: Optional[DType] = None
     quantize: Optional[Quantize] = None
+    # which layers become MoE layers (`layer_choice`); None: every layer. The others keep the dense MLP.
+    moe_layers: Optional[LayerChoice] = None
+    # Qwen-MoE outputs: renormalise the top-k router weights (default true, what keeps copies exact); false is
+    # Qwen1.5-MoE's setting and what llama.cpp's qwen2moe always computes
+    norm_topk_prob: Optional[bool] = None
 
     @field_validator("base_model", mode="before")
     @classmethod
@@ -307,6 +313,11 @@ class UpcycleConfig(_Strict):
         from moe_upcycle.recipe.mergekit_names import architecture_name
 
         return architecture_name(value) if isinstance(value, str) else value
+
+    @field_validator("moe_layers", mode="before")
+    @classmethod
+    def _layer_choice(cls, value: Any) -> Any:
+        return check_value(value)
 
     @field_validator("shared_experts", mode="before")
     @classmethod
