@@ -60,6 +60,7 @@ app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pre
 out = Console()
 DEBUG = {"on": False}
 QUIET = {"on": False}
+VERBOSE = {"on": False}
 DEVICE_HELP = "Where the models run: auto (a GPU when torch sees one, else cpu), cpu, cuda or cuda:N."
 
 
@@ -75,10 +76,13 @@ def _version(value: bool) -> None:
 def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors."),
           quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress display and no notes on stderr; "
                                                                    "results, warnings and errors only."),
+          verbose: bool = typer.Option(False, "-v", "--verbose", help="Full reports where a command prints a "
+                                                                      "summary line (build: the duplicate-tensor report)."),
           version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     DEBUG["on"] = debug
     QUIET["on"] = quiet
+    VERBOSE["on"] = verbose
     return_large_frees()  # big freed tensors go back to the OS: memory is what `plan` predicts
 
 
