@@ -114,7 +114,9 @@ def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_confi
     if force:
         assert _snapshot(target) == previous
         assert leftovers(target) == ["moe"]
+        assert f"nothing was written under the output name; the previous {target} is untouched" in err, err
     else:
+        assert "previous" not in err
         assert leftovers(target) == []  # no target, no lock, no staging folder
 
     code, output = cli("build", big_config, target, *(["--force"] if force else []))

@@ -73,6 +73,7 @@ class PlanSummary:
     runtimes: tuple[Verdict, ...] = ()  # where the output runs (`runtimes.compatibility`)
     adapters: tuple[str, ...] = ()  # one line per ``model+adapter`` reference: the LoRA merged in
     tied_head_written: bool = False  # a tied lm_head.weight is written beside the embedding (`llamacpp`)
+    gate_mode_default: str = ""  # why gate_mode is what it is when the recipe leaves it out
 
     @property
     def tied_note(self) -> str:
@@ -186,7 +187,7 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
                                config.base_model), components=tuple(components(plan)),
         sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
         disk_needed_bytes=needed, disk_free_bytes=free, runtimes=tuple(compatibility(plan)),
-        adapters=tuple(adapter_lines(sources)),
+        adapters=tuple(adapter_lines(sources)), gate_mode_default=config.gate_mode_default,
     )
 
 
@@ -222,7 +223,7 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     table = Table(title="moe-upcycle plan", show_header=False)
     table.add_row("architecture", s.architecture)
     table.add_row("experts", escape(f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}"))
-    table.add_row("gate mode", s.gate_mode)
+    table.add_row("gate mode", s.gate_mode + (f" ({s.gate_mode_default})" if s.gate_mode_default else ""))
     table.add_row("dtype", s.dtype)
     table.add_row("parameters", f"{readable_count(s.total_params)} total, {readable_count(s.active_params)} "
                                 f"active per token"
