@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from failure_checks import REPO, leftovers, module_cmd, module_env
+from failure_checks import leftovers, module_cmd, module_env
 from moe_upcycle.check.route_eval import read_labeled
 from moe_upcycle.cli import app
 from moe_upcycle.errors import ConfigError
