@@ -29,7 +29,7 @@ from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
-from moe_upcycle.planning.report import sharing_report
+from moe_upcycle.planning.report import sharing_report, sharing_summary
 from moe_upcycle.publish.card import write_model_card
 from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
@@ -60,6 +60,7 @@ class BuildResult:
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
     gate_warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # the plan's cautions; a mergekit config built with our router semantics
+    sharing_line: str = ""  # `sharing` in one line, without paths (what `build` prints; -v prints `sharing`)
 
 
 def source_folders(sources: dict) -> list[Path]:
@@ -296,4 +297,5 @@ def upcycle(
         ckpt.close()
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else [])])
+                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else [])],
+                       sharing_summary(plan, sources, config.tensor_policy))

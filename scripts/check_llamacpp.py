@@ -101,7 +101,8 @@ class Case:
 
 
 def cases() -> list[Case]:
-    """Every output architecture from every input family, and each qwen2_moe recipe the README shows."""
+    """Every output architecture from every input family, and each qwen2_moe recipe docs/architectures.md shows
+    (its exact shared split: the "README shared split" cases, named when it was in the README)."""
     no_renorm = ("llama.cpp's qwen2moe never renormalises the top-k weights; transformers does "
                  "(norm_topk_prob: true), so with experts_per_token < experts the two differ")
     # the input families each output can hold (the tool refuses the rest at plan time)

@@ -3,9 +3,11 @@ that a failed build left nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,32 @@ from typer.testing import CliRunner
 from moe_upcycle.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The signals the tool handles (and SIGPIPE): a test run under ``nohup``, in a background job or a CI runner may
+# inherit any of them ignored, and children inherit that; the tool rightly keeps an ignored signal ignored.
+HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGPIPE")
+                        if hasattr(signal, name))
+
+
+def default_signals() -> None:
+    """`preexec_fn` for a child whose signals a test sends or relies on: each as a fresh shell gives them, not as
+    this test run inherited them."""
+    for sig in HANDLED_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signal_defaults():
+    """In this process: SIGINT raises KeyboardInterrupt and the other handled signals are at their default, as
+    in a fresh process (what the CLI then installs its handlers over); the previous dispositions after."""
+    previous = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
+    try:
+        for sig in HANDLED_SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def cli(*args: str) -> tuple[int, str]:
@@ -37,7 +65,7 @@ def module_cmd(*args: str) -> list[str]:
 def run_module(*args: str, timeout: float = 120) -> tuple[int, str]:
     """Run ``python -m moe_upcycle ARGS`` as a subprocess; return (exit code, stdout+stderr)."""
     proc = subprocess.run(module_cmd(*args), cwd=REPO, env=module_env(), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=default_signals)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -62,6 +62,8 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
     problem = target_problem(target, force, sources, inputs, restored=restored)
     if problem:
         raise OutputError(problem)
+    if force and target.is_dir() and any(target.iterdir()):
+        _REPLACING.append(target)  # a previous output, replaced only at the very end (`previous_kept`)
 
 
 def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inputs: Sequence[Path] = (),
@@ -477,12 +479,23 @@ def published() -> Optional[Path]:
     return _PUBLISHED[-1] if _PUBLISHED else None
 
 
+def previous_kept() -> Optional[Path]:
+    """The previous output a ``--force`` build of this process was to replace and has not (None when there was
+    none, or it was replaced): after an interrupt or an error it is exactly as it was, since it is only swapped out,
+    signals held, in the final rename."""
+    if _REPLACING and _REPLACING[-1] not in _PUBLISHED and _REPLACING[-1].is_dir():
+        return _REPLACING[-1]
+    return None
+
+
 def forget_published() -> None:
     """Start a command with no output put in place yet (commands run in one process under tests)."""
     _PUBLISHED.clear()
+    _REPLACING.clear()
 
 
 _PUBLISHED: list[Path] = []
+_REPLACING: list[Path] = []
 
 
 def _publish(stage: Path, target: Path, force: bool) -> None:

@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli.mergekit_flags import explain, translate
 from moe_upcycle.cli.out_of_memory import out_of_memory
-from moe_upcycle.checkpoint.output_dir import forget_published, published
+from moe_upcycle.checkpoint.output_dir import forget_published, previous_kept, published
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import denied, symlink_loop
 from moe_upcycle.terminal.allocator import return_large_frees
@@ -60,6 +60,7 @@ app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pre
 out = Console()
 DEBUG = {"on": False}
 QUIET = {"on": False}
+VERBOSE = {"on": False}
 DEVICE_HELP = "Where the models run: auto (a GPU when torch sees one, else cpu), cpu, cuda or cuda:N."
 
 
@@ -75,10 +76,13 @@ def _version(value: bool) -> None:
 def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors."),
           quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress display and no notes on stderr; "
                                                                    "results, warnings and errors only."),
+          verbose: bool = typer.Option(False, "-v", "--verbose", help="Full reports where a command prints a "
+                                                                      "summary line (build: the duplicate-tensor report)."),
           version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     DEBUG["on"] = debug
     QUIET["on"] = quiet
+    VERBOSE["on"] = verbose
     return_large_frees()  # big freed tensors go back to the OS: memory is what `plan` predicts
 
 
@@ -142,11 +146,13 @@ def cli_errors(fn: Callable) -> Callable:
             console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
         except KeyboardInterrupt as exc:  # a signal held off while publishing is raised after it: then say so
-            done = published()
+            done, kept = published(), previous_kept()
             said = (f" after {escape(str(done))} was complete and in place" if done is not None else
+                    f": nothing was written under the output name; the previous {escape(str(kept))} is untouched"
+                    if kept is not None else
                     ": nothing was written under the output name" if fn.__name__ in _WRITERS else "")
             with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-                console.print(f"[bold red]interrupted ({signal_name(exc)})[/]{said}", highlight=False)
+                console.print(f"[bold red]interrupted ({signal_name(exc)})[/]{said}", highlight=False, soft_wrap=True)
             raise typer.Exit(exit_code(exc))
 
     return wrapper

@@ -15,7 +15,8 @@ from rich.table import Table
 
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
-from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, app, cli_errors, console, note, out  # noqa: F401
+from moe_upcycle.cli.next_steps import after_build, after_demo
+from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, VERBOSE, app, cli_errors, console, note, out  # noqa: F401
 from moe_upcycle.errors import ConfigError, UpcycleError, UpcycleWarning
 from moe_upcycle.terminal.json_text import json_text
 from moe_upcycle.terminal.progress import stage
@@ -88,7 +89,7 @@ def build(
                      allow_unknown_keys=allow_unknown_keys, gate_source=gate_source)
     for line in result.notes:
         note(f"[bold cyan]note:[/] {escape(line)}")
-    for line in result.sharing:
+    for line in (result.sharing if VERBOSE["on"] else [result.sharing_line] if result.sharing_line else []):
         note(escape(line))
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
@@ -102,6 +103,8 @@ def build(
         print_verify(result.verify, out, console, notes=not QUIET["on"])
         if not result.verify.ok:
             raise typer.Exit(1)
+    for line in after_build(result.output, verified=result.verify is not None):
+        note(escape(line))
 
 
 @app.command()
@@ -174,9 +177,11 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), readable=False, metavar
     """Generate a tiny dense Llama, upcycle it to 4 experts and show the MoE reproduces its logits."""
     from moe_upcycle.cli.demo import run_demo
 
-    result = run_demo(folder, console=out)
+    result = run_demo(folder, console=out, verbose=VERBOSE["on"])
     if not result["ok"]:
         raise typer.Exit(1)
+    for line in after_demo(Path(result["output"])):
+        note(escape(line))
 
 
 def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: Optional[dict] = None,

@@ -107,9 +107,11 @@ def check_prompts(params: GateParams) -> None:
         return
     if params.copies:
         raise ConfigError(f"gate_mode: {params.mode} needs prompts, but num_experts gives copies without "
-                          f"prompts; use gate_mode: random (or uniform, uniform_random), or list experts with prompts")
-    missing = [f"experts[{i}].positive_prompts: gate_mode {params.mode} needs at least one prompt "
-               f"(or positive_prompts_from: a prompt set)"
+                          f"prompts; use gate_mode: random (or uniform, uniform_random; random is the default for "
+                          f"copies: leave gate_mode out), or list experts with prompts")
+    fix = "; or set gate_mode: random to build without prompts (routers to train)" if params.mode_default else ""
+    missing = [f"experts[{i}].positive_prompts: gate_mode {params.mode_said} needs at least one prompt "
+               f"(or positive_prompts_from: a prompt set){fix}"
                for i, e in enumerate(params.experts) if not e.positive]
     if missing:
         raise ConfigError(*missing)

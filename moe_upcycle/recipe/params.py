@@ -67,6 +67,7 @@ class GateParams:
         init_std: ``router_init_std`` for ``random``.
         group_size: G of ``expert_init: split`` (rows tied within each group of G), else 1.
         center, calibration_text, batch_size, device, dtype, quantize: hidden-state modes only.
+        mode_default: why `mode` was chosen when the recipe left ``gate_mode`` out ("" when it gave it), for messages.
     """
 
     mode: str
@@ -84,6 +85,12 @@ class GateParams:
     device: str = "auto"
     dtype: Optional[str] = None
     quantize: Optional[str] = None
+    mode_default: str = ""
+
+    @property
+    def mode_said(self) -> str:
+        """The mode as messages name it: ``hidden (the default when experts have prompts)`` when the recipe left it out."""
+        return f"{self.mode} ({self.mode_default})" if self.mode_default else self.mode
 
 
 @dataclass(frozen=True)

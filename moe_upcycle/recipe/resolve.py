@@ -49,7 +49,7 @@ def gate_params(config: UpcycleConfig) -> GateParams:
         shared_experts=expert_prompts(list(config.shared_experts)), copies=config.num_experts is not None,
         seed=config.seed, scale=config.gate_scale, init_std=config.router_init_std, group_size=group,
         center=config.gate_center, calibration_text=config.calibration_text, batch_size=config.batch_size,
-        device=config.device, dtype=config.gate_dtype, quantize=config.quantize,
+        device=config.device, dtype=config.gate_dtype, quantize=config.quantize, mode_default=config.gate_mode_default,
     )
 
 
