@@ -39,6 +39,8 @@ def pytest_configure(config) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-X", "utf8", *sys.orig_argv[1:]], {**os.environ, "PYTHONUTF8": "1"})
+
+
 PROMPT_TEXT = "Once upon a time, there was a little girl named Lily."
 
 
