@@ -21,7 +21,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from moe_upcycle.check.compare import LogitComparison
 from moe_upcycle.check.drift import InitDrift, build_drift
+from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.output_dir import (  # noqa: F401 (RECIPE_NAME: public)
     RECIPE_NAME, check_target, made_parent, name_too_long, target_problem)
 from moe_upcycle.checkpoint.source import Checkpoint, open_sources
@@ -62,7 +64,7 @@ class BuildResult:
     sha256: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     summary: Optional[PlanSummary] = None
-    verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
+    verify: Optional[VerifyResult] = None  # with `verify=True`
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
     gate_warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # the plan's cautions; a mergekit config built with our router semantics
@@ -259,8 +261,8 @@ def upcycle(
             with shared_stage(world, target, force) as stage:  # each rank writes its shards; the lead publishes
                 writer, hashes = write_rank_shards(world, stage, plan, sources, gates, shared_gates, writing, on_step)
                 checked, drift = world.from_lead(finish, stage, writer, hashes, config, plan, sources, checking,
-                                                 verify, gating.device)
-        world.sync()  # the lead has put the output in place: every rank returns (or raises the lead's failure)
+                                                 verify, gating.device, types=FINISHED)
+        world.sync(last=True)  # the lead has put the output in place: every rank returns (or raises its failure)
     if checked:
         checked.folder = str(target)
     for ckpt in sources.values():
@@ -268,6 +270,9 @@ def upcycle(
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
                        summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else [])])
+
+
+FINISHED = (VerifyResult, LogitComparison, InitDrift)  # what `finish` returns, sent from the lead to every rank
 
 
 def check_output(target: Path, force: bool, sources: list[Path], inputs: list[Path], summary: PlanSummary,
@@ -293,7 +298,7 @@ def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[i
 
 def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: UpcycleConfig, plan: Plan,
            sources: dict[str, Checkpoint], checking: CheckParams, verify: bool,
-           device: str) -> tuple[Optional[object], Optional[InitDrift]]:
+           device: str) -> tuple[Optional[VerifyResult], Optional[InitDrift]]:
     """Complete the staged folder once every shard is written: index, config.json, tokenizer, (verification),
     init drift, model card and manifest; then check no source changed during the build.
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from failure_checks import REPO, leftovers, module_env
+from failure_checks import REPO, leftovers, module_env, write_big_llama
 from moe_upcycle.build import upcycle
 from moe_upcycle.checkpoint.writer import INDEX_NAME, ShardedWriter, TensorSpec
 from moe_upcycle.distributed.shard_split import deal_shards
-from moe_upcycle.distributed.world import Failure, World
+from moe_upcycle.distributed.failure_record import Failure
+from moe_upcycle.distributed.world import World
 from moe_upcycle.errors import OutputError, RankError
 from moe_upcycle.terminal.signals import Terminated
 
@@ -64,7 +64,7 @@ def _rank_output(log_dir: Path, rank: int) -> str:
 
 def test_two_ranks_write_the_bytes_one_process_writes(tiny_mistral, tiny_llama, tiny_qwen2, stories, tmp_path):
     """Random gates from a sharded source (clone policy), hidden-state gates (computed by rank 0 alone, sent to
-    rank 1), Drop-Upcycling's per-(layer, expert) random rows, and the fused layout with noisy experts and a
+    rank 1) with ``verify`` (rank 0 runs it; every rank gets its result), Drop-Upcycling's per-(layer, expert) random rows, and the fused layout with noisy experts and a
     shared expert: each built by two ranks, every file equal byte for byte to the one-process build's, and each
     rank wrote a part of the tensors (none both)."""
     recipes = {
@@ -80,8 +80,9 @@ def test_two_ranks_write_the_bytes_one_process_writes(tiny_mistral, tiny_llama, 
                   "experts": [{"source_model": str(tiny_qwen2), "noise_scale": 0.01} for _ in range(3)],
                   "shared_experts": [{"source_model": str(tiny_qwen2)}]},
     }
-    jobs = [{"recipe": r, "output": str(tmp_path / f"{name}-ranked"), "written": str(tmp_path / name)}
-            for name, r in recipes.items()]
+    verified = {"hidden"}  # rank 0 verifies the folder; the figures go into the card and manifest
+    jobs = [{"recipe": r, "output": str(tmp_path / f"{name}-ranked"), "written": str(tmp_path / name),
+             "verify": name in verified} for name, r in recipes.items()]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     # hidden-state gates are a forward pass in fp32, whose sums depend on the number of intra-op threads (a
     # one-process build with OMP_NUM_THREADS=1 differs from one with 2 too): rank 0 computes them with the threads
@@ -91,9 +92,10 @@ def test_two_ranks_write_the_bytes_one_process_writes(tiny_mistral, tiny_llama, 
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
     for name, recipe in recipes.items():
-        alone = upcycle(recipe, tmp_path / f"{name}-alone")
+        alone = upcycle(recipe, tmp_path / f"{name}-alone", verify=name in verified)
         _assert_same_folder(tmp_path / f"{name}-ranked", alone.output)
         by_rank = [json.loads(Path(f"{tmp_path / name}.rank{r}.json").read_text()) for r in (0, 1)]
+        assert [rank["verified"] for rank in by_rank] == ([True, True] if name in verified else [None, None])
         assert all(len(rank["shards"]) >= 3 and rank["shards"] == alone.shards for rank in by_rank)
         written = [set(rank["written"]) for rank in by_rank]
         index = json.loads((alone.output / INDEX_NAME).read_text())["weight_map"]
@@ -185,29 +187,9 @@ def _wait_for_shards(proc: subprocess.Popen, target: Path, timeout: float = 180)
 
 @pytest.fixture(scope="module")
 def big_config(tmp_path_factory) -> Path:
-    """A Llama-shaped 13 MB model and a recipe of 104 MB output in 33 shards: long enough to stop midway."""
-    folder = tmp_path_factory.mktemp("big")
-    h, i, layers, vocab, kv = 256, 1024, 4, 512, 128
-    (folder / "config.json").write_text(json.dumps(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=h, intermediate_size=i,
-        num_hidden_layers=layers, vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
-        hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
-        torch_dtype="float32")))
-    g = torch.Generator().manual_seed(0)
-    state = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g),
-             "lm_head.weight": torch.randn(vocab, h, generator=g), "model.norm.weight": torch.ones(h)}
-    for n in range(layers):
-        p = f"model.layers.{n}."
-        state.update({p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
-                      p + "self_attn.q_proj.weight": torch.randn(h, h, generator=g),
-                      p + "self_attn.k_proj.weight": torch.randn(kv, h, generator=g),
-                      p + "self_attn.v_proj.weight": torch.randn(kv, h, generator=g),
-                      p + "self_attn.o_proj.weight": torch.randn(h, h, generator=g),
-                      p + "mlp.gate_proj.weight": torch.randn(i, h, generator=g),
-                      p + "mlp.up_proj.weight": torch.randn(i, h, generator=g),
-                      p + "mlp.down_proj.weight": torch.randn(h, i, generator=g)})
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    cfg = folder / "experts.yaml"
+    """8 experts of a 13 MB model: 104 MB of output in 33 shards, long enough to stop midway."""
+    folder = write_big_llama(tmp_path_factory.mktemp("big") / "llama")
+    cfg = folder.parent / "experts.yaml"
     cfg.write_text(f"base_model: {folder}\nnum_experts: 8\ngate_mode: random\nmax_shard_size: 4MB\n")
     return cfg
 
@@ -284,3 +266,16 @@ def test_a_peers_failure_is_raised_as_its_own_kind_naming_the_rank():
     assert world.lead and world.gather(5) == [5] and world.share("x") == "x" and world.from_lead(len, "ab") == 2
     with pytest.raises(OutputError), world.failing_together():
         raise OutputError("alone")
+
+
+def test_workers_under_a_torchrun_job_of_another_size_is_refused(tiny_llama, tmp_path, monkeypatch):
+    """``--workers 2`` in a job torchrun started with 3 processes: refused, naming both counts; nothing written."""
+    from failure_checks import assert_clean_failure, cli
+    from moe_upcycle.cli import commands
+
+    monkeypatch.setattr(commands, "current_world", lambda: World(rank=0, size=3))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\n")
+    code, output = cli("build", recipe, tmp_path / "moe", "--workers", "2")
+    assert_clean_failure(code, output, tmp_path / "moe", ["--workers 2: this build runs as 3 processes of a torchrun "
+                                                          "job already; drop --workers"])

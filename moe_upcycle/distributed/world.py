@@ -7,7 +7,8 @@ immediate and does nothing: the one-process build is the world-size-1 case of th
 - `share` (the lead's value, to every rank: gates, where the staging folder is) and `gather` (every rank's value,
   to every rank: shard digests) are gloo collectives. gloo moves CPU tensors and needs no GPU, so a build uses it
   on GPU machines too (its collectives carry kilobytes to megabytes); under a job whose own group is NCCL it makes
-  a gloo group beside it.
+  a gloo group beside it. Values travel as `torch.save` bytes read back with ``weights_only``: plain data,
+  tensors and the dataclasses the caller names, no pickled code.
 - `failing_together()` wraps a rank's work. When the block raises, the rank records what failed (kind, message,
   rank, host) in the job's c10d store, the key-value store torchrun's rendezvous already runs on, and every rank
   looks there at each `sync` and, while writing, after each tensor (`check`): a failure on any rank raises on all
@@ -32,20 +33,17 @@ It does not start processes (torchrun does, or ``build --workers``) and knows no
 from __future__ import annotations
 
 import contextlib
-import importlib
+import io
 import json
 import os
-import pickle
-import signal
-import socket
 import time
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
-from moe_upcycle.errors import RankError, UpcycleError, UpcycleWarning
-from moe_upcycle.terminal.signals import Terminated, signals_held
+from moe_upcycle.distributed.failure_record import Failure
+from moe_upcycle.errors import RankError, UpcycleWarning
+from moe_upcycle.terminal.signals import signals_held
 
 T = TypeVar("T")
 
@@ -58,66 +56,26 @@ _RUNS = [0]  # joined worlds in this process: each keeps its keys apart in the j
 _CURRENT: list["World"] = []
 
 
-@dataclass(frozen=True)
-class Failure:
-    """What failed on a rank, as recorded in the store: enough to raise the same error on another rank."""
-
-    seq: int  # order among the job's failures (1 = first)
-    rank: int
-    size: int
-    host: str
-    kind: str  # "error" (an UpcycleError), "interrupt" (a signal) or "bug" (any other exception)
-    cls: str  # module:qualname of the exception class
-    problems: tuple[str, ...]
-    signum: int = 0
-
-    @property
-    def where(self) -> str:
-        return f"rank {self.rank} of {self.size} (host {self.host})"
-
-    def exception(self) -> BaseException:
-        """The error to raise on another rank: the same class and messages with the rank in front, a
-        `Terminated` for a signal, a `RankError` for a bug (its traceback is in that rank's output)."""
-        if self.kind == "interrupt":
-            exc: BaseException = Terminated(self.signum)
-            exc.where = f" on rank {self.rank} of {self.size}, host {self.host}"
-        else:
-            cls = _exception_class(self.cls)
-            if self.kind == "error" and cls is not None and issubclass(cls, UpcycleError):
-                exc = cls(*[f"{self.where}: {p}" for p in self.problems])
-            elif cls is not None and issubclass(cls, MemoryError) or self.cls.endswith(":OutOfMemoryError"):
-                exc = (cls or MemoryError)(f"{self.where}: {' '.join(self.problems)}")  # cli.out_of_memory says it
-            else:
-                name = self.cls.rsplit(":", 1)[-1]
-                exc = RankError(f"{self.where} failed with {name}: {' '.join(self.problems)} (a bug: its traceback "
-                                f"is in that rank's output)")
-        exc.failed_rank = self.rank
-        return exc
-
-    @classmethod
-    def of(cls, exc: BaseException, seq: int, rank: int, size: int) -> "Failure":
-        kind = ("interrupt" if isinstance(exc, KeyboardInterrupt) else
-                "error" if isinstance(exc, UpcycleError) else "bug")
-        problems = tuple(exc.problems) if isinstance(exc, UpcycleError) else (str(exc),)
-        return cls(seq, rank, size, socket.gethostname(), kind, f"{type(exc).__module__}:{type(exc).__qualname__}",
-                   problems, int(getattr(exc, "signum", signal.SIGINT)) if kind == "interrupt" else 0)
-
-
-def _exception_class(name: str) -> Optional[type]:
-    module, _, qualname = name.partition(":")
-    try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError):
-        return None
-    return found if isinstance(found, type) and issubclass(found, BaseException) else None
-
-
 def _bytes_tensor(data: bytes):
     import torch
 
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _dumps(value: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes, types: Sequence[type]) -> Any:
+    """`torch.load` with ``weights_only``: plain data, tensors and `types` are rebuilt; no other code runs."""
+    import torch
+
+    with torch.serialization.safe_globals(list(types)):
+        return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class World:
@@ -146,29 +104,40 @@ class World:
 
     # ---- what ranks share -----------------------------------------------------------------------------------
 
-    def sync(self) -> None:
-        """Wait until every rank has come here; raise a peer's failure instead if one was recorded."""
+    def sync(self, last: bool = False) -> None:
+        """Wait until every rank has come here; raise a peer's failure instead if one was recorded.
+
+        Args:
+            last: the job's shared work is over (the output is in place): a failure after it, on any rank, has
+                nothing left to wait for.
+        """
         if self.size == 1:
             return
         self._syncs += 1
         key = f"sync/{self._syncs}"
         self._store.add(key, 1)
         self._wait(lambda: self._store.add(key, 0) >= self.size, check=True)
+        if last:
+            self._store.set(f"stopped/{self.rank}", "1")
 
-    def share(self, value: T) -> T:
-        """The lead's `value`, on every rank (others pass anything, e.g. None)."""
+    def share(self, value: T, types: Sequence[type] = ()) -> T:
+        """The lead's `value`, on every rank (others pass anything, e.g. None).
+
+        Args:
+            types: the classes in `value` besides plain data and tensors (dataclasses), which may be rebuilt.
+        """
         if self.size == 1:
             return value
         self.sync()
-        return pickle.loads(self._broadcast(pickle.dumps(value, pickle.HIGHEST_PROTOCOL) if self.lead else b""))
+        return _loads(self._broadcast(_dumps(value) if self.lead else b""), types)
 
     def gather(self, value: T) -> list[T]:
-        """Every rank's `value`, in rank order, on every rank. Peers' warnings travel with it to the lead, which
-        shows those it has not shown itself."""
+        """Every rank's `value` (plain data, tensors), in rank order, on every rank. Peers' warnings travel with it
+        to the lead, which shows those it has not shown itself."""
         if self.size == 1:
             return [value]
         self.sync()
-        got = [pickle.loads(data) for data in self._all_gather(pickle.dumps((value, self.unsaid), pickle.HIGHEST_PROTOCOL))]
+        got = [_loads(data, ()) for data in self._all_gather(_dumps((value, self.unsaid)))]
         self.unsaid = []
         if self.lead:
             for _, lines in got:
@@ -211,9 +180,9 @@ class World:
             raise RankError(f"a transfer between the ranks failed ({exc}); another rank stopped, see its output") \
                 from None
 
-    def from_lead(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        """Run ``fn(*args, **kwargs)`` on the lead alone; every rank gets its result (or its failure)."""
-        return self.share(fn(*args, **kwargs) if self.lead else None)
+    def from_lead(self, fn: Callable[..., T], *args, types: Sequence[type] = ()) -> T:
+        """Run ``fn(*args)`` on the lead alone; every rank gets its result (`share`'s `types`), or its failure."""
+        return self.share(fn(*args) if self.lead else None, types)
 
     def lead_context(self, factory: Callable[..., contextlib.AbstractContextManager], *args):
         """``factory(*args)`` on the lead (a context manager for it alone, e.g. the parent folders it makes), a
