@@ -279,3 +279,17 @@ def test_workers_under_a_torchrun_job_of_another_size_is_refused(tiny_llama, tmp
     code, output = cli("build", recipe, tmp_path / "moe", "--workers", "2")
     assert_clean_failure(code, output, tmp_path / "moe", ["--workers 2: this build runs as 3 processes of a torchrun "
                                                           "job already; drop --workers"])
+
+
+def test_world_size_without_torchrun_is_refused_before_any_work(tiny_llama, tmp_path, monkeypatch):
+    """WORLD_SIZE=2 set by hand, without the rest of torchrun's environment: a clear error, nothing written."""
+    from failure_checks import assert_clean_failure, cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\n")
+    code, output = cli("build", recipe, tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", ["rank error: WORLD_SIZE is 2, but this process could not "
+                                                          "join the job", "MASTER_ADDR", "start the build with torchrun"])

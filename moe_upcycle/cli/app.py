@@ -137,10 +137,8 @@ def _run(fn: Callable, world: World, *args, **kwargs):
     except UpcycleError as exc:
         if DEBUG["on"]:
             raise
-        kind = type(exc).__name__.replace("Error", " error").lower()
         with _said_by(world):
-            for problem in exc.problems:
-                console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+            _print_error(exc)
         raise typer.Exit(1)
     except (RuntimeError, OSError, MemoryError, ImportError) as exc:  # torch.OutOfMemoryError: a RuntimeError
         message = out_of_memory(exc, fn.__name__, kwargs)
@@ -176,10 +174,28 @@ def _run(fn: Callable, world: World, *args, **kwargs):
         raise typer.Exit(exit_code(exc))
 
 
-def _command_world(command: str):
+def _print_error(exc: UpcycleError) -> None:
+    kind = type(exc).__name__.replace("Error", " error").lower()
+    for problem in exc.problems:
+        console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _command_world(command: str) -> Iterator[World]:
     """The ranks of a distributed build (`build` under torchrun joins them for the whole command, so the lead
     leaves the job only after its message); a process alone for every other command."""
-    return joined_world() if command in _DISTRIBUTED else contextlib.nullcontext(World())
+    if command not in _DISTRIBUTED:
+        yield World()
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            world = stack.enter_context(joined_world())
+        except UpcycleError as exc:  # this process cannot join the job (WORLD_SIZE without torchrun's other variables)
+            if DEBUG["on"]:
+                raise
+            _print_error(exc)
+            raise typer.Exit(1)
+        yield world
 
 
 @contextlib.contextmanager
