@@ -97,3 +97,34 @@ def previous_build(folder: Path, files: dict[str, str]) -> Path:
     digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in files.items()}
     (folder / "moe_upcycle.json").write_text(json.dumps({"tool": "moe-upcycle", "sha256": digests}))
     return folder
+
+
+def write_big_llama(folder: Path) -> Path:
+    """A Llama-shaped dense checkpoint of ~13 MB (written directly: no transformers model needed); 8 experts of
+    it in 4 MB shards are 104 MB of output in 33 shards, long enough to stop a build midway."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, vocab, kv = 256, 1024, 4, 512, 128
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=hidden, intermediate_size=inter,
+               num_hidden_layers=layers, vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=hidden // 4, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=256,
+               tie_word_embeddings=False, torch_dtype="float32")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    state = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+             "lm_head.weight": torch.randn(vocab, hidden, generator=g), "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state.update({p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
+                      p + "self_attn.q_proj.weight": torch.randn(hidden, hidden, generator=g),
+                      p + "self_attn.k_proj.weight": torch.randn(kv, hidden, generator=g),
+                      p + "self_attn.v_proj.weight": torch.randn(kv, hidden, generator=g),
+                      p + "self_attn.o_proj.weight": torch.randn(hidden, hidden, generator=g),
+                      p + "mlp.gate_proj.weight": torch.randn(inter, hidden, generator=g),
+                      p + "mlp.up_proj.weight": torch.randn(inter, hidden, generator=g),
+                      p + "mlp.down_proj.weight": torch.randn(hidden, inter, generator=g)})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -13,42 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from failure_checks import (REPO, cli, default_signals, leftovers, module_cmd, module_env, previous_build,
-                            signal_defaults)
+                            signal_defaults, write_big_llama)
 
-HIDDEN, INTER, LAYERS, VOCAB, KV = 256, 1024, 4, 512, 128
 SHARD = "4MB"  # 104 MB of output in 33 shards
 N_SHARDS = 33
 
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory) -> Path:
-    """A Llama-shaped dense checkpoint of ~13 MB (written directly: no transformers model needed)."""
-    folder = tmp_path_factory.mktemp("big") / "llama"
-    folder.mkdir()
-    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, intermediate_size=INTER,
-               num_hidden_layers=LAYERS, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=HIDDEN // 4, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=256,
-               tie_word_embeddings=False, torch_dtype="float32")
-    (folder / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    state = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-             "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g), "model.norm.weight": torch.ones(HIDDEN)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        state.update({p + "input_layernorm.weight": torch.ones(HIDDEN), p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
-                      p + "self_attn.q_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g),
-                      p + "self_attn.k_proj.weight": torch.randn(KV, HIDDEN, generator=g),
-                      p + "self_attn.v_proj.weight": torch.randn(KV, HIDDEN, generator=g),
-                      p + "self_attn.o_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g),
-                      p + "mlp.gate_proj.weight": torch.randn(INTER, HIDDEN, generator=g),
-                      p + "mlp.up_proj.weight": torch.randn(INTER, HIDDEN, generator=g),
-                      p + "mlp.down_proj.weight": torch.randn(HIDDEN, INTER, generator=g)})
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return write_big_llama(tmp_path_factory.mktemp("big") / "llama")
 
 
 @pytest.fixture

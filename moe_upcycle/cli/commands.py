@@ -16,7 +16,9 @@ from rich.table import Table
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
 from moe_upcycle.cli.next_steps import after_build, after_demo
-from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, VERBOSE, app, cli_errors, console, note, out  # noqa: F401
+from moe_upcycle.cli.app import (DEBUG, DEVICE_HELP, QUIET, VERBOSE, app, cli_errors, command_line, console,  # noqa: F401
+                                 note, out)
+from moe_upcycle.distributed.world import current_world
 from moe_upcycle.errors import ConfigError, UpcycleError, UpcycleWarning
 from moe_upcycle.terminal.json_text import json_text
 from moe_upcycle.terminal.progress import stage
@@ -54,9 +56,21 @@ def build(
                                                             "(same as gate_source: mergekit)."),
     allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
                                             "warning, as mergekit-moe does (misspelt keys stay errors)."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Build with N processes on this machine, "
+                                          "each writing its share of the shards (as torchrun --nproc-per-node N "
+                                          "runs it; for several nodes, run torchrun on each)."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
+
+    world = current_world()  # the ranks of a torchrun job (or of --workers), or this process alone
+    if workers is not None and workers != world.size and not dry_run:
+        if world.size > 1:
+            raise ConfigError(f"--workers {workers}: this build runs as {world.size} processes of a torchrun job "
+                              f"already; drop --workers (torchrun's --nproc-per-node sets how many)")
+        from moe_upcycle.distributed.local_launch import run_workers
+
+        raise typer.Exit(run_workers(workers, command_line()))
 
     if out_dir is not None and output is not None and out_dir != output:
         raise ConfigError(f"OUT is {out_dir} and -o/--output is {output}; give the output folder once")
@@ -73,7 +87,7 @@ def build(
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     gate_source = "mergekit" if mergekit else None
-    if not no_lint:
+    if not no_lint and world.lead:  # advice, printed once: the other ranks of a distributed build skip it
         options = {} if dry_run else dict(tensor_policy=policy, max_shard_size=max_shard_size, device=device,
                                           batch_size=batch_size, checksums=checksums, gate_source=gate_source)
         _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify,
