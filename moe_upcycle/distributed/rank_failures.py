@@ -11,13 +11,13 @@ every rank in the same order. Outside a process group (or with one rank) the blo
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from moe_upcycle import errors
-from moe_upcycle.errors import UpcycleError
+from moe_upcycle.distributed.failure_record import Failure
 
 
 def world() -> tuple[int, int]:
@@ -31,12 +31,16 @@ def world() -> tuple[int, int]:
 def all_or_none(what: str) -> Iterator[None]:
     """Run the block on every rank; when it raises on any rank, raise on all of them.
 
+    The failure travels as a `failure_record.Failure` (plain strings, the same record a distributed build keeps),
+    so every rank raises it as a torchrun build does: the same error class, ``rank R of N (host H): `` before
+    each message.
+
     Args:
         what: what the block does, for the other ranks' message ("filling layer 3").
 
     Raises:
-        The failed rank's own exception on that rank; on the others an error of the same `UpcycleError` kind
-        (a RuntimeError for anything else) that names the rank, `what` and the message.
+        The failed rank's own exception on that rank; on the others the first failed rank's error, of the same
+        `UpcycleError` class (a `RankError` for a bug), naming that rank, `what` and the message.
     """
     rank, size = world()
     if size == 1:
@@ -47,13 +51,15 @@ def all_or_none(what: str) -> Iterator[None]:
         yield
     except Exception as exc:  # KeyboardInterrupt and SystemExit end the process: torchrun stops the others
         error = exc
+    record = None
+    if error is not None:
+        failure = Failure.of(error, 1, rank, size)
+        record = dataclasses.asdict(dataclasses.replace(
+            failure, problems=tuple(f"{what} failed, so every rank stops: {p}" for p in failure.problems)))
     said: list = [None] * size
-    kind = type(error).__name__ if isinstance(error, UpcycleError) else None
-    dist.all_gather_object(said, None if error is None else (kind, str(error)))
+    dist.all_gather_object(said, record)  # dicts of strings and numbers, within the caller's own job
     if error is not None:
         raise error
-    failed = next(((r, s) for r, s in enumerate(said) if s is not None), None)
+    failed = next((s for s in said if s is not None), None)
     if failed is not None:
-        (where, (kind, message)) = failed
-        cls = getattr(errors, kind, UpcycleError) if kind else RuntimeError
-        raise cls(f"rank {where} failed {what}, so every rank stops: {message}")
+        raise Failure(**{**failed, "problems": tuple(failed["problems"])}).exception()
