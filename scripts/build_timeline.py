@@ -137,7 +137,7 @@ def report() -> None:
     print(f"main thread waited for a staging buffer: {WAITS['write']:.2f} s on its write, "
           f"{WAITS['hash']:.2f} s more on its hash", file=out)
     usage = os.times()
-    print(f"\nCPU by thread (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    print("\nCPU by thread (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
           + f"; process user {usage.user:.2f} + system {usage.system:.2f}", file=out)
     out.flush()
 
