@@ -144,6 +144,12 @@ def report() -> None:
 
 def instrument() -> None:
     mark("instrumenting: importing moe_upcycle (torch, typer, pydantic...)")
+    try:  # as `python -m moe_upcycle` starts (`__main__.main`), where the checkout has it
+        from moe_upcycle.terminal import import_gc
+
+        import_gc.pause()
+    except ImportError:
+        pass
     import moe_upcycle.build as build
     import moe_upcycle.cli.app  # noqa: F401  (the command line's own imports, timed here)
     from moe_upcycle.checkpoint import shard_file, writer
