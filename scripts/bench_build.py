@@ -492,7 +492,7 @@ def verdicts(runs: list[Run]) -> list[str]:
         lines.append(f"- {n} experts, peak anonymous memory {ours.peak_anon / GB:.2f} GB (target ≤ 1 GB): "
                      f"{'met' if ours.peak_anon <= GB else 'MISSED'}")
     anon = {n: med[("moe-upcycle", n)].peak_anon for n in {r.experts for r in runs} if ("moe-upcycle", n) in med}
-    if len(anon) > 1:
+    if len(anon) > 1 and min(anon.values()) > 0:
         lo, hi = min(anon), max(anon)
         growth = anon[hi] / anon[lo] - 1
         lines.append(f"- peak anonymous memory, {hi} vs {lo} experts: {growth:+.1%} (flat: ≤ +15%): "
