@@ -322,12 +322,29 @@ def record(runs: list[Run], run: Run, work: Path) -> None:
                              "load": os.getloadavg()[0]}) + "\n")
 
 
-def dd_floor(src_file: Path, work: Path, nbytes: int, experts: int, round_: int) -> Run:
-    """`dd_cmd` writing `nbytes`, measured (its output deleted after)."""
+BASELINE_COMMANDS = {DD: dd_cmd, "plain copy": plain_copy_cmd, "direct copy": direct_copy_cmd}
+
+
+def run_baseline(label: str, src_file: Path, work: Path, nbytes: int, experts: int, round_: int) -> Run:
+    """One of `BASELINE_COMMANDS` writing `nbytes` from `src_file`, measured (its output deleted after)."""
+    slug = label.split()[0]
     settle()
-    run = measure(dd_cmd(src_file, work / "dd.bin", nbytes), Run(DD, experts, round_, out_bytes=nbytes),
-                  work / "dd.log")
-    (work / "dd.bin").unlink(missing_ok=True)
+    run = measure(BASELINE_COMMANDS[label](src_file, work / f"{slug}.bin", nbytes),
+                  Run(label, experts, round_, out_bytes=nbytes), work / f"{slug}.log")
+    (work / f"{slug}.bin").unlink(missing_ok=True)
+    return run
+
+
+def run_build(label: str, cfg: Path, out: Path, work: Path, env: dict, experts: int, round_: int,
+              options: tuple[str, ...] = (), checkout: Path = REPO) -> Run:
+    """``python -m moe_upcycle build`` of `checkout` (this one by default), measured (its output deleted after)."""
+    shutil.rmtree(out, ignore_errors=True)
+    settle()
+    run = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out), *options],
+                  Run(label, experts, round_), work / f"{''.join(c if c.isalnum() else '-' for c in label)}-{experts}.log",
+                  {**env, "PYTHONPATH": str(checkout)}, cwd=checkout)
+    run.out_bytes = dir_bytes(out) if out.exists() else 0
+    shutil.rmtree(out, ignore_errors=True)
     return run
 
 
@@ -344,61 +361,32 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: 
     for n in experts_list:
         cfg = write_config(work, dense, n)
         nbytes = 0  # the output folder's size: the baselines write as many bytes (round 0 builds first)
+        out = work / f"out-moe-upcycle-{n}"
         for round_ in range(rounds):
             if "dd" in baselines and round_ % 2:  # odd rounds: the floor first (round 0 sizes it)
-                record(runs, dd_floor(src_file, work, nbytes, n, round_), work)
-            out = work / f"out-moe-upcycle-{n}"
-            shutil.rmtree(out, ignore_errors=True)
-            settle()
-            run = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out)],
-                          Run("moe-upcycle", n, round_), work / f"moe-upcycle-{n}.log", env)
-            run.out_bytes = dir_bytes(out) if out.exists() else 0
+                record(runs, run_baseline(DD, src_file, work, nbytes, n, round_), work)
+            run = run_build("moe-upcycle", cfg, out, work, env, n, round_)
             nbytes = run.out_bytes or nbytes
-            shutil.rmtree(out, ignore_errors=True)
             record(runs, run, work)
             if "dd" in baselines and not round_ % 2:
-                record(runs, dd_floor(src_file, work, nbytes, n, round_), work)
-
+                record(runs, run_baseline(DD, src_file, work, nbytes, n, round_), work)
             if compare is not None:
-                settle()
-                other = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out)],
-                                Run(f"moe-upcycle ({compare.name})", n, round_), work / f"compare-{n}.log",
-                                {**env, "PYTHONPATH": str(compare)}, cwd=compare)
-                other.out_bytes = dir_bytes(out) if out.exists() else 0
-                shutil.rmtree(out, ignore_errors=True)
-                record(runs, other, work)
-
-            if "plain" in baselines:
-                settle()
-                copy = measure(plain_copy_cmd(src_file, work / "plain-copy.bin", nbytes),
-                               Run("plain copy", n, round_, out_bytes=nbytes), work / "plain-copy.log")
-                (work / "plain-copy.bin").unlink(missing_ok=True)
-                record(runs, copy, work)
-
-            if "direct" in baselines:
-                settle()
-                direct = measure(direct_copy_cmd(src_file, work / "direct-copy.bin", nbytes),
-                                 Run("direct copy", n, round_, out_bytes=nbytes), work / "direct-copy.log")
-                (work / "direct-copy.bin").unlink(missing_ok=True)
-                record(runs, direct, work)
-
+                record(runs, run_build(f"moe-upcycle ({compare.name})", cfg, out, work, env, n, round_,
+                                       checkout=compare), work)
+            for key, label in (("plain", "plain copy"), ("direct", "direct copy")):
+                if key in baselines:
+                    record(runs, run_baseline(label, src_file, work, nbytes, n, round_), work)
             if diagnose_hash:
-                settle()
-                nohash = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out),
-                                  "--no-checksums"], Run("moe-upcycle --no-checksums", n, round_),
-                                 work / f"nohash-{n}.log", env)
-                nohash.out_bytes = dir_bytes(out) if out.exists() else 0
-                shutil.rmtree(out, ignore_errors=True)
-                record(runs, nohash, work)
-
+                record(runs, run_build("moe-upcycle --no-checksums", cfg, out, work, env, n, round_,
+                                       ("--no-checksums",)), work)
             if mergekit:
-                out = work / f"out-mergekit-{n}"
-                shutil.rmtree(out, ignore_errors=True)
+                mk_out = work / f"out-mergekit-{n}"
+                shutil.rmtree(mk_out, ignore_errors=True)
                 settle()
-                mk = measure([mergekit, str(cfg), str(out), "--i-understand-this-is-not-useful-without-training",
+                mk = measure([mergekit, str(cfg), str(mk_out), "--i-understand-this-is-not-useful-without-training",
                               "--quiet"], Run("mergekit-moe", n, round_), work / f"mergekit-{n}.log")
-                mk.out_bytes = dir_bytes(out) if out.exists() else 0
-                shutil.rmtree(out, ignore_errors=True)
+                mk.out_bytes = dir_bytes(mk_out) if mk_out.exists() else 0
+                shutil.rmtree(mk_out, ignore_errors=True)
                 record(runs, mk, work)
         settle()
     return runs
