@@ -12,7 +12,7 @@ What it does:
    - ``dd oflag=direct`` writing the same number of bytes from the dense file, read again from its
      start as often as needed (one ``dd`` per pass, each writing its 2 GiB-ish piece at its offset,
      the last with ``conv=fsync``), in 16 MiB blocks: the disk's floor, run right before or after the
-     build (the order alternates by round). Not ``/dev/zero``: this virtual disk wrote zeros at up
+     build (the order turns by round, with ``--compare``'s build). Not ``/dev/zero``: this virtual disk wrote zeros at up
      to twice the speed of real data, which would flatter the floor;
    - the same copy through a page-aligned buffer with ``O_DIRECT`` from Python (as the build's writer
      does: the disk's own speed without the page cache),
@@ -351,9 +351,9 @@ def run_build(label: str, cfg: Path, out: Path, work: Path, env: dict, experts: 
 def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: int = 3,
           diagnose_hash: bool = True, baselines: tuple[str, ...] = BASELINES,
           compare: Optional[Path] = None) -> list[Run]:
-    """Each round runs, in turn, the build and dd (in alternating order), the build of `compare` (another
-    checkout of moe-upcycle: before/after a change, in the same rounds), the plain and direct copies,
-    (the build without checksums) and mergekit."""
+    """Each round runs the build, dd and the build of `compare` (another checkout of moe-upcycle: before/after a
+    change, in the same rounds), in an order that turns by one place each round, then the plain and direct
+    copies, the build without checksums and mergekit."""
     dense = ensure_dense_model(work / "dense-tinyllama")
     src_file = dense / "model.safetensors"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -362,17 +362,19 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: 
         cfg = write_config(work, dense, n)
         nbytes = 0  # the output folder's size: the baselines write as many bytes (round 0 builds first)
         out = work / f"out-moe-upcycle-{n}"
+        core = ["build"] + (["dd"] if "dd" in baselines else []) + (["compare"] if compare is not None else [])
         for round_ in range(rounds):
-            if "dd" in baselines and round_ % 2:  # odd rounds: the floor first (round 0 sizes it)
-                record(runs, run_baseline(DD, src_file, work, nbytes, n, round_), work)
-            run = run_build("moe-upcycle", cfg, out, work, env, n, round_)
-            nbytes = run.out_bytes or nbytes
-            record(runs, run, work)
-            if "dd" in baselines and not round_ % 2:
-                record(runs, run_baseline(DD, src_file, work, nbytes, n, round_), work)
-            if compare is not None:
-                record(runs, run_build(f"moe-upcycle ({compare.name})", cfg, out, work, env, n, round_,
-                                       checkout=compare), work)
+            # the build, dd and the other checkout's build take turns at each place in the round: whatever the
+            # disk does after a big write (the host flushing its cache) falls on each of them alike. Round 0 builds first
+            # (it gives the output's size)
+            for what in core[round_ % len(core):] + core[:round_ % len(core)]:
+                if what == "dd":
+                    record(runs, run_baseline(DD, src_file, work, nbytes, n, round_), work)
+                    continue
+                label, checkout = ("moe-upcycle", REPO) if what == "build" else (f"moe-upcycle ({compare.name})", compare)
+                run = run_build(label, cfg, out, work, env, n, round_, checkout=checkout)
+                nbytes = run.out_bytes or nbytes
+                record(runs, run, work)
             for key, label in (("plain", "plain copy"), ("direct", "direct copy")):
                 if key in baselines:
                     record(runs, run_baseline(label, src_file, work, nbytes, n, round_), work)
