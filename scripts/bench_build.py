@@ -12,8 +12,8 @@ What it does:
    - ``dd oflag=direct`` writing the same number of bytes from the dense file, read again from its
      start as often as needed (one ``dd`` per pass, each writing its 2 GiB-ish piece at its offset,
      the last with ``conv=fsync``), in 16 MiB blocks: the disk's floor, run right before or after the
-     build (the order turns by round, with ``--compare``'s build). Not ``/dev/zero``: this virtual disk wrote zeros at up
-     to twice the speed of real data, which would flatter the floor;
+     build (the order turns by round, with ``--compare``'s build). Not ``/dev/zero``: this virtual disk
+     wrote zeros up to 1.4× as fast as the dense file's bytes, which would flatter the floor;
    - the same copy through a page-aligned buffer with ``O_DIRECT`` from Python (as the build's writer
      does: the disk's own speed without the page cache),
    - the same build with ``--no-checksums`` (no sha256 of the shards in moe_upcycle.json),
@@ -340,9 +340,9 @@ def run_build(label: str, cfg: Path, out: Path, work: Path, env: dict, experts: 
     """``python -m moe_upcycle build`` of `checkout` (this one by default), measured (its output deleted after)."""
     shutil.rmtree(out, ignore_errors=True)
     settle()
+    log = work / f"{''.join(c if c.isalnum() else '-' for c in label)}-{experts}.log"
     run = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(cfg), str(out), *options],
-                  Run(label, experts, round_), work / f"{''.join(c if c.isalnum() else '-' for c in label)}-{experts}.log",
-                  {**env, "PYTHONPATH": str(checkout)}, cwd=checkout)
+                  Run(label, experts, round_), log, {**env, "PYTHONPATH": str(checkout)}, cwd=checkout)
     run.out_bytes = dir_bytes(out) if out.exists() else 0
     shutil.rmtree(out, ignore_errors=True)
     return run
@@ -365,13 +365,14 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: 
         core = ["build"] + (["dd"] if "dd" in baselines else []) + (["compare"] if compare is not None else [])
         for round_ in range(rounds):
             # the build, dd and the other checkout's build take turns at each place in the round: whatever the
-            # disk does after a big write (the host flushing its cache) falls on each of them alike. Round 0 builds first
-            # (it gives the output's size)
+            # disk does after a big write (the host flushing its cache) falls on each of them alike. Round 0
+            # builds first (it gives the output's size)
             for what in core[round_ % len(core):] + core[:round_ % len(core)]:
                 if what == "dd":
                     record(runs, run_baseline(DD, src_file, work, nbytes, n, round_), work)
                     continue
-                label, checkout = ("moe-upcycle", REPO) if what == "build" else (f"moe-upcycle ({compare.name})", compare)
+                label, checkout = (("moe-upcycle", REPO) if what == "build" else
+                                   (f"moe-upcycle ({compare.name})", compare))
                 run = run_build(label, cfg, out, work, env, n, round_, checkout=checkout)
                 nbytes = run.out_bytes or nbytes
                 record(runs, run, work)

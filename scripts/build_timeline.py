@@ -44,8 +44,8 @@ EVENTS: list[tuple[float, str]] = [(T_SCRIPT - T0, "interpreter up (site imports
 SAMPLES: list[tuple[float, int]] = []  # (t, write_bytes)
 THREAD_CPU: dict[str, float] = {}
 FIRSTS: dict[str, float] = {}
-NAMES: dict[int, str] = {}
-WAITS = {"write": 0.0, "hash": 0.0}  # seconds the main thread waited for a staging buffer, by what held it  # native thread id -> Python thread name
+NAMES: dict[int, str] = {}  # native thread id -> Python thread name
+WAITS = {"write": 0.0, "hash": 0.0}  # seconds the main thread waited for a staging buffer, by what held it
 
 
 def mark(what: str) -> None:
