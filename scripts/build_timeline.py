@@ -48,14 +48,19 @@ NAMES: dict[int, str] = {}  # native thread id -> Python thread name
 WAITS = {"write": 0.0, "hash": 0.0}  # seconds the main thread waited for a staging buffer, by what held it
 
 
+def _main_cpu() -> str:
+    """The main thread's CPU seconds so far, for events marked on it."""
+    return f"  [main CPU {time.thread_time():.2f} s]" if threading.current_thread() is threading.main_thread() else ""
+
+
 def mark(what: str) -> None:
-    EVENTS.append((time.time() - T0, what))
+    EVENTS.append((time.time() - T0, what + _main_cpu()))
 
 
 def first(what: str) -> None:
     if what not in FIRSTS:
         FIRSTS[what] = time.time() - T0
-        EVENTS.append((FIRSTS[what], what))
+        EVENTS.append((FIRSTS[what], what + _main_cpu()))
 
 
 def _write_bytes() -> int:
