@@ -7,6 +7,7 @@ What it does:
    safetensors file under ``--work`` (reused when present; no transformers init).
 2. For each expert count (default 4 and 8), with ``gate_mode: random``, ``--rounds`` times in turn:
    - ``python -m moe_upcycle build`` in a subprocess (the real CLI, checksums on: the default),
+   - with ``--compare DIR``, the same command from another checkout (before/after a change, same rounds),
    - a plain copy of the same number of bytes to the same disk, as a process: the input mmap'd,
      written out, fsync'd at the end (the issue's reference; a build fsyncs its shards too),
    - ``dd oflag=direct`` writing the same number of bytes from the dense file, read again from its
@@ -20,6 +21,7 @@ What it does:
    - ``mergekit-moe`` on the same config, if it is installed (``--mergekit PATH`` or on PATH).
    Each child is sampled every 20 ms from ``/proc/<pid>/status`` (VmRSS, RssAnon, summed over its
    process tree) and via psutil; its peak RSS also comes exactly from ``wait4``'s rusage.
+   Each measurement is appended to ``--work``/bench-runs.jsonl as it ends.
 3. Prints a markdown table of medians (and writes it to ``--markdown FILE`` if asked) and the
    targets, as ratios within each round (the commands of a round run back to back, so a machine
    that drifts in speed moves both): default build ≤ 1.15× ``dd oflag=direct``, ≤ 1.3× the plain
