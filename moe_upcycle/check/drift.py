@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from moe_upcycle.check import compare
 from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
 from moe_upcycle.recipe.params import DRIFT_TEXT, CheckParams
 from moe_upcycle.errors import ConfigError
@@ -55,8 +56,6 @@ def compare_logits(dense: torch.Tensor, moe: torch.Tensor) -> InitDrift:
         >>> d.mean_kl, d.top1_agreement, d.tokens
         (0.0, 1.0, 5)
     """
-    from moe_upcycle.check import compare  # verify's maths: loaded only when a drift is measured
-
     found = compare.compare_logits([dense.reshape(-1, dense.shape[-1])], [moe.reshape(-1, moe.shape[-1])])
     return InitDrift(found.mean_kl, found.top1_agreement, found.positions)
 
@@ -84,8 +83,6 @@ def measure_drift_folders(dense: Path, moe: Path, text: str = DRIFT_TEXT, adapte
     dense_model = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
     merge_into_model(dense_model, adapter)
     check_token_ids(ids, dense_model.get_input_embeddings().num_embeddings, dense, text)
-    from moe_upcycle.check import compare
-
     # eager experts: the reference loop, which (unlike grouped_mm on CPU) takes any intermediate size
     moe_model = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32, **compare.eager_experts()).eval()
     return measure_drift(dense_model, moe_model, ids)
