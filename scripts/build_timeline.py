@@ -205,7 +205,8 @@ def instrument() -> None:
         yield from original_iter(*args, **kwargs)
         mark("last tensor handed to the writer")
 
-    build.iter_tensors = iter_tensors
+    for user in _iter_tensors_users(build):  # where the build calls it (build itself, or a distributed rank's code)
+        user.iter_tensors = iter_tensors
     original_finish = exit_module.finish
 
     def finish(code):
@@ -213,6 +214,19 @@ def instrument() -> None:
         original_finish(code)
 
     exit_module.finish = finish
+
+
+def _iter_tensors_users(build) -> list:
+    """The modules whose `iter_tensors` the build calls: `build` itself in a one-process checkout, or the module
+    that writes a rank's shards where the build runs as ranks (a checkout of either shape can be timed)."""
+    users = [build] if hasattr(build, "iter_tensors") else []
+    try:
+        from moe_upcycle.distributed import ranked_build
+
+        users.append(ranked_build)
+    except ImportError:
+        pass
+    return users
 
 
 def main() -> None:
