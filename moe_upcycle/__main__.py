@@ -2,7 +2,8 @@
 
 A signal while the command line is still importing exits quietly with 128 + signal number
 (`signals.quiet_startup`); within a command, clean-up runs first and the exit code is the same.
-When the command is done, the process ends without the interpreter's teardown (`exit.finish`).
+When the command is done, the process ends without the interpreter's teardown (`exit.finish`). Start-up's
+imports run without the cyclic garbage collector (`import_gc`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import errno
 import os
 import sys
 
+from moe_upcycle.terminal import import_gc
 from moe_upcycle.terminal.exit import finish
 from moe_upcycle.terminal.signals import quiet_startup
 
 
 def main() -> None:
     """The ``moe-upcycle`` entry point."""
+    import_gc.pause()  # until torch is in (`cli.app.cli_errors`): start-up makes no garbage worth a pass
     quiet_startup()  # each command then handles signals itself (`cli.app.cli_errors`)
     standard_streams()
     problem = _cwd_problem()

@@ -26,6 +26,7 @@ from moe_upcycle.checkpoint.output_dir import forget_published, previous_kept, p
 from moe_upcycle.distributed.world import World, joined_world
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import denied, symlink_loop
+from moe_upcycle.terminal import import_gc
 from moe_upcycle.terminal.allocator import return_large_frees
 from moe_upcycle.terminal.progress import for_console, reporting
 from moe_upcycle.terminal.quiet import libraries_quiet
@@ -120,6 +121,7 @@ def cli_errors(fn: Callable) -> Callable:
                 sys.stderr.write(f"error: {message}\n")
                 sys.stderr.flush()
             raise typer.Exit(1) from None
+        import_gc.resume()  # start-up's objects (torch's above all) frozen, the collector back on
         # the world is left after the message (torchrun then stops the other ranks); inside it, a rank's warnings
         # go to the lead, which prints them
         with _warnings_printed(), _command_world(fn.__name__) as world:

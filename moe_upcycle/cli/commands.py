@@ -209,7 +209,6 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
     folder the build refuses (`build.early_output_problem`: a real build only, `options` given).
     """
     from moe_upcycle.build import check_device, early_output_problem, prepare
-    from moe_upcycle.prompts.lint import quick_lint
     from moe_upcycle.recipe.params import PROMPT_MODES
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.schema import load_config
@@ -235,6 +234,8 @@ def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: O
         return  # the build reports it, with every problem
     if options and early_output_problem(config, cfg, output, force):
         return  # the build refuses the output folder, at once
+    from moe_upcycle.prompts.lint import quick_lint  # (the embedder's code) only for gates that read prompts
+
     with stage("prompt lint", note="--no-lint skips it"):
         lines = quick_lint(expert_prompts(cfg.expert_list()))
     for line in lines:
