@@ -59,6 +59,8 @@ class LayerReader:
         self._stop = threading.Event()
         self._side = torch.cuda.Stream(device) if self.cuda and prefetch else None
         self._thread: Optional[threading.Thread] = None
+        self._taken: dict[str, torch.Tensor] = {}  # the CPU casts of the layer taken last
+        self._spare: dict[str, torch.Tensor] = {}  # ... once released: the next layer is cast into them
         if prefetch and layers:
             self._thread = threading.Thread(target=self._prepare_all, name="moe-upcycle layer reader", daemon=True)
             self._thread.start()
@@ -87,6 +89,7 @@ class LayerReader:
 
     def release(self) -> None:
         """The layer taken last is no longer referenced: the thread may prepare another."""
+        self._spare, self._taken = self._taken, {}
         self._slots.release()
 
     def close(self) -> None:
@@ -133,7 +136,9 @@ class LayerReader:
 
     def _finish(self, item) -> dict[str, torch.Tensor]:
         if not self.cuda:  # cast here, after the previous layer was released: one layer of private memory
-            return {name: _in_dtype(self.checkpoint.read(key), self.dtype) for name, key in item.items()}
+            out = {name: self._in_dtype(name, self.checkpoint.read(key)) for name, key in item.items()}
+            self._spare = {}
+            return out
         tensors, done = item
         if done is not None:
             stream = torch.cuda.current_stream(self.device)
@@ -141,6 +146,18 @@ class LayerReader:
             for t in tensors.values():
                 t.record_stream(stream)  # made on the side stream, used (and freed) on this one
         return tensors
+
+    def _in_dtype(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` in the compute dtype: cast into the released layer's buffer of that name (fresh memory would
+        cost a page fault per 4 KiB of every layer); or, already in that dtype, the mapped view itself — as
+        ``from_pretrained`` keeps it: no private copy, and the kernels see the same memory, so the same numbers."""
+        if tensor.dtype == self.dtype:
+            return tensor
+        buffer = self._spare.pop(name, None)
+        if buffer is None or buffer.shape != tensor.shape:
+            buffer = torch.empty(tensor.shape, dtype=self.dtype)
+        self._taken[name] = buffer.copy_(tensor)
+        return buffer
 
     def _page_in(self, keys) -> None:
         """Read the bytes of the tensors `keys` into the page cache (those of mapped safetensors files)."""
@@ -165,7 +182,3 @@ class LayerReader:
                 os.close(fd)
 
 
-def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor` in `dtype`: a cast (private memory), or, already in `dtype`, the mapped view itself — as
-    ``from_pretrained`` keeps it: no private copy, and the kernels see the same memory, so the same numbers."""
-    return tensor.to(dtype)

@@ -35,7 +35,7 @@ from moe_upcycle.gates.capture import (Batch, Encoded, context_length, on_device
 from moe_upcycle.gates.layer_reader import LayerReader
 from moe_upcycle.gates.skeleton import Skeleton, build_skeleton, layer_keys, move_buffers, record_layer_kwargs
 from moe_upcycle.inputs.text import check_token_ids
-from moe_upcycle.recipe.calibration import STREAMED_STATES_BYTES
+from moe_upcycle.recipe.calibration import STREAMED_STATES_BYTES, streamed_batch_bytes
 from moe_upcycle.terminal.progress import stage
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -82,7 +82,7 @@ class StreamedModel:
         device: where the layers run.
         max_length: the model's context (config.json's max_position_embeddings).
         prefetch: read the next layer in a thread while one runs.
-        states_bytes: bound on the hidden states a pass holds (estimated by `held_bytes`).
+        states_bytes: bound on the hidden states a pass holds (estimated by `StreamedModel.held_bytes`).
     """
 
     checkpoint: Checkpoint
@@ -185,15 +185,10 @@ class StreamedModel:
         return _State(inputs.batch, hidden, layer_args)
 
     def held_bytes(self, batch: int, tokens: int) -> int:
-        """Bytes a batch holds between layers: see `held_bytes`."""
+        """Bytes a batch holds between layers (`calibration.streamed_batch_bytes`)."""
         cfg = self.skeleton.model.config
-        return held_bytes(batch, tokens, self.hidden_size, _head_dim(cfg), self.skeleton.dtype.itemsize)
-
-
-def held_bytes(batch: int, tokens: int, hidden: int, head_dim: int, itemsize: int) -> int:
-    """Bytes one batch of `batch` texts × `tokens` holds between layers: its hidden states (B, T, H), rotary cos and
-    sin (B, T, head_dim) and at most two (B, T, T) masks (full and sliding window), in the compute dtype."""
-    return batch * tokens * (hidden + 2 * head_dim + 2 * tokens) * itemsize
+        head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // int(cfg.num_attention_heads)
+        return streamed_batch_bytes(batch, tokens, self.hidden_size, int(head_dim), self.skeleton.dtype.itemsize)
 
 
 def passes(batches: list[BatchInputs], budget: int, size: Callable[[int, int], int]) -> list[list[BatchInputs]]:
@@ -209,11 +204,6 @@ def passes(batches: list[BatchInputs], budget: int, size: Callable[[int, int], i
         groups[-1].append(b)
         held += need
     return groups
-
-
-def _head_dim(config) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
 
 
 def open_streamed(checkpoint: Checkpoint, device: str = "auto", dtype: Optional[str] = None, tokenizer=None,

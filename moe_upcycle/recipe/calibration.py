@@ -110,3 +110,10 @@ def _read(file: Path) -> str:
     except OSError as exc:
         raise ConfigError(f"calibration_text: cannot read {file} ({exc.strerror or exc})") from None
     return decode_utf8(data, f"calibration_text: {file}")
+
+
+def streamed_batch_bytes(batch: int, tokens: int, hidden: int, head_dim: int, itemsize: int) -> int:
+    """Bytes one batch of `batch` texts × `tokens` holds between layers while hidden-state gates stream the base
+    (`gates.stream`): its hidden states (B, T, H), rotary cos and sin (B, T, head_dim) and at most two (B, T, T)
+    masks (full and sliding window), in the compute dtype of `itemsize` bytes."""
+    return batch * tokens * (hidden + 2 * head_dim + 2 * tokens) * itemsize
