@@ -12,13 +12,16 @@ What it does:
    - the same copy through a page-aligned buffer with ``O_DIRECT`` (as the build's writer does:
      the disk's own speed without the page cache, the true floor),
    - the same build with ``--no-checksums`` (no sha256 of the shards in moe_upcycle.json),
-   - ``mergekit-moe`` on the same config, if it is installed (``--mergekit PATH`` or on PATH).
+   - ``mergekit-moe`` on the same config, if it is installed (``--mergekit PATH`` or on PATH),
+   - with ``--hidden-gates``: the same build with ``gate_mode: hidden`` (4 shipped prompt sets × 8 prompts per
+     expert, ``--no-lint``), whose gates stream the base one layer at a time on the CPU (fp32).
    Each child is sampled every 20 ms from ``/proc/<pid>/status`` (VmRSS, RssAnon, summed over its
    process tree) and via psutil; its peak RSS also comes exactly from ``wait4``'s rusage.
 3. Prints a markdown table of medians (and writes it to ``--markdown FILE`` if asked) and the
    targets, as ratios within each round (the commands of a round run back to back, so a machine
    that drifts in speed moves both): default build ≤ 1.3× the plain copy and ≤ 0.45× mergekit-moe;
-   peak anonymous memory ≤ 1 GB and flat (≤ +15 %) from 4 to 8 experts.
+   peak anonymous memory ≤ 1 GB and flat (≤ +15 %) from 4 to 8 experts; the hidden-gate build at most
+   1 GB of peak anonymous memory over the random-gate build.
 
 What it does not do: it is not a test (nothing here runs in CI), and it does not drop the page
 cache (it syncs between runs so each starts with no dirty pages; the input stays cached for all).
@@ -26,6 +29,7 @@ Outputs are deleted after each measurement; the dense model is kept for the next
 
 Usage:
     python scripts/bench_build.py --work /tmp/moe-bench [--experts 4 8] [--rounds 3] [--mergekit /venv/bin/mergekit-moe]
+                                  [--hidden-gates]
 """
 
 from __future__ import annotations
@@ -265,19 +269,27 @@ def settle() -> None:
 # The benchmark
 
 
-def write_config(work: Path, dense: Path, experts: int) -> Path:
-    """A mergekit-moe config (which moe-upcycle reads unchanged): N copies, random gates."""
+HIDDEN_PROMPT_SETS = ("code", "math", "chat", "creative", "multilingual", "reasoning", "science")
+
+
+def write_config(work: Path, dense: Path, experts: int, gate_mode: str = "random") -> Path:
+    """A mergekit-moe config (which moe-upcycle reads unchanged): N copies, random gates; or, with
+    ``gate_mode: hidden``, the same experts with 8 prompts each from the shipped prompt sets."""
     import yaml
 
-    cfg = {"base_model": str(dense), "gate_mode": "random", "dtype": "bfloat16", "experts_per_token": 2,
-           "experts": [{"source_model": str(dense)} for _ in range(experts)]}
-    path = work / f"experts{experts}.yaml"
+    from moe_upcycle.recipe.prompt_sets import load_prompts
+
+    prompts = [{"positive_prompts": load_prompts(HIDDEN_PROMPT_SETS[e % len(HIDDEN_PROMPT_SETS)], "bench")[:8]}
+               if gate_mode != "random" else {} for e in range(experts)]
+    cfg = {"base_model": str(dense), "gate_mode": gate_mode, "dtype": "bfloat16", "experts_per_token": 2,
+           "experts": [{"source_model": str(dense), **p} for p in prompts]}
+    path = work / f"experts{experts}{'' if gate_mode == 'random' else '-' + gate_mode}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
 def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: int = 3,
-          diagnose_hash: bool = True) -> list[Run]:
+          diagnose_hash: bool = True, hidden_gates: bool = False) -> list[Run]:
     """Each round runs, in turn, the build, the plain copy, (the build without checksums) and mergekit."""
     dense = ensure_dense_model(work / "dense-tinyllama")
     src_file = dense / "model.safetensors"
@@ -315,6 +327,15 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: 
                 nohash.out_bytes = dir_bytes(out) if out.exists() else 0
                 shutil.rmtree(out, ignore_errors=True)
                 runs.append(nohash)
+
+            if hidden_gates:
+                settle()
+                hidden_cfg = write_config(work, dense, n, "hidden")
+                hidden = measure([sys.executable, "-m", "moe_upcycle", "-q", "build", str(hidden_cfg), str(out),
+                                  "--no-lint"], Run("moe-upcycle hidden gates", n, round_), work / f"hidden-{n}.log", env)
+                hidden.out_bytes = dir_bytes(out) if out.exists() else 0
+                shutil.rmtree(out, ignore_errors=True)
+                runs.append(hidden)
 
             if mergekit:
                 out = work / f"out-mergekit-{n}"
@@ -400,6 +421,14 @@ def verdicts(runs: list[Run]) -> list[str]:
                          f"{mk.peak_anon / GB:.2f} GB")
         lines.append(f"- {n} experts, peak anonymous memory {ours.peak_anon / GB:.2f} GB (target ≤ 1 GB): "
                      f"{'met' if ours.peak_anon <= GB else 'MISSED'}")
+        if ("moe-upcycle hidden gates", n) in med:
+            extra = [r.peak_anon for r in runs if (r.label, r.experts) == ("moe-upcycle hidden gates", n) and not r.rc]
+            base = [r.peak_anon for r in runs if (r.label, r.experts) == ("moe-upcycle", n) and not r.rc]
+            added = _median([h - b for h, b in zip(extra, base)])
+            slower = _median(ratios(runs, "moe-upcycle hidden gates", "moe-upcycle", n))
+            lines.append(f"- {n} experts, hidden-state gates (streamed): median +{added / GB:.2f} GB of peak anonymous "
+                         f"memory over the random-gate build (target ≤ +1 GB): {'met' if added <= GB else 'MISSED'}; "
+                         f"wall time {slower:.2f}× the random-gate build's")
     anon = {n: med[("moe-upcycle", n)].peak_anon for n in {r.experts for r in runs} if ("moe-upcycle", n) in med}
     if len(anon) > 1:
         lo, hi = min(anon), max(anon)
@@ -420,9 +449,12 @@ def main() -> None:
     parser.add_argument("--no-diagnose-hash", action="store_true",
                         help="skip the build with --no-checksums")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    parser.add_argument("--hidden-gates", action="store_true",
+                        help="also build with gate_mode: hidden (streamed gates) and compare its peak memory")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    runs = bench(args.work.resolve(), args.experts, args.mergekit or None, args.rounds, not args.no_diagnose_hash)
+    runs = bench(args.work.resolve(), args.experts, args.mergekit or None, args.rounds, not args.no_diagnose_hash,
+                 args.hidden_gates)
     import torch
 
     text = "\n".join([

@@ -83,7 +83,7 @@ def test_hidden_gates_on_cpu_stream_one_fp32_layer_and_the_prompts(monkeypatch):
                {"source_model": REF, "positive_prompts": ["y" * 98, "other"]}]  # same lengths, not the same prompts
     m = estimate(num_experts=None, gate_mode="hidden", device="cpu", experts=experts)
     states = 4 * 100 * (4096 + 2 * 128 + 2 * 100) * 4  # one batch: 4 prompts x (98 bytes + 2 special tokens), fp32
-    acts = 4 * 100 * (4 * 14336 + 6 * 4096) * 4
+    acts = 4 * 100 * (3 * 14336 + 6 * 4096) * 4
     routers = 32 * 2 * 4096 * 4
     assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + routers + 4 * LAYER + states + acts
     assert m.gate_private_bytes < PARAMS  # a tenth of the 29 GB the whole fp32 model took
@@ -122,7 +122,7 @@ def test_hidden_gates_on_a_gpu_hold_two_layers_and_the_prompts(monkeypatch, prom
                {"source_model": REF, "positive_prompts": ["y" * prompt_bytes, "other"]}]
     m = estimate(num_experts=None, gate_mode="hidden", experts=experts)
     tokens = max(prompt_bytes, 5) + 2
-    acts = 4 * tokens * (4 * 14336 + 6 * 4096) * 2
+    acts = 4 * tokens * (3 * 14336 + 6 * 4096) * 2
     states = 4 * tokens * (4096 + 2 * 128 + 2 * tokens) * 2
     assert m.gpu_bytes == 2 * 2 * LAYER + states + acts + 3 * 4 * tokens * 4096 * 2
     assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + 32 * 2 * 4096 * 4 + 2 * 2 * LAYER
@@ -135,7 +135,7 @@ def test_kmeans_counts_its_token_sample_and_its_passes(monkeypatch, tmp_path):
     m = estimate(gate_mode="kmeans", calibration_text="corpus.txt", device="cpu")  # unreadable: the largest case
     batch = 8 * 256 * (4096 + 256 + 512) * 4  # one batch of windows between layers
     per_pass = 2**30 // batch
-    acts = 8 * 256 * (4 * 14336 + 6 * 4096) * 4 + sample * 4 * 32 * 4096
+    acts = 8 * 256 * (3 * 14336 + 6 * 4096) * 4 + sample * 4 * 32 * 4096
     assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + ROUTERS + 4 * LAYER + per_pass * batch + acts
     assert any(f"in {-(-(sample // 8) // per_pass)} passes, each reading the layers again" in line
                for line in m.assumptions)

@@ -30,6 +30,7 @@ from moe_upcycle.gates import mergekit_gates as mk
 from moe_upcycle.gates.stream import open_streamed
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from routing_prompts import CODE, STORY
+from tf4_logits import NO_TF4, REPO, TF4_PYTHON
 
 CALIBRATION = "\n\n".join(CODE + STORY)
 EXPERTS = (ExpertPrompts("code", tuple(CODE[:4]), (STORY[7],)), ExpertPrompts("story", tuple(STORY[:3])),
@@ -271,22 +272,30 @@ def test_prefetch_changes_nothing_but_the_time(stories):
     assert torch.equal(got[True], got[False])
 
 
-def test_a_read_failing_in_the_reader_thread_is_raised_by_the_gates(stories, monkeypatch):
-    """An error while the thread prepares a layer (here: layer 2's file said to be changed) reaches the caller as
-    itself, after the layers before it ran; the thread ends."""
-    real_prepare = layer_reader.LayerReader._prepare
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_read_failing_in_the_reader_thread_is_raised_by_the_gates(stories, monkeypatch, prefetch):
+    """An error while reading a layer (here: layer 2's file said to be changed), in the reader thread or not, reaches
+    the caller as itself, after the layers before it ran; the thread ends."""
+    from moe_upcycle.checkpoint.source import Checkpoint
+    from moe_upcycle.gates import stream as stream_module
 
-    def prepare(self, keys):
-        if ".layers.2." in next(iter(keys.values())):
+    real_read = Checkpoint.read
+    ran = []
+
+    def read(self, key):
+        if key.startswith("model.layers.2."):
+            ran.append(threading.current_thread() is threading.main_thread())
             raise SourceError("model.safetensors: was the file changed during the build?")
-        return real_prepare(self, keys)
+        return real_read(self, key)
 
-    monkeypatch.setattr(layer_reader.LayerReader, "_prepare", prepare)
+    monkeypatch.setattr(Checkpoint, "read", read)
+    real_open = stream_module.open_streamed
+    monkeypatch.setattr(hg, "open_streamed", lambda *a, **k: real_open(*a, **k, prefetch=prefetch))
     before = threading.active_count()
     params = GateParams(mode="hidden", experts=EXPERTS, device="cpu")
     with pytest.raises(SourceError, match="was the file changed during the build"):
         hg.compute_hidden_gates(params, 5, stories)
-    assert threading.active_count() == before
+    assert threading.active_count() == before and ran == [not prefetch]
 
 
 def test_gates_never_load_the_whole_model(stories, tmp_path, monkeypatch):
@@ -352,3 +361,88 @@ def test_the_build_streams_its_hidden_gates(stories, tmp_path, monkeypatch):
     state = load_file(str(next(out.glob("*.safetensors"))))
     built = torch.stack([state[f"model.layers.{i}.block_sparse_moe.gate.weight"] for i in range(5)])
     rows_close(built, whole_model_gates(GateParams(mode="hidden", experts=EXPERTS, device="cpu"), stories))
+
+
+TF4_SCRIPT = r"""
+import sys, torch
+from pathlib import Path
+from moe_upcycle.checkpoint.source import open_checkpoint
+from moe_upcycle.checkpoint.tiny import make_dense_model
+from moe_upcycle.gates import capture as cap, mergekit_gates as mk
+from moe_upcycle.gates.stream import open_streamed
+from moe_upcycle.recipe.params import ExpertPrompts, GateParams
+root = Path(sys.argv[1])
+bases = {"stories": Path(sys.argv[2]),
+         "mistral-window": make_dense_model(root / "mistral", family="mistral", seed=7, sliding_window=4),
+         "qwen2-window": make_dense_model(root / "qwen2", family="qwen2", seed=8, random_norms_and_biases=True,
+                                          use_sliding_window=True, sliding_window=4, max_window_layers=1),
+         "qwen3": make_dense_model(root / "qwen3", family="qwen3", seed=5, random_norms_and_biases=True)}
+texts = sys.argv[3:]
+experts = (ExpertPrompts("a", tuple(texts[:2]), (texts[4],)), ExpertPrompts("b", tuple(texts[2:4])))
+for name, path in bases.items():
+    ckpt = open_checkpoint(str(path), "base_model")
+    loaded, streamed = cap.load_base(path, device="cpu"), open_streamed(ckpt, device="cpu")
+    enc = cap.encode(loaded.tokenizer, texts, loaded.max_length)
+    for reduce in ("mean", "last", "tokens"):
+        want = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
+        got = cap.capture_router_inputs(streamed, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
+        same = (all(torch.equal(g, w) for g, w in zip(got.points, want.points)) if reduce == "tokens"
+                else torch.equal(got.sums, want.sums))
+        print(name, reduce, "same" if same and torch.equal(got.token_norm, want.token_norm) else "DIFFERENT")
+    params = GateParams(mode="hidden", experts=experts, source="mergekit", device="cpu")
+    rows = mk.hidden_rows(params, experts, ckpt.config["num_hidden_layers"], ckpt)
+    whole = cap.load_base(path, device="cpu", dtype="bfloat16")
+    tok = mk.mergekit_tokenizer(path)
+    def vector(prompts):
+        batch = mk.tokenize_prompts(prompts, tok)
+        with torch.inference_mode():
+            states = torch.stack(list(whole.model(**batch, output_hidden_states=True, use_cache=False).hidden_states[:-1]))
+        per = states[:, :, -1, :]
+        return per.sum(dim=1) / per.shape[1]
+    want = torch.stack(mk._expert_rows(experts, vector), dim=1)
+    print(name, "mergekit", "same" if torch.equal(rows, want) else "DIFFERENT")
+"""
+
+
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
+def test_streamed_gates_are_the_whole_models_in_transformers_4(stories, tmp_path):
+    """transformers 4.57 (its own layer modules, its own masks: Mistral's one sliding mask, Qwen2's per-layer-type
+    mapping): the streamed router inputs and mergekit rows are bit for bit the whole model's."""
+    import os
+    import subprocess
+
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "PYTHONPATH": str(REPO)}
+    texts = [CODE[0], STORY[1], "Hello there, my friend!", CODE[3], STORY[5]]
+    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_SCRIPT, str(tmp_path), str(stories), *texts], capture_output=True,
+                         text=True, timeout=600, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.split()[-1] in ("same", "DIFFERENT")]
+    assert len(lines) == 4 * 4 and all(line.endswith(" same") for line in lines), run.stdout
+
+
+def test_a_config_that_does_not_match_the_weights_is_refused_before_any_layer_runs(stories, tmp_path, write_yaml):
+    """config.json says attention_bias but the weights have none: transformers would start 20 biases at random
+    (the whole-model path built routers from them); the stream refuses, naming three and the count, exit 1,
+    nothing written."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moe_upcycle.cli import app
+
+    base = tmp_path / "base"
+    shutil.copytree(stories, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    cfg = write_yaml({"base_model": str(base), "gate_mode": "hidden", "experts": [
+        {"source_model": str(base), "positive_prompts": ["a story about a cat"]},
+        {"source_model": str(base), "positive_prompts": ["a story about a dog"]}]})
+    res = CliRunner().invoke(app, ["build", str(cfg), str(tmp_path / "moe"), "--no-lint"])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 1 and "Traceback" not in said, said
+    assert (f"base_model: {base} has no tensor 'model.layers.0.self_attn.q_proj.bias', "
+            "'model.layers.0.self_attn.k_proj.bias', 'model.layers.0.self_attn.v_proj.bias' and 17 more, which the "
+            "llama model its config.json describes has (transformers would start them at random)") in said, said
+    assert not (tmp_path / "moe").exists()

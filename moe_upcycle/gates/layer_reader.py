@@ -4,8 +4,9 @@
 read with `Checkpoint.read` (memory-mapped; a ``model+lora`` adapter merged in as read). While layer l runs, a
 thread prepares layer l+1 (``prefetch``):
 
-- on the CPU it pages l+1's bytes into the page cache with plain reads of the file, 8 MiB at a time (no torch
-  and no GIL held while the disk works), so casting l+1 later reads memory, not the disk. The cast itself happens
+- on the CPU it reads l+1 (a ``model+lora`` adapter's merge runs there) and pages its bytes into the page cache
+  with plain reads of the file, 8 MiB at a time (no torch and no GIL held while the disk works), so casting l+1
+  later reads memory, not the disk. The cast itself happens
   when l+1 is taken, after l was released: one layer of private memory at a time (none when the checkpoint is
   stored in the compute dtype: the layer then runs on the mapped file, as ``from_pretrained`` leaves it).
 - on a GPU it copies l+1's tensors into pinned host memory and from there to the GPU on a side stream
@@ -13,7 +14,7 @@ thread prepares layer l+1 (``prefetch``):
   the GPU at once: the one running and the one arriving.
 
 Without prefetch, each layer is read when it is taken. It runs no layer (`stream` does) and reads no tensor but
-the ones it is given; while its thread lives, nothing else may read the checkpoint (the thread reads it on a GPU).
+the ones it is given; while its thread lives, nothing else may read the checkpoint (the thread does).
 """
 
 from __future__ import annotations
@@ -114,13 +115,13 @@ class LayerReader:
                 return
 
     def _prepare(self, keys: dict[str, str]):
-        """CPU: the keys, their pages read in (when a thread prefetches). GPU: the tensors on the device in the
-        compute dtype, and the event their copy records."""
+        """The layer's tensors as read (mapped views; adapted ones merged) and, on a GPU, copied there in the compute
+        dtype; with the event their copy records (None on the CPU, or without a side stream)."""
+        host = {name: self.checkpoint.read(key) for name, key in keys.items()}
         if not self.cuda:
             if self._thread is not None:
                 self._page_in(keys.values())
-            return keys
-        host = {name: self.checkpoint.read(key) for name, key in keys.items()}
+            return host, None
         if self._side is None:
             return {name: t.to(self.device).to(self.dtype) for name, t in host.items()}, None
         with torch.cuda.stream(self._side):
@@ -135,11 +136,11 @@ class LayerReader:
         return out, done
 
     def _finish(self, item) -> dict[str, torch.Tensor]:
+        tensors, done = item
         if not self.cuda:  # cast here, after the previous layer was released: one layer of private memory
-            out = {name: self._in_dtype(name, self.checkpoint.read(key)) for name, key in item.items()}
+            out = {name: self._in_dtype(name, t) for name, t in tensors.items()}
             self._spare = {}
             return out
-        tensors, done = item
         if done is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(done)

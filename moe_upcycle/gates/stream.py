@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from moe_upcycle.checkpoint.source import Checkpoint
-from moe_upcycle.errors import UpcycleWarning
+from moe_upcycle.errors import SourceError, UpcycleWarning
 from moe_upcycle.gates.capture import (Batch, Encoded, context_length, on_device, pad_batch, padding_id,
                                        resolve_device, to_device)
 from moe_upcycle.gates.layer_reader import LayerReader
@@ -206,6 +206,29 @@ def passes(batches: list[BatchInputs], budget: int, size: Callable[[int, int], i
     return groups
 
 
+def tensor_problems(skeleton: Skeleton, checkpoint: Checkpoint) -> list[str]:
+    """Every tensor the stream will read that the checkpoint lacks, or holds in another shape than the model
+    transformers builds from config.json (which ``from_pretrained`` would start at random, or refuse)."""
+    wanted = {skeleton.embed_key: tuple(skeleton.model.get_input_embeddings().weight.shape)}
+    for layer, module in enumerate(skeleton.layers):
+        for name, param in module.named_parameters():
+            wanted[f"{skeleton.layer_prefix}{layer}.{name}"] = tuple(param.shape)
+    where = f"base_model: {checkpoint.path}"
+    missing = [key for key in wanted if key not in checkpoint.tensors]
+    problems = []
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        problems.append(f"{where} has no tensor {shown}, which the {skeleton.model.config.model_type} model its "
+                        f"config.json describes has (transformers would start them at random); hidden-state gates run "
+                        f"the model as transformers builds it — check config.json (biases, head_dim) against the "
+                        f"weights")
+    problems += [f"{where}: tensor {key!r} is {list(checkpoint.tensors[key].shape)} but the model its config.json "
+                 f"describes has {list(shape)} there; check config.json against the weights"
+                 for key, shape in wanted.items() if key in checkpoint.tensors
+                 and tuple(checkpoint.tensors[key].shape) != shape]
+    return problems
+
+
 def open_streamed(checkpoint: Checkpoint, device: str = "auto", dtype: Optional[str] = None, tokenizer=None,
                   prefetch: bool = True, quantize: Optional[str] = None) -> StreamedModel:
     """The base model `checkpoint` ready to stream, in seconds whatever its size (nothing is read but config.json).
@@ -233,5 +256,8 @@ def open_streamed(checkpoint: Checkpoint, device: str = "auto", dtype: Optional[
                       UpcycleWarning, stacklevel=3)
     tokenizer = load_tokenizer(checkpoint.path) if tokenizer is None else tokenizer
     skeleton = build_skeleton(checkpoint.path, torch_dtype)
+    problems = tensor_problems(skeleton, checkpoint)
+    if problems:
+        raise SourceError(*problems)
     move_buffers(skeleton, dev)
     return StreamedModel(checkpoint, tokenizer, skeleton, dev, context_length(checkpoint.path), prefetch)

@@ -286,13 +286,14 @@ def streamed_states(plan: Plan, gating: GateParams) -> tuple[int, int]:
 
 
 def activation_bytes(plan: Plan, gating: GateParams) -> int:
-    """Activations of the largest batch inside one layer: per token about 4 × intermediate + 6 × hidden values
-    (the MLP's gate, up, activation and product; residual, norm, attention), read off measured runs.
-    k-means also keeps its sampled tokens."""
+    """Activations of the largest batch inside one layer: per token about 3 × intermediate + 6 × hidden values
+    (the MLP's activation, up projection and their product live at once; residual, norm, attention), read off
+    measured runs (a SmolLM2-135M shape in fp32; Llama-3-70B-shaped layers in fp32 and bf16,
+    scripts/bench_stream_70b.py). k-means also keeps its sampled tokens."""
     cfg = plan.base_config
     hidden, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), plan.num_layers
     batch, tokens = batch_shape(gating)
-    acts = batch * tokens * (4 * inter + 6 * hidden) * DTYPES[gate_dtype(gating)].itemsize
+    acts = batch * tokens * (3 * inter + 6 * hidden) * DTYPES[gate_dtype(gating)].itemsize
     if gating.mode == "kmeans":  # the sampled calibration tokens, fp32 per layer (hidden_gates' budget)
         acts += kmeans_sample_budget(len(plan.expert_names), layers, hidden) * 4 * layers * hidden
     return acts
