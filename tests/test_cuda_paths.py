@@ -251,6 +251,7 @@ def test_streamed_gates_hold_two_layers_on_the_gpu(tmp_path):
     whole = sum(t.nbytes for t in ckpt.tensors.values()) // 2
     streamed = open_streamed(ckpt, "cuda", "bfloat16")
     enc = cap.encode(streamed.tokenizer, ["def add(a, b): return a + b"] * 4, 256)
+    cap.capture_router_inputs(streamed, enc, [0, 1, 0, 1], 2, "mean", batch_size=2)  # cuBLAS workspaces, once
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()

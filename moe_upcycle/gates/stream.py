@@ -144,14 +144,15 @@ class StreamedModel:
 
     def _stream(self, batches: list[BatchInputs], current: dict, router_inputs: bool,
                 on_input: Optional[Callable[[int, torch.Tensor, Batch], None]] = None) -> None:
+        """Every batch through every layer, one layer's weights at a time, in passes of at most `states_bytes`."""
         sk = self.skeleton
         n = len(sk.layers)
-        run = n if router_inputs else n - 1  # layers that run; the last only up to its router input
+        running = n if router_inputs else n - 1  # layers that run; the last only up to its router input
         texts = sum(len(b.batch.rows) for b in batches)
         with torch.inference_mode(), stage("router inputs", total=texts * n, unit="prompts×layers") as st:
             for group in passes(batches, self.states_bytes, self.held_bytes):
                 embed = self.checkpoint.read(sk.embed_key)  # a mapped view: gathering reads only its rows
-                keys = [layer_keys(sk, layer, router_input_only=layer == n - 1) for layer in range(run)]
+                keys = [layer_keys(sk, layer, router_input_only=layer == n - 1) for layer in range(running)]
                 with LayerReader(self.checkpoint, keys, sk.dtype, self.device, self.prefetch) as reader:
                     states = [self._start(b, embed) for b in group]  # while the reader reads layer 0
                     del embed
@@ -160,7 +161,7 @@ class StreamedModel:
                             for state in states:
                                 on_input(layer, state.hidden, state.batch)
                                 st.advance(len(state.batch.rows))
-                        if layer == run:
+                        if layer == running:
                             break
                         params = reader.take()
                         for state in states:
