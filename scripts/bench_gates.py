@@ -19,6 +19,12 @@ read), so ``read`` is memory speed, not the disk's. Peak memory is the business 
 (``--hidden-gates``) and scripts/bench_stream_70b.py. Runs on GPU too when one is present (not run on this
 project's CPU-only machines).
 
+Measured (2026-11-28, a 2-core x86-64 machine shared with other jobs, torch 2.13 CPU, transformers 5.24; page
+cache warm): the default model with ``--threads 1 --repeats 7``: streamed 2.45 s, plain 2.50 s, whole capture
+2.49 s (+0.09 s load): 0.98× (read + plain); the TinyLlama-shaped 1.1B (``--folder``, 8 prompts, 394 tokens,
+``--repeats 2``): read 1.97 s, plain 13.97 s, streamed 15.99 s = 1.00× (read + plain), 0.90× (load 6.26 s + whole
+capture 11.49 s); the reader thread saved 23 % there (19.63 s without it). Sums equal the whole model's in both.
+
 Usage: python scripts/bench_gates.py [--hidden 256 --layers 6 | --folder DENSE] [--batch-size 16 --repeats 3
        --prompts-per-expert 32 --threads N --json]
 """

@@ -91,6 +91,9 @@ def test_hidden_gates_on_cpu_stream_one_fp32_layer_and_the_prompts(monkeypatch):
     assert m.build_private_bytes == m.gate_private_bytes + (LINT_BYTES if memory.lints_prompts(
         gate_params(load_config({"base_model": REF, "gate_mode": "hidden", "experts": experts}))) else 0)
     assert any("one layer at a time" in line and "float32" in line and "tokens" in line for line in m.assumptions)
+    quantized = estimate(num_experts=None, gate_mode="hidden", device="cpu", experts=experts, quantize="4bit")
+    assert quantized.gate_private_bytes == m.gate_private_bytes  # not applied: the same full-precision layers
+    assert "quantize: 4bit is not applied: the gates stream the base at full precision (float32)" in quantized.assumptions
     # a layer stored in the compute dtype runs on the mapped file: no private copy of it
     same = estimate(num_experts=None, gate_mode="hidden", device="cpu", experts=experts, gate_dtype="bfloat16")
     acts16, states16 = acts // 2, states // 2

@@ -179,6 +179,8 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
     files += sum(t.nbytes for t in base.tensors.values() if t.key != names.LM_HEAD)  # every layer passes the page cache
     batch, tokens = batch_shape(gating)
     read = f" in {passes} passes, each reading the layers again" if passes > 1 else ""
+    if gating.quantize:
+        notes.append(f"quantize: {gating.quantize} is not applied: the gates stream the base at full precision ({dtype})")
     if not gpu:
         notes.append(f"hidden gates on the CPU stream the base one layer at a time{read}: one layer in {dtype} "
                      f"({cast // MB} MB; a layer stored in {dtype} runs on the mapped file) + the prompts' hidden "
