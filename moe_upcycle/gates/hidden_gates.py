@@ -198,7 +198,8 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
     if params.mode != "kmeans":  # tokenized once, before any weight is read: a prompt of special tokens only is said now
         texts, _, fields = prompt_texts(params.experts)
         encoded = encode(tokenizer, texts, context_length(base.path), fields=fields)
-    streamed = open_streamed(base, params.device, params.dtype, tokenizer, quantize=params.quantize)
+    with stage("open base model", note=f"{base.path}, streamed one layer at a time"):  # config.json: seconds
+        streamed = open_streamed(base, params.device, params.dtype, tokenizer, quantize=params.quantize)
     if len(streamed.norms) != num_layers:
         raise SourceError(f"base_model: transformers built {len(streamed.norms)} layers but config.json says {num_layers}")
     if params.mode == "kmeans":
