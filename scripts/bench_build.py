@@ -18,7 +18,9 @@ What it does:
    - the same copy through a page-aligned buffer with ``O_DIRECT`` from Python (as the build's writer
      does: the disk's own speed without the page cache),
    - the same build with ``--no-checksums`` (no sha256 of the shards in moe_upcycle.json),
-   - ``mergekit-moe`` on the same config, if it is installed (``--mergekit PATH`` or on PATH).
+   - ``mergekit-moe`` on the same config, if it is installed (``--mergekit PATH`` or on PATH),
+   - with ``--hidden-gates``: the same build with ``gate_mode: hidden`` (shipped prompt sets, 8 prompts per
+     expert, ``--no-lint``), whose gates stream the base one layer at a time on the CPU (fp32).
    Each child is sampled every 20 ms from ``/proc/<pid>/status`` (VmRSS, RssAnon, summed over its
    process tree) and via psutil; its peak RSS also comes exactly from ``wait4``'s rusage.
    Each measurement is appended to ``--work``/bench-runs.jsonl as it ends.
@@ -26,7 +28,8 @@ What it does:
    targets, as ratios within each round (the commands of a round run back to back, so a machine
    that drifts in speed moves both): default build ≤ 1.15× ``dd oflag=direct``, ≤ 1.3× the plain
    copy and ≤ 0.45× mergekit-moe; peak anonymous memory ≤ 1 GB and flat (≤ +15 %) from 4 to 8
-   experts. The load averages before and after are printed: other jobs on the machine move every
+   experts; the hidden-gate build at most 1 GB of peak anonymous memory over the random-gate build. The load
+   averages before and after are printed: other jobs on the machine move every
    wall time, and the ratios only partly cancel that.
 
 What it does not do: it is not a test (nothing here runs in CI), and it does not drop the page
@@ -35,7 +38,7 @@ Outputs are deleted after each measurement; the dense model is kept for the next
 
 Usage:
     python scripts/bench_build.py --work /tmp/moe-bench [--experts 4 8] [--rounds 3] [--mergekit /venv/bin/mergekit-moe]
-        [--baselines dd direct plain] [--no-diagnose-hash] [--compare /path/to/another/checkout]
+        [--baselines dd direct plain] [--no-diagnose-hash] [--compare /path/to/another/checkout] [--hidden-gates]
 """
 
 from __future__ import annotations
@@ -300,13 +303,21 @@ def settle() -> None:
 # The benchmark
 
 
-def write_config(work: Path, dense: Path, experts: int) -> Path:
-    """A mergekit-moe config (which moe-upcycle reads unchanged): N copies, random gates."""
+HIDDEN_PROMPT_SETS = ("code", "math", "chat", "creative", "multilingual", "reasoning", "science")
+
+
+def write_config(work: Path, dense: Path, experts: int, gate_mode: str = "random") -> Path:
+    """A mergekit-moe config (which moe-upcycle reads unchanged): N copies, random gates; or, with
+    ``gate_mode: hidden``, the same experts with 8 prompts each from the shipped prompt sets."""
     import yaml
 
-    cfg = {"base_model": str(dense), "gate_mode": "random", "dtype": "bfloat16", "experts_per_token": 2,
-           "experts": [{"source_model": str(dense)} for _ in range(experts)]}
-    path = work / f"experts{experts}.yaml"
+    from moe_upcycle.recipe.prompt_sets import load_prompts
+
+    prompts = [{"positive_prompts": load_prompts(HIDDEN_PROMPT_SETS[e % len(HIDDEN_PROMPT_SETS)], "bench")[:8]}
+               if gate_mode != "random" else {} for e in range(experts)]
+    cfg = {"base_model": str(dense), "gate_mode": gate_mode, "dtype": "bfloat16", "experts_per_token": 2,
+           "experts": [{"source_model": str(dense), **p} for p in prompts]}
+    path = work / f"experts{experts}{'' if gate_mode == 'random' else '-' + gate_mode}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -352,10 +363,10 @@ def run_build(label: str, cfg: Path, out: Path, work: Path, env: dict, experts: 
 
 def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: int = 3,
           diagnose_hash: bool = True, baselines: tuple[str, ...] = BASELINES,
-          compare: Optional[Path] = None) -> list[Run]:
+          compare: Optional[Path] = None, hidden_gates: bool = False) -> list[Run]:
     """Each round runs the build, dd and the build of `compare` (another checkout of moe-upcycle: before/after a
     change, in the same rounds), in an order that turns by one place each round, then the plain and direct
-    copies, the build without checksums and mergekit."""
+    copies, the build without checksums, the hidden-gate build and mergekit."""
     dense = ensure_dense_model(work / "dense-tinyllama")
     src_file = dense / "model.safetensors"
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -384,6 +395,9 @@ def bench(work: Path, experts_list: list[int], mergekit: Optional[str], rounds: 
             if diagnose_hash:
                 record(runs, run_build("moe-upcycle --no-checksums", cfg, out, work, env, n, round_,
                                        ("--no-checksums",)), work)
+            if hidden_gates:
+                record(runs, run_build("moe-upcycle hidden gates", write_config(work, dense, n, "hidden"), out, work,
+                                       env, n, round_, ("--no-lint",)), work)
             if mergekit:
                 mk_out = work / f"out-mergekit-{n}"
                 shutil.rmtree(mk_out, ignore_errors=True)
@@ -484,6 +498,14 @@ def verdicts(runs: list[Run]) -> list[str]:
                          f"{mk.peak_anon / GB:.2f} GB")
         lines.append(f"- {n} experts, peak anonymous memory {ours.peak_anon / GB:.2f} GB (target ≤ 1 GB): "
                      f"{'met' if ours.peak_anon <= GB else 'MISSED'}")
+        if ("moe-upcycle hidden gates", n) in med:
+            extra = [r.peak_anon for r in runs if (r.label, r.experts) == ("moe-upcycle hidden gates", n) and not r.rc]
+            base = [r.peak_anon for r in runs if (r.label, r.experts) == ("moe-upcycle", n) and not r.rc]
+            added = _median([h - b for h, b in zip(extra, base)])
+            slower = _median(ratios(runs, "moe-upcycle hidden gates", "moe-upcycle", n))
+            lines.append(f"- {n} experts, hidden-state gates (streamed): median +{added / GB:.2f} GB of peak anonymous "
+                         f"memory over the random-gate build (target ≤ +1 GB): {'met' if added <= GB else 'MISSED'}; "
+                         f"wall time {slower:.2f}× the random-gate build's")
     anon = {n: med[("moe-upcycle", n)].peak_anon for n in {r.experts for r in runs} if ("moe-upcycle", n) in med}
     if len(anon) > 1 and min(anon.values()) > 0:
         lo, hi = min(anon), max(anon)
@@ -508,11 +530,13 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="another checkout of moe-upcycle (e.g. main): its build "
                         "runs in the same rounds, as a row of its own")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    parser.add_argument("--hidden-gates", action="store_true",
+                        help="also build with gate_mode: hidden (streamed gates) and compare its peak memory")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     runs = bench(args.work.resolve(), args.experts, args.mergekit or None, args.rounds, not args.no_diagnose_hash,
-                 tuple(args.baselines), args.compare.resolve() if args.compare else None)
+                 tuple(args.baselines), args.compare.resolve() if args.compare else None, args.hidden_gates)
     load_after = os.getloadavg()
     import torch
 

@@ -1,16 +1,32 @@
-"""Benchmark hidden-state gate computation against a plain batched forward pass.
+"""Benchmark hidden-state gate computation against a plain batched forward pass and one read of the weights.
 
-Generates a dense Llama (default hidden 256, 6 layers), takes 8 experts × 32 prompts from the
-shipped prompt sets and times, in the same run and on the same batches of the same tokens:
+Generates a dense Llama (default hidden 256, 6 layers; ``--folder`` benchmarks an existing one, e.g. the
+TinyLlama-shaped model of scripts/bench_build.py), takes 8 experts × 32 prompts from the shipped prompt sets and
+times, in the same run and on the same batches of the same tokens:
 
-- ``plain``: the decoder alone (``model.model``), no hooks — the same layers gate capture runs;
+- ``plain``: the decoder alone (``model.model``) of the model loaded whole, no hooks — the same layers gates run;
 - ``plain+lm_head``: the whole ``LlamaForCausalLM`` forward, as a user would call it;
-- ``gates``: `capture.capture_router_inputs` (hooks, masked running sums).
+- ``whole``: `capture.capture_router_inputs` on the model loaded whole (hooks, masked running sums), the path
+  gates took before they streamed; ``load`` is what loading it whole costs (``from_pretrained``);
+- ``streamed``: the gates as a build runs them, `stream.StreamedModel` (each layer read from the checkpoint, cast,
+  run, dropped; the next layer read by a thread meanwhile), and ``streamed, no prefetch`` without the thread;
+- ``read``: one read of the weights the stream reads (every layer's tensors cast to the compute dtype, nothing run).
 
-Prints tokens/s of each, the ratio gates/plain (target ≥ 0.85) and peak memory (process RSS on
-CPU, ``torch.cuda.max_memory_allocated`` on GPU). Runs on GPU too when one is present.
+Prints tokens/s of each and the ratios: streamed / (read + plain) (target ≈ 1: gates cost one read of the weights
+plus the prompts' forward), streamed / plain, streamed / (load + whole). Timings are the best of ``--repeats``
+rounds run interleaved (a busy machine slows all alike); the page cache is warm (the model was just written or
+read), so ``read`` is memory speed, not the disk's. Peak memory is the business of scripts/bench_build.py
+(``--hidden-gates``) and scripts/bench_stream_70b.py. Runs on GPU too when one is present (not run on this
+project's CPU-only machines).
 
-Usage: python scripts/bench_gates.py [--hidden 256 --layers 6 --batch-size 16 --repeats 3 --threads N --json]
+Measured (2026-11-28, a 2-core x86-64 machine shared with other jobs, torch 2.13 CPU, transformers 5.24; page
+cache warm): the default model with ``--threads 1 --repeats 7``: streamed 2.45 s, plain 2.50 s, whole capture
+2.49 s (+0.09 s load): 0.98× (read + plain); the TinyLlama-shaped 1.1B (``--folder``, 8 prompts, 394 tokens,
+``--repeats 2``): read 1.97 s, plain 13.97 s, streamed 15.99 s = 1.00× (read + plain), 0.90× (load 6.26 s + whole
+capture 11.49 s); the reader thread saved 23 % there (19.63 s without it). Sums equal the whole model's in both.
+
+Usage: python scripts/bench_gates.py [--hidden 256 --layers 6 | --folder DENSE] [--batch-size 16 --repeats 3
+       --prompts-per-expert 32 --threads N --json]
 """
 
 from __future__ import annotations
@@ -24,17 +40,31 @@ from pathlib import Path
 
 import torch
 
+from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates.skeleton import layer_keys
+from moe_upcycle.gates.stream import open_streamed
 from moe_upcycle.recipe.prompt_sets import load_prompts, set_names
 from moe_upcycle.checkpoint.tiny import make_dense_model
 
 EXPERTS, PROMPTS_PER_EXPERT = 8, 32
 
 
-def expert_prompts() -> list[list[str]]:
-    """8 groups of 32 prompts, cycling through the shipped sets (deterministic)."""
+def expert_prompts(per_expert: int = PROMPTS_PER_EXPERT) -> list[list[str]]:
+    """8 groups of `per_expert` prompts, cycling through the shipped sets (deterministic)."""
     pool = [p for name in set_names() for p in load_prompts(name, "bench")]
-    return [[pool[(e * PROMPTS_PER_EXPERT + i) % len(pool)] for i in range(PROMPTS_PER_EXPERT)] for e in range(EXPERTS)]
+    return [[pool[(e * per_expert + i) % len(pool)] for i in range(per_expert)] for e in range(EXPERTS)]
+
+
+def read_all(streamed) -> None:
+    """One read of what the stream reads: every layer's tensors (the last without its MLP) cast to the compute dtype,
+    one layer at a time, nothing run."""
+    sk = streamed.skeleton
+    n = len(sk.layers)
+    for layer in range(n):
+        tensors = {k: streamed.checkpoint.read(k).to(sk.dtype) for k in
+                   layer_keys(sk, layer, router_input_only=layer == n - 1).values()}
+        del tensors
 
 
 def plain_pass(loaded: cap.LoadedModel, encoded: list[cap.Encoded], batch_size: int, full: bool) -> None:
@@ -74,42 +104,59 @@ def timed(fns: dict, device: str, repeats: int) -> dict:
     return best
 
 
-def bench(folder: Path, device: str, batch_size: int, repeats: int) -> dict:
+def bench(folder: Path, device: str, batch_size: int, repeats: int, per_expert: int) -> dict:
+    load_start = time.perf_counter()
     loaded = cap.load_base(folder, device=device)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    t_load = time.perf_counter() - load_start
+    streamed = open_streamed(open_checkpoint(str(folder), "base_model"), device=device)
+    unprefetched = open_streamed(open_checkpoint(str(folder), "base_model"), device=device, prefetch=False)
     groups, texts = [], []
-    for e, prompts in enumerate(expert_prompts()):
+    for e, prompts in enumerate(expert_prompts(per_expert)):
         texts += prompts
         groups += [e] * len(prompts)
     encoded = cap.encode(loaded.tokenizer, texts, loaded.max_length)
     tokens = sum(len(x.ids) for x in encoded)
     captured = {}
 
-    def gates():
-        captured["inputs"] = cap.capture_router_inputs(loaded, encoded, groups, EXPERTS, "mean", batch_size)
+    def gates(model, key):
+        return lambda: captured.__setitem__(key, cap.capture_router_inputs(model, encoded, groups, EXPERTS, "mean",
+                                                                           batch_size))
 
     peaks = {}
     if device != "cpu":  # peak memory of one pass of each, measured apart from the timing
-        for name, fn in (("plain", lambda: plain_pass(loaded, encoded, batch_size, full=False)), ("gates", gates)):
+        for name, fn in (("plain", lambda: plain_pass(loaded, encoded, batch_size, full=False)),
+                         ("whole", gates(loaded, "whole")), ("streamed", gates(streamed, "streamed"))):
             torch.cuda.reset_peak_memory_stats()
             fn()
             peaks[name] = torch.cuda.max_memory_allocated()
     times = timed({"plain": lambda: plain_pass(loaded, encoded, batch_size, full=False),
-                   "full": lambda: plain_pass(loaded, encoded, batch_size, full=True), "gates": gates},
+                   "full": lambda: plain_pass(loaded, encoded, batch_size, full=True),
+                   "whole": gates(loaded, "whole"), "streamed": gates(streamed, "streamed"),
+                   "unprefetched": gates(unprefetched, "unprefetched"), "read": lambda: read_all(streamed)},
                   device, repeats)
-    t_plain, t_full, t_gates = times["plain"], times["full"], times["gates"]
-    peak_plain, peak_gates = peaks.get("plain"), peaks.get("gates")
-    sums = captured["inputs"].sums
+    sums = captured["whole"].sums
+    same = torch.equal(captured["streamed"].sums, sums) and torch.equal(captured["unprefetched"].sums, sums)
+    t = times
     return {
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
         "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
         "prompts": len(texts), "tokens": tokens, "batch_size": batch_size,
-        "plain_tokens_per_s": round(tokens / t_plain), "plain_lm_head_tokens_per_s": round(tokens / t_full),
-        "gates_tokens_per_s": round(tokens / t_gates),
-        "ratio_vs_plain": round(t_plain / t_gates, 3), "ratio_vs_plain_lm_head": round(t_full / t_gates, 3),
+        "plain_tokens_per_s": round(tokens / t["plain"]), "plain_lm_head_tokens_per_s": round(tokens / t["full"]),
+        "whole_tokens_per_s": round(tokens / t["whole"]), "streamed_tokens_per_s": round(tokens / t["streamed"]),
+        "seconds": {k: round(v, 3) for k, v in t.items()} | {"load": round(t_load, 3)},
+        "streamed_vs_read_plus_plain": round(t["streamed"] / (t["read"] + t["plain"]), 3),
+        "streamed_vs_plain": round(t["streamed"] / t["plain"], 3),
+        "streamed_vs_load_plus_whole": round(t["streamed"] / (t_load + t["whole"]), 3),
+        "prefetch_gain": round(t["unprefetched"] / t["streamed"], 3),
+        "ratio_vs_plain": round(t["plain"] / t["whole"], 3), "ratio_vs_plain_lm_head": round(t["full"] / t["whole"], 3),
+        "streamed_sums_equal_whole": same,
         "running_sums_bytes": sums.numel() * sums.element_size(),
         "model_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "peak_gpu_bytes_plain": peak_plain, "peak_gpu_bytes_gates": peak_gates,
+        "peak_gpu_bytes": peaks or None,
     }
 
 
@@ -117,33 +164,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--folder", type=Path, default=None, help="benchmark this dense model instead of a new one")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts-per-expert", type=int, default=PROMPTS_PER_EXPERT)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_dense_model(Path(tmp) / "dense", family="llama", seed=0, hidden_size=args.hidden,
-                                  intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers,
-                                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024)
-        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        results = [bench(folder, d, args.batch_size, args.repeats) for d in devices]
+        folder = args.folder or make_dense_model(
+            Path(tmp) / "dense", family="llama", seed=0, hidden_size=args.hidden,
+            intermediate_size=int(args.hidden * 2.75), num_hidden_layers=args.layers, num_attention_heads=8,
+            num_key_value_heads=8, max_position_embeddings=1024)
+        results = [bench(folder, d, args.batch_size, args.repeats, args.prompts_per_expert) for d in devices]
     if args.json:
         print(json.dumps(results, indent=2))
         return
     for r in results:
-        print(f"[{r['device']}, {r['dtype']}] {r['prompts']} prompts, {r['tokens']} tokens, batch {r['batch_size']}")
-        print(f"  plain decoder forward : {r['plain_tokens_per_s']:>9} tokens/s")
-        print(f"  plain + lm_head       : {r['plain_lm_head_tokens_per_s']:>9} tokens/s")
-        print(f"  gate capture          : {r['gates_tokens_per_s']:>9} tokens/s  -> {r['ratio_vs_plain']:.3f} of plain "
-              f"(target >= 0.85), {r['ratio_vs_plain_lm_head']:.3f} of plain + lm_head")
-        print(f"  model {r['model_bytes'] / 1e6:.1f} MB, running sums {r['running_sums_bytes'] / 1e3:.1f} kB, "
-              f"peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB"
-              + (f", peak GPU {r['peak_gpu_bytes_plain'] / 1e6:.0f} MB plain / {r['peak_gpu_bytes_gates'] / 1e6:.0f} MB "
-                 f"gates" if r["peak_gpu_bytes_gates"] else ""))
+        s = r["seconds"]
+        print(f"[{r['device']}, {r['dtype']}, {r['threads']} threads] {r['prompts']} prompts, {r['tokens']} tokens, "
+              f"batch {r['batch_size']}, model {r['model_bytes'] / 1e6:.1f} MB")
+        print(f"  plain decoder forward   : {s['plain']:8.2f} s  {r['plain_tokens_per_s']:>9} tokens/s")
+        print(f"  plain + lm_head         : {s['full']:8.2f} s  {r['plain_lm_head_tokens_per_s']:>9} tokens/s")
+        print(f"  one read of the weights : {s['read']:8.2f} s  (cast to {r['dtype']}, page cache warm)")
+        print(f"  whole-model capture     : {s['whole']:8.2f} s  {r['whole_tokens_per_s']:>9} tokens/s, after "
+              f"{s['load']:.2f} s of loading -> plain/whole {r['ratio_vs_plain']:.3f}")
+        print(f"  streamed gates          : {s['streamed']:8.2f} s  {r['streamed_tokens_per_s']:>9} tokens/s -> "
+              f"{r['streamed_vs_read_plus_plain']:.3f}x (read + plain), {r['streamed_vs_plain']:.3f}x plain, "
+              f"{r['streamed_vs_load_plus_whole']:.3f}x (load + whole)")
+        print(f"  streamed, no prefetch   : {s['unprefetched']:8.2f} s  -> the reader thread saves "
+              f"{(r['prefetch_gain'] - 1) * 100:+.1f}%")
+        print(f"  streamed sums equal the whole model's: {r['streamed_sums_equal_whole']}; running sums "
+              f"{r['running_sums_bytes'] / 1e3:.1f} kB; process peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB"
+              + (f"; peak GPU {r['peak_gpu_bytes']}" if r["peak_gpu_bytes"] else ""))
 
 
 if __name__ == "__main__":

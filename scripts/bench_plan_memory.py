@@ -20,7 +20,8 @@ their ratio, and exits 1 if any ratio is outside 1 ± `TOLERANCE`. Figures compa
 
 Cases: stories260K (vendored) → 4 experts, random and hidden gates; a SmolLM2-135M-shaped random bf16
 model → 8 experts, random and hidden gates (``--quick`` stops here); a TinyLlama-shaped 1.1B bf16
-model → 4 and 8 copies, noise and drop inits, and a float16 output (a dtype change). The dense models
+model → 4 and 8 copies, noise and drop inits, a float16 output (a dtype change) and hidden-state gates (streamed
+one layer at a time). The dense models
 are written under ``--work`` once and reused (the TinyLlama one with ``scripts/bench_build.py``'s
 writer, or pass ``--tinyllama FOLDER``). Outputs are deleted after each build.
 
@@ -165,7 +166,7 @@ def prompt_experts(dense: Path, n: int) -> list[dict]:
 
 
 TINYLLAMA_CASES = ("TinyLlama x4 copy", "TinyLlama x8 copy", "TinyLlama x4 noise", "TinyLlama x4 drop",
-                   "TinyLlama x4 float16")
+                   "TinyLlama x4 float16", "TinyLlama x4 hidden")
 
 
 def cases(work: Path, quick: bool, tinyllama: Optional[Path], only: str = "") -> list[Case]:
@@ -197,6 +198,7 @@ def cases(work: Path, quick: bool, tinyllama: Optional[Path], only: str = "") ->
         Case("TinyLlama x4 drop", {**base, "num_experts": 4, "expert_init": {"method": "drop", "ratio": 0.5}},
              quick=False),
         Case("TinyLlama x4 float16", {**base, "num_experts": 4, "dtype": "float16"}, quick=False),
+        Case("TinyLlama x4 hidden", {**base, "gate_mode": "hidden", "experts": prompt_experts(big, 4)}, quick=False),
     ]
     return out
 

@@ -182,3 +182,80 @@ def test_route_on_cuda_counts_what_the_cpu_counts(stories, tmp_path):
     assert torch.equal(gpu.topk.sum(dim=1), cpu.topk.sum(dim=1))
     same = torch.minimum(gpu.top1, cpu.top1).sum() / cpu.top1.sum()
     assert same >= 0.9, float(same)
+
+
+def test_streamed_gates_on_cuda_match_the_whole_model_on_cuda(stories, tmp_path):
+    """Hidden-state gates stream the base on the GPU (layers copied from pinned memory on a side stream, one ahead):
+    the router inputs are the whole model's on the same GPU, in fp32 and bf16, with and without the reader thread
+    (bit for bit between those two: the same kernels on the same data)."""
+    from moe_upcycle.checkpoint.source import open_checkpoint
+    from moe_upcycle.gates.stream import open_streamed
+
+    texts = ["Once upon a time there was a cat.", "The dog ran to the park.", "Lily had a red ball.", "Tom was sad.",
+             "def add(a, b): return a + b"]
+    groups = [0, 0, 1, 1, 0]
+    ckpt = open_checkpoint(str(stories), "base_model")
+    for dtype in ("float32", "bfloat16"):
+        whole = cap.load_base(stories, device="cuda", dtype=dtype)
+        enc = cap.encode(whole.tokenizer, texts, whole.max_length)
+        for reduce in ("mean", "last", "tokens"):
+            want = cap.capture_router_inputs(whole, enc, groups, 2, reduce, batch_size=2)
+            got = {prefetch: cap.capture_router_inputs(open_streamed(ckpt, "cuda", dtype, prefetch=prefetch), enc,
+                                                       groups, 2, reduce, batch_size=2) for prefetch in (True, False)}
+            if reduce == "tokens":
+                for a, b, w in zip(got[True].points, got[False].points, want.points):
+                    assert torch.equal(a, b) and a.device.type == "cpu"
+                    close(a, w, 1e-5 if dtype == "float32" else 1e-2)
+                continue
+            assert torch.equal(got[True].sums, got[False].sums) and got[True].sums.device.type == "cpu"
+            close(got[True].sums, want.sums, 1e-5 if dtype == "float32" else 1e-2)
+
+
+def test_streamed_mergekit_rows_on_cuda_are_the_whole_models(stories):
+    """gate_source: mergekit on the GPU: bf16, left padding, each layer's input: the bytes of the whole model's
+    forward on the same GPU."""
+    import mergekit_reference as reference
+    from moe_upcycle.checkpoint.source import open_checkpoint
+    from moe_upcycle.gates import mergekit_gates as mk
+    from moe_upcycle.recipe.params import ExpertPrompts, GateParams
+
+    experts = tuple(ExpertPrompts(f"e{i}", tuple(e["positive_prompts"]), tuple(e.get("negative_prompts", ())))
+                    for i, e in enumerate(reference.PUBLISHED_4X))
+    whole = cap.load_base(stories, device="cuda", dtype="bfloat16")
+    tok = mk.mergekit_tokenizer(stories)
+
+    def vector(prompts):
+        batch = {k: v.to("cuda") for k, v in mk.tokenize_prompts(prompts, tok).items()}
+        with torch.inference_mode():
+            out = whole.model(**batch, output_hidden_states=True, use_cache=False)
+        per = torch.stack(list(out.hidden_states[:-1]))[:, :, -1, :]
+        return per.sum(dim=1) / per.shape[1]
+
+    want = torch.stack(mk._expert_rows(experts, vector), dim=1).cpu()
+    params = GateParams(mode="hidden", experts=experts, source="mergekit", device="cuda")
+    got = mk.hidden_rows(params, experts, 5, open_checkpoint(str(stories), "base_model"))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_streamed_gates_hold_two_layers_on_the_gpu(tmp_path):
+    """GPU memory while streaming an 8-layer model: the layer running, the one arriving and the prompts' activations
+    — well under the whole model (which `load_base` would put there)."""
+    from moe_upcycle.checkpoint.source import open_checkpoint
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+    from moe_upcycle.gates.stream import open_streamed
+
+    folder = make_dense_model(tmp_path / "deep", family="llama", seed=0, hidden_size=512, intermediate_size=1536,
+                              num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
+    ckpt = open_checkpoint(str(folder), "base_model")
+    layer = sum(t.nbytes for k, t in ckpt.tensors.items() if k.startswith("model.layers.0.")) // 2  # fp32 -> bf16
+    whole = sum(t.nbytes for t in ckpt.tensors.values()) // 2
+    streamed = open_streamed(ckpt, "cuda", "bfloat16")
+    enc = cap.encode(streamed.tokenizer, ["def add(a, b): return a + b"] * 4, 256)
+    cap.capture_router_inputs(streamed, enc, [0, 1, 0, 1], 2, "mean", batch_size=2)  # cuBLAS workspaces, once
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    cap.capture_router_inputs(streamed, enc, [0, 1, 0, 1], 2, "mean", batch_size=2)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= 3 * layer + (8 << 20) < whole, (peak, layer, whole)

@@ -284,7 +284,7 @@ def test_special_only_prompts_are_named_by_field_before_the_weights_load(mode, s
     once, before the base model's weights are loaded (minutes on a real model); nothing is written."""
     from moe_upcycle.build import upcycle
 
-    monkeypatch.setattr(cap, "load_base", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
+    monkeypatch.setattr(hg, "open_streamed", lambda *a, **k: pytest.fail("the weights were read before the refusal"))
     config = {"base_model": str(stories), "gate_mode": mode, "experts": [
         {"source_model": str(stories), "positive_prompts": ["write code", "</s>"]},
         {"source_model": str(stories), "positive_prompts": ["a story"], "negative_prompts": ["<s><s>"]}]}

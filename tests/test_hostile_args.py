@@ -601,7 +601,7 @@ def test_calibration_text_refused_before_the_base_loads(command, name, words, st
     def no_load(*args, **kwargs):
         raise AssertionError("the base model was loaded before the calibration text was checked")
 
-    monkeypatch.setattr(hidden_gates, "load_base", no_load)
+    monkeypatch.setattr(hidden_gates, "open_streamed", no_load)
     cfg = files / "cfg.yaml"
     cfg.write_text(f"base_model: {stories}\ngate_mode: kmeans\nnum_experts: 2\ncalibration_text: {files / name}\n")
     code, output = cli(command, cfg, *([files / "moe"] if command == "build" else []))

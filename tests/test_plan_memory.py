@@ -71,41 +71,82 @@ def test_drop_and_clone_working_memory():
     assert m.build_private_bytes == RUNTIME_BYTES + ROUTERS + 2 * 2 * MLP + STAGING
 
 
-def test_hidden_gates_on_cpu_hold_fp32_weights_and_one_batch(monkeypatch):
+LAYER = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * MLP + 2 * 4096  # elements of one Mistral-7B decoder layer
+
+
+def test_hidden_gates_on_cpu_stream_one_fp32_layer_and_the_prompts(monkeypatch):
+    """Streamed gates hold one layer cast to fp32 (the bf16 input is mapped), the prompts' hidden states between
+    layers with their masks and rotary cos/sin, and one batch's activations inside a layer — not the model."""
     monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: False)
     prompts = ["x" * 98, "short"]
     experts = [{"source_model": REF, "positive_prompts": prompts},
                {"source_model": REF, "positive_prompts": ["y" * 98, "other"]}]  # same lengths, not the same prompts
     m = estimate(num_experts=None, gate_mode="hidden", device="cpu", experts=experts)
-    acts = 4 * 100 * (4 * 14336 + 6 * 4096) * 4  # 4 prompts in one batch x (98 bytes + 2 special tokens), fp32
+    states = 4 * 100 * (4096 + 2 * 128 + 2 * 100) * 4  # one batch: 4 prompts x (98 bytes + 2 special tokens), fp32
+    acts = 4 * 100 * (3 * 14336 + 6 * 4096) * 4
     routers = 32 * 2 * 4096 * 4
-    assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + routers + 4 * PARAMS + acts
+    assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + routers + 4 * LAYER + states + acts
+    assert m.gate_private_bytes < PARAMS  # a tenth of the 29 GB the whole fp32 model took
     assert m.build_phase == "gates"
     assert m.build_private_bytes == m.gate_private_bytes + (LINT_BYTES if memory.lints_prompts(
         gate_params(load_config({"base_model": REF, "gate_mode": "hidden", "experts": experts}))) else 0)
-    assert any("float32" in line and "tokens" in line for line in m.assumptions)
+    assert any("one layer at a time" in line and "float32" in line and "tokens" in line for line in m.assumptions)
+    quantized = estimate(num_experts=None, gate_mode="hidden", device="cpu", experts=experts, quantize="4bit")
+    assert quantized.gate_private_bytes == m.gate_private_bytes  # not applied: the same full-precision layers
+    assert "quantize: 4bit is not applied: the gates stream the base at full precision (float32)" in quantized.assumptions
+    # a layer stored in the compute dtype runs on the mapped file: no private copy of it
+    same = estimate(num_experts=None, gate_mode="hidden", device="cpu", experts=experts, gate_dtype="bfloat16")
+    acts16, states16 = acts // 2, states // 2
+    assert same.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + routers + states16 + acts16
 
 
-@pytest.mark.parametrize("prompt_bytes, held", [(98, 3 * 64 * 2**20), (8, 3 * 32 * 4 * 10 * 4096 * 2)])
-def test_hidden_gates_on_a_gpu_count_the_router_inputs_held_together(monkeypatch, prompt_bytes, held):
-    """On a GPU the capture holds consecutive layers' router inputs (at most 64 MiB) to reduce them together: they,
-    their stack and its masked copy count in the GPU memory, in bf16; all 32 layers' when they fit."""
+def test_streamed_states_are_batched_as_the_gates_batch_them(monkeypatch):
+    """Prompts sorted by length in batches of batch_size, each padded to its longest: 10 prompts of 10..100
+    bytes in batches of 4 are (4, 42), (4, 82), (2, 102) tokens at most; mergekit batches per expert's set."""
+    monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: False)
+    experts = [{"source_model": REF, "positive_prompts": ["p" * (10 * k) for k in range(1, 11, 2)]},
+               {"source_model": REF, "positive_prompts": ["q" * (10 * k) for k in range(2, 11, 2)]}]
+    config = load_config({"base_model": REF, "gate_mode": "hidden", "batch_size": 4, "experts": experts})
+    assert memory.batch_shapes(gate_params(config)) == [(4, 42), (4, 82), (2, 102)]
+    mergekit = load_config({**config.model_dump(exclude_none=True), "gate_source": "mergekit"})
+    assert memory.batch_shapes(gate_params(mergekit)) == [(5, 92), (5, 102)]
+    plan = make_plan(config, {REF: meta_checkpoint(REF, MISTRAL_7B, describe_dense(MISTRAL_7B))})
+    held, passes = memory.streamed_states(plan, gate_params(config))
+    per = [b * t * (4096 + 256 + 2 * t) * 4 for b, t in [(4, 42), (4, 82), (2, 102)]]
+    assert (held, passes) == (sum(per), 1)
+
+
+@pytest.mark.parametrize("prompt_bytes", [98, 8])
+def test_hidden_gates_on_a_gpu_hold_two_layers_and_the_prompts(monkeypatch, prompt_bytes):
+    """On a GPU the layer running and the one arriving are both there, in bf16, beside the prompts' hidden states,
+    one batch's activations and one router input being reduced; host memory holds their pinned staging."""
     monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: True)
     experts = [{"source_model": REF, "positive_prompts": ["x" * prompt_bytes, "short"]},
                {"source_model": REF, "positive_prompts": ["y" * prompt_bytes, "other"]}]
     m = estimate(num_experts=None, gate_mode="hidden", experts=experts)
-    tokens = prompt_bytes + 2
-    acts = 4 * tokens * (4 * 14336 + 6 * 4096) * 4
-    assert m.gpu_bytes == 2 * PARAMS + acts + held
-    assert any("hidden gates on the GPU" in line and "reduced together" in line for line in m.assumptions)
+    tokens = max(prompt_bytes, 5) + 2
+    acts = 4 * tokens * (3 * 14336 + 6 * 4096) * 2
+    states = 4 * tokens * (4096 + 2 * 128 + 2 * tokens) * 2
+    assert m.gpu_bytes == 2 * 2 * LAYER + states + acts + 3 * 4 * tokens * 4096 * 2
+    assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + 32 * 2 * 4096 * 4 + 2 * 2 * LAYER
+    assert any("hidden gates on the GPU" in line and "one layer at a time" in line for line in m.assumptions)
 
 
-def test_kmeans_counts_its_token_sample(monkeypatch):
+def test_kmeans_counts_its_token_sample_and_its_passes(monkeypatch, tmp_path):
     monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: False)
-    m = estimate(gate_mode="kmeans", calibration_text="corpus.txt", device="cpu")
-    sample = min(16384, 2 * 2**30 // (4 * 32 * 4096)) * 4 * 32 * 4096
-    acts = 8 * 256 * (4 * 14336 + 6 * 4096) * 4 + sample
-    assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + ROUTERS + 4 * PARAMS + acts
+    sample = min(16384, 2 * 2**30 // (4 * 32 * 4096))
+    m = estimate(gate_mode="kmeans", calibration_text="corpus.txt", device="cpu")  # unreadable: the largest case
+    batch = 8 * 256 * (4096 + 256 + 512) * 4  # one batch of windows between layers
+    per_pass = 2**30 // batch
+    acts = 8 * 256 * (3 * 14336 + 6 * 4096) * 4 + sample * 4 * 32 * 4096
+    assert m.gate_private_bytes == RUNTIME_BYTES + TRANSFORMERS_BYTES + ROUTERS + 4 * LAYER + per_pass * batch + acts
+    assert any(f"in {-(-(sample // 8) // per_pass)} passes, each reading the layers again" in line
+               for line in m.assumptions)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("word " * 300 + "\n\n" + "word " * 10)  # two documents: 2 + 1 windows of 256 tokens at most
+    small = estimate(gate_mode="kmeans", calibration_text=str(corpus), device="cpu")
+    assert small.gate_private_bytes == m.gate_private_bytes - per_pass * batch + batch
+    assert not any("passes" in line for line in small.assumptions)
 
 
 @pytest.mark.parametrize("report, changed, size, expected", [

@@ -56,8 +56,8 @@ FLAGS = {
     "--num-threads": Flag(1, "not needed"),
     "--transformers-cache": Flag(1, "set HF_HOME (or HF_HUB_CACHE) to that folder instead"),
     "--lora-merge-cache": Flag(1, "not needed: model+adapter is merged as it is read"),
-    "--load-in-4bit": Flag(0, "for the gate computation, set quantize: 4bit in the recipe"),
-    "--load-in-8bit": Flag(0, "for the gate computation, set quantize: 8bit in the recipe"),
+    "--load-in-4bit": Flag(0, "not needed: hidden-state gates read the base one layer at a time, at full precision"),
+    "--load-in-8bit": Flag(0, "not needed: hidden-state gates read the base one layer at a time, at full precision"),
 }
 
 

@@ -36,9 +36,9 @@ def out_of_memory(exc: BaseException, command: str, options: dict) -> Optional[s
     batch = options.get("batch_size")
     now = f" (now {batch})" if batch else ""
     if command == "build" and gpu:  # only hidden-state gates use the GPU
-        todo = (f"lower --batch-size{now} for hidden-state gates (batch_size: in the recipe), compute them on the CPU "
-                f"with --device cpu, or load the base in 8 bit (quantize: 8bit); `moe-upcycle plan CONFIG` shows the GPU "
-                f"memory they need")
+        todo = (f"lower --batch-size{now} for hidden-state gates (batch_size: in the recipe; they hold one layer of the "
+                f"base and the prompts' hidden states), or compute them on the CPU with --device cpu; `moe-upcycle plan "
+                f"CONFIG` shows the GPU memory they need")
     elif command == "build":
         todo = (f"`moe-upcycle plan CONFIG` shows what the build holds in each phase; close other programs, lower "
                 f"--batch-size{now} if it computes hidden-state gates, or build on a machine with more memory")

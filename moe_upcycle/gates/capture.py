@@ -12,7 +12,10 @@ router inputs of consecutive layers (up to 64 MiB) are reduced together: a few k
 batch instead of per layer, which at small batches cost as much as the layers themselves; and a
 batch's inputs (ids, masks, positions, group indices) go to the device in one copy from pinned memory.
 
-It computes no gate rows: `hidden_gates` does, and `route` reuses the batching here.
+Hidden-state gates no longer load the base whole: they stream it one layer at a time (`stream.StreamedModel`,
+whose ``run`` hands out the same router inputs from the same batches); `capture_router_inputs` reduces what either
+hands out. The whole-model path stays for `route`'s batching and as the reference the streamed one is tested against.
+It computes no gate rows: `hidden_gates` does.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ import torch
 from moe_upcycle.checkpoint.lora import Adapter, merge_into_model
 from moe_upcycle.errors import (ConfigError, DependencyError, SourceError, UpcycleWarning,
                                 reraise_if_out_of_memory)
+from moe_upcycle.gates.skeleton import ROUTER_INPUT
 from moe_upcycle.inputs.text import check_texts, check_token_ids
 from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, HELD_ROUTER_INPUTS_BYTES
 from moe_upcycle.recipe.values import device_problem
 from moe_upcycle.terminal.hints import install_hint
 from moe_upcycle.terminal.progress import stage
 
-ROUTER_INPUT = "post_attention_layernorm"  # the module whose output each layer's router scores
 Reduce = Literal["mean", "last", "tokens"]
 
 
@@ -52,6 +55,16 @@ class LoadedModel:
     norms: list[torch.nn.Module]  # each layer's post_attention_layernorm
     input_device: torch.device
     max_length: int
+    consecutive_layers = True  # a batch's router inputs come layer after layer (`capture_router_inputs` holds them)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def run(self, encoded: list["Encoded"], batch_size: int, on_output: Callable, padding_side: Optional[str] = None,
+            row_values: Optional[torch.Tensor] = None) -> None:
+        """`run_batches` on this model."""
+        run_batches(self, encoded, batch_size, on_output, padding_side, row_values)
 
 
 @dataclass(frozen=True)
@@ -399,7 +412,8 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     """Sum, per layer and group, each text's router input reduced over its real tokens.
 
     Args:
-        loaded: from `load_base`.
+        loaded: from `load_base`, or a `stream.StreamedModel` (anything with ``norms`` and ``run``, which hands out
+            the router inputs as `run_batches` does).
         encoded: the texts (from `encode` / `encode_windows`).
         groups: group index of each text (e.g. its expert); ignored for ``tokens``.
         num_groups: number of groups.
@@ -420,6 +434,7 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     derived: dict = {"batch": None}  # per-batch values derived once per device, reused by every layer
     pending: list[tuple[int, torch.Tensor, Batch]] = []  # (layer, router input, batch) of consecutive layers
     held = 0  # bytes of the router inputs pending
+    hold = loaded.consecutive_layers  # a streamed model hands out one layer of every batch, then the next layer
 
     def per_batch(batch: Batch, what: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         if derived["batch"] is not batch:
@@ -437,7 +452,7 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
             reduce_layers()
         pending.append((layer, x, batch))
         held += x.numel() * x.element_size()
-        if x.device.type in _EACH_LAYER_ON or layer == n_layers - 1 or held >= _PENDING_BYTES:
+        if (x.device.type in _EACH_LAYER_ON or not hold or layer == n_layers - 1 or held >= _PENDING_BYTES):
             reduce_layers()
 
     def reduce_layers() -> None:
@@ -470,8 +485,7 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
             acc[dev] = torch.zeros(n_layers, num_groups, x.shape[-1], dtype=torch.float32, device=dev)
         acc[dev][layers].index_add_(1, batch.values, per)
 
-    run_batches(loaded, encoded, batch_size, on_output, padding_side,
-                row_values=group_of if reduce != "tokens" else None)
+    loaded.run(encoded, batch_size, on_output, padding_side, row_values=group_of if reduce != "tokens" else None)
     counts = torch.bincount(group_of, minlength=num_groups) if reduce != "tokens" else torch.zeros(num_groups)
     sums = sum(t.cpu() for t in acc.values()) if acc else torch.zeros(0)  # each layer's rows are on one device
     norms = sum(t.cpu() for t in norm_acc.values()) if norm_acc else torch.zeros(n_layers, dtype=torch.float64)

@@ -6,12 +6,14 @@ of the base model per batch of texts. This is not mergekit-moe 0.1.5's computati
 or for ``hidden_avg`` a mean including pad positions, of each layer's input residual stream):
 that one is `mergekit_gates`, chosen with ``gate_source: mergekit``.
 
-**This mode needs the whole base model**: it is loaded once with transformers (on the GPU when
-present, with accelerate's ``device_map="auto"`` spreading a model larger than one GPU over all
-GPUs and CPU memory, optionally 4/8-bit through bitsandbytes). Memory is the weights plus one
-batch of activations: hooks fold each batch into per-layer running sums (one (H,) vector per
-expert and layer); hidden states of all prompts are never kept. ``kmeans`` keeps a bounded,
-seeded sample of calibration tokens (`calibration.kmeans_sample_budget`).
+**The base model is never loaded whole**: it is streamed one decoder layer at a time from its
+checkpoint (`stream.StreamedModel`: each layer's tensors read, every prompt's hidden states run
+through it, the layer dropped), on the GPU when present, so any model size fits one GPU or the CPU.
+Memory is one layer of weights plus the prompts' hidden states between layers; hooks fold each
+batch into per-layer running sums (one (H,) vector per expert and layer). The rows are those the
+whole loaded model gives (the same batches through transformers' own layer modules). ``quantize:``
+is no longer needed and is not applied (`stream.QUANTIZE_NOTE`). ``kmeans`` keeps a bounded, seeded sample
+of calibration tokens (`calibration.kmeans_sample_budget`).
 
 Averages run over *real* tokens only: pad positions and special tokens (BOS/EOS) are excluded —
 the BOS position sees only itself, so its router input is the same for every prompt and would
@@ -29,24 +31,25 @@ measured mean router-input norm can get at most `MAX_TOKEN_LOGIT_GAP` = 16 nats 
 experts (reached only by a token parallel to the difference of their rows). Without the cap,
 near-identical experts (tiny gaps) would get huge rows that saturate on noise.
 
-Loading, batching and the hooks live in `capture`. It does not write anything;
-`gates.compute_gates` calls `compute_hidden_gates`.
+Batching and the reduction live in `capture`, the layer-by-layer run in `stream`. It does not write
+anything; `gates.compute_gates` calls `compute_hidden_gates`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from moe_upcycle.recipe.calibration import kmeans_sample_budget, read_documents
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs,
-                                       context_length, encode, encode_windows, load_base, load_tokenizer)
-from moe_upcycle.checkpoint.lora import Adapter
+                                       context_length, encode, encode_windows, load_tokenizer)
+from moe_upcycle.checkpoint.source import Checkpoint, open_checkpoint
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
+from moe_upcycle.gates.stream import StreamedModel, open_streamed
 from moe_upcycle.terminal.progress import stage
 
 DECISIVE_LOGIT_GAP = 4.0
@@ -110,7 +113,10 @@ def prompt_texts(experts: Sequence[ExpertPrompts]) -> tuple[list[str], list[int]
     return texts, groups, fields
 
 
-def prompt_router_inputs(loaded: LoadedModel, experts: Sequence[ExpertPrompts], reduce: Reduce,
+Runner = Union[LoadedModel, StreamedModel]  # a base that hands out router inputs batch by batch (`capture`)
+
+
+def prompt_router_inputs(loaded: Runner, experts: Sequence[ExpertPrompts], reduce: Reduce,
                          batch_size: int, padding_side: Optional[str] = None,
                          encoded: Optional[list[Encoded]] = None) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
     """Mean router input of each expert's positive and negative prompts: ((L, E, H), (L, E, H) or
@@ -126,7 +132,7 @@ def prompt_router_inputs(loaded: LoadedModel, experts: Sequence[ExpertPrompts], 
     return means[:, :n], means[:, n:], inputs
 
 
-def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts: int, seed: int,
+def kmeans_router_inputs(loaded: Runner, calibration_text: str, num_experts: int, seed: int,
                          batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cluster the calibration tokens' router inputs of each layer into `num_experts` clusters.
 
@@ -137,7 +143,7 @@ def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts
         ConfigError: too little calibration text for the number of experts.
     """
     encoded = encode_windows(loaded.tokenizer, read_documents(calibration_text))
-    n_layers, hidden = len(loaded.norms), int(loaded.model.config.hidden_size)
+    n_layers, hidden = len(loaded.norms), loaded.hidden_size
     total = sum(sum(e.real) for e in encoded)
     budget = kmeans_sample_budget(num_experts, n_layers, hidden)
     if total > budget:  # a seeded sample of token positions, fixed before the forward pass
@@ -171,35 +177,38 @@ def kmeans_router_inputs(loaded: LoadedModel, calibration_text: str, num_experts
     return torch.stack(centroids), torch.stack(means), inputs.token_norm
 
 
-def compute_hidden_gates(params: GateParams, num_layers: int, base_path: Path,
-                         adapter: Optional[Adapter] = None) -> dict[int, torch.Tensor]:
+def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkpoint, Path, str]) -> dict[int, torch.Tensor]:
     """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``.
 
-    Loads the whole base model (see module docstring) on `params.device`, with `adapter` (a
-    ``model+lora`` base's LoRA) merged in.
+    Streams the base model one layer at a time (see module docstring) on `params.device`; a
+    ``model+lora`` base's adapter is merged into each tensor as it is read.
+
+    Args:
+        base: the opened base checkpoint, or its folder.
 
     Returns:
         layer -> (num_experts, hidden) fp32 rows.
 
     Raises:
-        UpcycleError: the model cannot be loaded, the device or an extra is missing, or the
+        UpcycleError: the model cannot be built or read, the device is missing, or the
             prompts/calibration text are unusable.
     """
-    tokenizer, encoded = load_tokenizer(base_path), None
-    if params.mode != "kmeans":  # tokenized once, before the weights load: a prompt of special tokens only is said now
+    base = base if isinstance(base, Checkpoint) else open_checkpoint(str(base), "base_model")
+    tokenizer, encoded = load_tokenizer(base.path), None
+    if params.mode != "kmeans":  # tokenized once, before any weight is read: a prompt of special tokens only is said now
         texts, _, fields = prompt_texts(params.experts)
-        encoded = encode(tokenizer, texts, context_length(base_path), fields=fields)
-    with stage("load base model", note=str(base_path)):
-        loaded = load_base(base_path, params.device, params.dtype, params.quantize, adapter, tokenizer)
-    if len(loaded.norms) != num_layers:
-        raise SourceError(f"base_model: transformers built {len(loaded.norms)} layers but config.json says {num_layers}")
+        encoded = encode(tokenizer, texts, context_length(base.path), fields=fields)
+    with stage("open base model", note=f"{base.path}, streamed one layer at a time"):  # config.json: seconds
+        streamed = open_streamed(base, params.device, params.dtype, tokenizer, quantize=params.quantize)
+    if len(streamed.norms) != num_layers:
+        raise SourceError(f"base_model: transformers built {len(streamed.norms)} layers but config.json says {num_layers}")
     if params.mode == "kmeans":
-        direction, own, token_norm = kmeans_router_inputs(loaded, str(params.calibration_text), len(params.experts),
+        direction, own, token_norm = kmeans_router_inputs(streamed, str(params.calibration_text), len(params.experts),
                                                           params.seed, params.batch_size)
     else:
         experts = params.experts
         reduce: Reduce = "last" if params.mode == "hidden_last" else "mean"
-        own, negative, inputs = prompt_router_inputs(loaded, experts, reduce, params.batch_size, encoded=encoded)
+        own, negative, inputs = prompt_router_inputs(streamed, experts, reduce, params.batch_size, encoded=encoded)
         has_negative = torch.tensor([bool(e.negative) for e in experts])
         direction = own - negative * has_negative[None, :, None]
         token_norm = inputs.token_norm

@@ -25,26 +25,31 @@ input (each layer's ``post_attention_layernorm`` output), takes a masked mean ov
 
 Shared-expert gates (qwen2_moe, one shared expert with prompts): mergekit computes the shared
 expert's row like a routed expert's and writes it as ``shared_expert_gate``; `shared_gate_rows`
-does the same (for ``hidden*`` modes this loads the base model a second time). With several
+does the same (for ``hidden*`` modes this streams the base model a second time). With several
 shared experts (mergekit allows one) the native gate is kept.
-This module needs the whole base model for the ``hidden*`` modes; it writes nothing.
+
+The ``hidden*`` modes never load the base whole: it is streamed one layer at a time
+(`stream.StreamedModel.layer_inputs`), every prompt batch's input to each layer reduced as it passes,
+through transformers' own layer modules on the same batches, so the rows are bit for bit those of a
+whole-model forward. It writes nothing.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.planning import inits
-from moe_upcycle.gates.capture import load_base
+from moe_upcycle.gates.capture import Batch
+from moe_upcycle.gates.stream import BatchInputs, open_streamed, to_device
+from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from moe_upcycle.errors import ConfigError, reraise_if_out_of_memory
 from moe_upcycle.planning.steps import Plan
-from moe_upcycle.checkpoint.lora import Adapter
 from moe_upcycle.checkpoint.source import Checkpoint
 
 MERGEKIT_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed", "random", "uniform_random")
@@ -96,28 +101,50 @@ def _unit(rows: torch.Tensor) -> torch.Tensor:
     return rows / rows.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8)
 
 
-def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers: int, base_path: Path,
-                adapter: Optional[Adapter] = None) -> torch.Tensor:
+def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers: int,
+                base: Checkpoint) -> torch.Tensor:
     """(L, E, H) unit rows for ``hidden``, ``hidden_avg`` and ``hidden_last``, in the model dtype.
 
-    Loads the whole base model (bfloat16 unless `gate_dtype` is set) on `params.device`.
+    Streams the base model (bfloat16 unless `gate_dtype` is set) one layer at a time on `params.device`; mergekit's
+    batches (each expert's positive prompts, then its negative prompts) all pass each layer before the next is read.
     """
-    loaded = load_base(base_path, params.device, params.dtype or "bfloat16", params.quantize, adapter)
-    tokenizer = mergekit_tokenizer(base_path)
+    tokenizer = mergekit_tokenizer(base.path)
+    streamed = open_streamed(base, params.device, params.dtype or "bfloat16", tokenizer, quantize=params.quantize)
+    if len(streamed.norms) != num_layers:
+        raise ConfigError(f"base_model: transformers returned {len(streamed.norms)} layer inputs, config.json says "
+                          f"{num_layers} layers")
     average = params.mode == "hidden_avg"
+    prompt_sets = [p for e in experts for p in ((e.positive, e.negative) if e.negative else (e.positive,))]
+    batches, index = [], {}
+    for k, prompts in enumerate(prompt_sets):
+        batch = tokenize_prompts(prompts, tokenizer)
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        check_token_ids(ids, streamed.skeleton.num_embeddings, tokenizer)
+        rows = Batch(list(range(len(prompts))), to_device(attn.bool(), streamed.device), None)
+        index[id(rows)] = k
+        batches.append(BatchInputs(ids, to_device(attn, streamed.device), None, rows))
+    # per prompt set and layer, each prompt's vector (B, H): mergekit's `hidden_states[:-1]` of a forward of the
+    # whole model, the input of every layer, at its last position (left padding) or averaged over all T positions
+    per_prompt: list[list[torch.Tensor]] = [[] for _ in prompt_sets]
 
-    def prompt_vector(prompts: Sequence[str]) -> torch.Tensor:  # (L, H)
-        batch = {k: v.to(loaded.input_device) for k, v in tokenize_prompts(prompts, tokenizer).items()}
-        with torch.inference_mode():
-            output = loaded.model(**batch, output_hidden_states=True, return_dict=True, use_cache=False)
-        states = torch.stack([h.to(loaded.input_device) for h in output.hidden_states[:-1]])  # (L, B, T, H)
-        if len(states) != num_layers:
-            raise ConfigError(f"base_model: transformers returned {len(states)} layer inputs, config.json says "
-                              f"{num_layers} layers")
-        per_prompt = states.sum(dim=2) / states.shape[2] if average else states[:, :, -1, :]  # (L, B, H)
-        return per_prompt.sum(dim=1) / per_prompt.shape[1]
+    def on_input(layer: int, h: torch.Tensor, batch: Batch) -> None:  # h: (B, T, H) in the model dtype
+        per_prompt[index[id(batch)]].append(h.sum(dim=1) / h.shape[1] if average else h[:, -1, :])
 
-    return torch.stack(_expert_rows(experts, prompt_vector), dim=1).cpu()  # (L, E, H)
+    streamed.layer_inputs(batches, on_input)
+
+    def vector(k: int) -> torch.Tensor:  # (L, H): the mean over the set's prompts
+        stacked = torch.stack(per_prompt[k])  # (L, B, H)
+        return stacked.sum(dim=1) / stacked.shape[1]
+
+    rows, k = [], 0
+    for expert in experts:  # as `_expert_rows`: positives minus negatives, unit length
+        vec = vector(k)
+        k += 1
+        if expert.negative:
+            vec = vec - vector(k)
+            k += 1
+        rows.append(_unit(vec))
+    return torch.stack(rows, dim=1).cpu()  # (L, E, H)
 
 
 def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torch.Tensor:
@@ -162,7 +189,7 @@ def compute_mergekit_gates(params: GateParams, plan: Plan, base: Checkpoint) -> 
         rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
         rows = rows * params.scale if params.scale else rows
         return {layer: rows.clone() for layer in range(plan.num_layers)}
-    stacked = hidden_rows(params, experts, plan.num_layers, base.path, base.adapter).float()
+    stacked = hidden_rows(params, experts, plan.num_layers, base).float()
     if params.scale:
         stacked = stacked * params.scale
     return {layer: stacked[layer].contiguous() for layer in range(plan.num_layers)}
@@ -172,11 +199,11 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
     """mergekit's gate for the one shared expert: its row computed as for a routed expert, layer -> (1, H) fp32."""
     shared = params.shared_experts
     if params.mode == "cheap_embed":
-        row = cheap_embed_rows(shared, base, "shared_experts")
+        row = cheap_embed_rows(shared, base)
         return {layer: row.clone() for layer in range(plan.num_layers)}
     if params.mode not in ("hidden", "hidden_avg", "hidden_last"):
         raise ConfigError(f"shared_experts[0]: gate_source: mergekit computes a prompt gate for gate_mode hidden, "
                           f"hidden_avg, hidden_last or cheap_embed, not {params.mode}; set "
                           f"shared_expert_gate: constant")
-    rows = hidden_rows(params, shared, plan.num_layers, base.path, base.adapter).float()  # (L, 1, H)
+    rows = hidden_rows(params, shared, plan.num_layers, base).float()  # (L, 1, H)
     return {layer: rows[layer].contiguous() for layer in range(plan.num_layers)}

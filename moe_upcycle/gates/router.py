@@ -88,7 +88,7 @@ def _every_layer(params: GateParams, plan: Plan, base: Checkpoint,
 
         if base.path is None:
             raise ConfigError(f"gate_mode: {mode} runs the base model, which needs a checkpoint folder")
-        return compute_hidden_gates(params, plan.num_layers, base.path, base.adapter)
+        return compute_hidden_gates(params, plan.num_layers, base)
     for layer in range(plan.num_layers):
         if mode == "random":
             g = torch.randn(num_experts, hidden, generator=gen, device=gen.device) * params.init_std

@@ -4,8 +4,9 @@ A build's resident memory is of two kinds, so there are two figures:
 
 - **private** (anonymous) memory, which only the process can free: the Python/torch runtime, the
   routers, the tensors the executor must create (a dtype cast, a transformed slot's fp32 working
-  copies, a clone, an average, zeros), and for hidden-state gates the whole base model as
-  transformers loads it plus one batch of activations;
+  copies, a clone, an average, zeros), and for hidden-state gates one decoder layer of the base
+  (they stream it, `gates.stream`), the prompts' hidden states between layers and one batch of
+  activations;
 - **mapped input**: `Checkpoint.read` returns copy-on-write memory maps of the input files, so a
   build's RSS also counts every input page it has read (up to the whole input). That is page cache:
   the kernel drops it under memory pressure and re-reads it when touched.
@@ -38,7 +39,9 @@ from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, CheckParams, GateParams, WriteParams
-from moe_upcycle.recipe.calibration import CALIBRATION_WINDOW, HELD_ROUTER_INPUTS_BYTES, kmeans_sample_budget
+from moe_upcycle.errors import ConfigError
+from moe_upcycle.recipe.calibration import (CALIBRATION_WINDOW, KMEANS_MAX_POINTS, STREAMED_STATES_BYTES,
+                                            kmeans_sample_budget, read_documents, streamed_batch_bytes)
 
 RUNTIME_BYTES = 165 * 10**6  # Python + torch + moe_upcycle imported, CLI running
 TRANSFORMERS_BYTES = 155 * 10**6  # transformers imported, a model class built, a tokenizer loaded
@@ -146,7 +149,9 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
     """(private bytes, mapped-file bytes, GPU bytes, assumption lines) of computing the routers.
 
     ``random``/``uniform*`` hold only the routers; ``cheap_embed`` (and prompt-initialised shared
-    gates) read the embedding and make an fp32 copy of it; hidden-state modes load the whole base.
+    gates) read the embedding and make an fp32 copy of it; hidden-state modes stream the base one
+    layer at a time (`gates.stream`): one layer of weights, the prompts' hidden states between layers
+    and one batch's activations inside a layer.
     """
     routers = router_bytes(plan)
     hidden = gating.mode in HIDDEN_MODES
@@ -164,24 +169,31 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
             private += info.nbytes + 12 * math.prod(info.shape)
     if not hidden:
         return private, files, 0, notes
-    model = model_bytes_in(base, gating)
-    if base.adapter is not None and base.adapter.pairs:  # `lora.merge_into_model`: one weight at a time
-        largest = max(math.prod(base.tensors[k].shape) for k in base.adapter.pairs)
-        model += 12 * largest  # fp32 copy of W, the fp32 delta and their sum
+    dtype = gate_dtype(gating)
+    itemsize = DTYPES[dtype].itemsize
+    gpu = gate_device(gating) == "gpu"
+    stored, cast = layer_bytes(base, DTYPES[dtype], copied=gpu)
+    merge = merge_bytes(base)
+    states, passes = streamed_states(plan, gating)
     acts = activation_bytes(plan, gating)
-    files += sum(t.nbytes for t in base.tensors.values())  # transformers maps the input while loading
-    dtype = gating.dtype or ("bfloat16" if gating.source == "mergekit" else "float32")
+    files += sum(t.nbytes for t in base.tensors.values() if t.key != names.LM_HEAD)  # every layer passes the page cache
     batch, tokens = batch_shape(gating)
-    if gate_device(gating) == "cpu":
-        notes.append(f"hidden gates on the CPU: base weights in {dtype} ({model // MB} MB) + activations of "
-                     f"{batch} × {tokens} tokens ({acts // MB} MB; tokens ≤ UTF-8 bytes of the longest prompt)")
-        return private + model + acts, files, 0, notes
-    # the router inputs of consecutive layers held to be reduced together, their stack and its masked copy
-    held = 3 * min(HELD_ROUTER_INPUTS_BYTES, plan.num_layers * batch * tokens * int(plan.base_config["hidden_size"])
-                   * DTYPES[gating.dtype or "bfloat16"].itemsize)
-    notes.append(f"hidden gates on the GPU: {(model + acts + held) // MB} MB of GPU memory (weights, one batch and "
-                 f"the router inputs reduced together; not measured); host memory is the runtime only")
-    return private, files, model + acts + held, notes
+    read = f" in {passes} passes, each reading the layers again" if passes > 1 else ""
+    if gating.quantize:
+        notes.append(f"quantize: {gating.quantize} is not applied: the gates stream the base at full precision ({dtype})")
+    if not gpu:
+        notes.append(f"hidden gates on the CPU stream the base one layer at a time{read}: one layer in {dtype} "
+                     f"({cast // MB} MB; a layer stored in {dtype} runs on the mapped file) + the prompts' hidden "
+                     f"states between layers ({states // MB} MB) + activations of {batch} × {tokens} tokens "
+                     f"({acts // MB} MB; tokens ≤ UTF-8 bytes of the longest prompt)")
+        return private + cast + merge + states + acts, files, 0, notes
+    # the layer running and the one arriving, on the GPU and in pinned host memory; one router input reduced
+    held = 3 * batch * tokens * int(plan.base_config["hidden_size"]) * itemsize
+    device = 2 * cast + states + acts + held
+    notes.append(f"hidden gates on the GPU stream the base one layer at a time{read}: {device // MB} MB of GPU memory "
+                 f"(two layers, the prompts' hidden states, one batch; not measured); host memory is the runtime "
+                 f"and two layers of pinned staging ({2 * stored // MB} MB)")
+    return private + 2 * stored + merge, files, device, notes
 
 
 def gate_device(gating: GateParams) -> str:
@@ -191,40 +203,99 @@ def gate_device(gating: GateParams) -> str:
     return "gpu"
 
 
-def model_bytes_in(base: Checkpoint, gating: GateParams) -> int:
-    """The base model's weights as `capture.load_base` holds them: fp32 on the CPU (bf16 on a GPU,
-    bf16 for ``gate_source: mergekit``) unless `gate_dtype` says otherwise; ~1 or ~0.5 byte per
-    parameter quantized."""
-    params = sum(math.prod(t.shape) for t in base.tensors.values())
-    if gating.quantize:
-        return params // (1 if gating.quantize == "8bit" else 2)
-    default = "bfloat16" if gating.source == "mergekit" or gate_device(gating) == "gpu" else "float32"
-    return params * DTYPES[gating.dtype or default].itemsize
+def gate_dtype(gating: GateParams) -> str:
+    """The dtype hidden-state gates compute in: `gate_dtype`, else bfloat16 on a GPU and for ``gate_source: mergekit``,
+    float32 on the CPU (`gates.stream.open_streamed`). ``quantize:`` no longer changes it: the stream does not apply it."""
+    return gating.dtype or ("bfloat16" if gating.source == "mergekit" or gate_device(gating) == "gpu" else "float32")
+
+
+def layer_bytes(base: Checkpoint, dtype: torch.dtype, copied: bool) -> tuple[int, int]:
+    """(stored bytes, bytes made in `dtype`) of the largest decoder layer.
+
+    On the CPU (`copied` False) a tensor stored in `dtype` is used as its mapped view: only the others are cast into
+    private memory (`layer_reader.LayerReader`); on a GPU every tensor is copied there.
+    """
+    stored: dict[int, int] = {}
+    made: dict[int, int] = {}
+    for key, info in base.tensors.items():
+        _, layer = names.split_layer(key)
+        if layer is None:
+            continue
+        stored[layer] = stored.get(layer, 0) + info.nbytes
+        if copied or info.dtype != dtype:
+            made[layer] = made.get(layer, 0) + math.prod(info.shape) * dtype.itemsize
+    return max(stored.values(), default=0), max(made.values(), default=0)
+
+
+def merge_bytes(base: Checkpoint) -> int:
+    """Private bytes of merging a LoRA as a tensor is read (`lora.Adapter.merge`): the merged copy of the largest
+    adapted tensor and its fp32 work (W, the delta and their sum), or 0 without an adapter."""
+    if base.adapter is None:
+        return 0
+    adapted = [base.tensors[k] for k in [*base.adapter.pairs, *base.adapter.replaced] if k in base.tensors]
+    return max((t.nbytes + 12 * math.prod(t.shape) for t in adapted), default=0)
 
 
 def batch_shape(gating: GateParams) -> tuple[int, int]:
     """(texts, tokens) of the largest forward pass: tokens bounded by the longest prompt's UTF-8 bytes
     (+2 special tokens); k-means runs calibration windows of `CALIBRATION_WINDOW` tokens."""
+    shapes = batch_shapes(gating)
+    return max(b for b, _ in shapes), max(t for _, t in shapes)
+
+
+def batch_shapes(gating: GateParams, sample: int = KMEANS_MAX_POINTS) -> list[tuple[int, int]]:
+    """(texts, tokens) of every batch the gates run, tokens bounded by UTF-8 bytes (+2 special tokens): the prompts
+    sorted by length in batches of `batch_size` (mergekit: each expert's positive, then negative, prompts); k-means
+    the calibration windows of `CALIBRATION_WINDOW` tokens holding one of its `sample` tokens."""
     if gating.mode == "kmeans":
-        return gating.batch_size, CALIBRATION_WINDOW
-    prompts = [p for e in gating.experts for p in (*e.positive, *e.negative)]
-    longest = max((len(p.encode()) for p in prompts), default=0) + 2
+        windows = kmeans_windows(gating, sample)
+        return [(gating.batch_size, CALIBRATION_WINDOW)] * max(1, -(-windows // gating.batch_size))
     if gating.source == "mergekit":  # one batch per expert's positive (or negative) prompts
-        batch = max((max(len(e.positive), len(e.negative)) for e in gating.experts), default=1)
-        return batch, longest
-    return min(gating.batch_size, max(len(prompts), 1)), longest
+        sets = [p for e in gating.experts for p in (e.positive, e.negative) if p] or [("",)]
+        return [(len(p), max(len(x.encode()) for x in p) + 2) for p in sets]
+    lengths = sorted(len(p.encode()) + 2 for e in gating.experts for p in (*e.positive, *e.negative)) or [2]
+    size = gating.batch_size
+    return [(len(lengths[i:i + size]), lengths[i:i + size][-1]) for i in range(0, len(lengths), size)]
+
+
+def kmeans_windows(gating: GateParams, sample: int) -> int:
+    """Calibration windows k-means runs: one per `CALIBRATION_WINDOW` tokens of each document (tokens ≤ UTF-8
+    bytes), at most one per sampled token (`sample`, from `kmeans_sample_budget`)."""
+    try:
+        docs = read_documents(gating.calibration_text) if gating.calibration_text else []
+    except ConfigError:  # said by the build; the estimate takes the largest case
+        docs = []
+    windows = sum(-(-(len(d.encode()) + 2) // CALIBRATION_WINDOW) for d in docs)
+    return min(windows, sample) if docs else sample
+
+
+def streamed_states(plan: Plan, gating: GateParams) -> tuple[int, int]:
+    """(bytes, passes): the hidden states the stream holds between layers in its largest pass, and how many passes
+    the batches need (`gates.stream.passes`: at most `STREAMED_STATES_BYTES` each, a larger batch alone)."""
+    cfg = plan.base_config
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
+    itemsize = DTYPES[gate_dtype(gating)].itemsize
+    worst, held, passes = 0, STREAMED_STATES_BYTES + 1, 0
+    sample = kmeans_sample_budget(len(plan.expert_names), plan.num_layers, hidden)
+    for batch, tokens in batch_shapes(gating, sample):
+        need = streamed_batch_bytes(batch, tokens, hidden, head_dim, itemsize)
+        if held + need > STREAMED_STATES_BYTES:
+            held, passes = 0, passes + 1
+        held += need
+        worst = max(worst, held)
+    return worst, passes
 
 
 def activation_bytes(plan: Plan, gating: GateParams) -> int:
-    """Activations of the largest forward pass: per token about 4 × intermediate + 6 × hidden values
-    (the MLP's gate, up, activation and product; residual, norm, attention), read off measured runs.
-    ``gate_source: mergekit`` also keeps every layer's hidden states; k-means its sampled tokens."""
+    """Activations of the largest batch inside one layer: per token about 3 × intermediate + 6 × hidden values
+    (the MLP's activation, up projection and their product live at once; residual, norm, attention), read off
+    measured runs (a SmolLM2-135M shape in fp32; Llama-3-70B-shaped layers in fp32 and bf16,
+    scripts/bench_stream_70b.py). k-means also keeps its sampled tokens."""
     cfg = plan.base_config
     hidden, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), plan.num_layers
     batch, tokens = batch_shape(gating)
-    itemsize = DTYPES[gating.dtype or ("bfloat16" if gating.source == "mergekit" else "float32")].itemsize
-    per_token = 4 * inter + 6 * hidden + (hidden * (layers + 1) if gating.source == "mergekit" else 0)
-    acts = batch * tokens * per_token * itemsize
+    acts = batch * tokens * (3 * inter + 6 * hidden) * DTYPES[gate_dtype(gating)].itemsize
     if gating.mode == "kmeans":  # the sampled calibration tokens, fp32 per layer (hidden_gates' budget)
         acts += kmeans_sample_budget(len(plan.expert_names), layers, hidden) * 4 * layers * hidden
     return acts

@@ -22,6 +22,7 @@ CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 KMEANS_MAX_POINTS = 16384  # calibration tokens k-means keeps per layer, at most ...
 KMEANS_MAX_BYTES = 2 * 2**30  # ... and in all (fp32, every layer)
 HELD_ROUTER_INPUTS_BYTES = 64 << 20  # router inputs of consecutive layers a GPU capture holds to reduce together
+STREAMED_STATES_BYTES = 1 << 30  # hidden states streamed gates hold between layers; more texts run in further passes
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 
@@ -109,3 +110,10 @@ def _read(file: Path) -> str:
     except OSError as exc:
         raise ConfigError(f"calibration_text: cannot read {file} ({exc.strerror or exc})") from None
     return decode_utf8(data, f"calibration_text: {file}")
+
+
+def streamed_batch_bytes(batch: int, tokens: int, hidden: int, head_dim: int, itemsize: int) -> int:
+    """Bytes one batch of `batch` texts × `tokens` holds between layers while hidden-state gates stream the base
+    (`gates.stream`): its hidden states (B, T, H), rotary cos and sin (B, T, head_dim) and at most two (B, T, T)
+    masks (full and sliding window), in the compute dtype of `itemsize` bytes."""
+    return batch * tokens * (hidden + 2 * head_dim + 2 * tokens) * itemsize
