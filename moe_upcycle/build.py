@@ -271,7 +271,7 @@ def upcycle(
                 writer.abort()
                 raise
             router = router_fields(config)
-            write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits))
+            write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise))
             copy_tokenizer_files(base.path, stage)
             hashes = dict(writer.sha256)
             checked = None

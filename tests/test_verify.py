@@ -216,6 +216,17 @@ def _json_edit(name: str, edit):
     return change
 
 
+def _resave_as_transformers_4(folder) -> None:
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    _json_edit("tokenizer_config.json", lambda d: d.update(extra_special_tokens={}, added_tokens_decoder={
+        str(t["id"]): {"content": t["content"], "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False, "special": t["special"]} for t in added}))(folder)
+    base_generation = json.loads((folder / "generation_config.json").read_text())
+    assert base_generation["use_cache"] is True and base_generation["output_attentions"] is False  # the defaults
+    _json_edit("generation_config.json", lambda d: [d.pop(k) for k in ("output_attentions", "output_hidden_states",
+                                                                        "use_cache")])(folder)
+
+
 def _merges_as_pairs(data: dict) -> None:  # the tokenizers library's other spelling of BPE merges
     data["model"]["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in data["model"]["merges"]]
 
@@ -245,6 +256,15 @@ FOREIGN_TOKENIZERS = {
     "template_newline_only": (lambda f: (f / "chat_template.jinja").write_text("{{ messages }}\r\n\n"), [], []),
     "template_changed": (lambda f: (f / "chat_template.jinja").write_text("{{ other }}"),
                          ["chat_template.jinja: differs from the base's"], []),
+    # transformers 4.57's save_pretrained of a model trained from the base (the README recipe): the tokenizer's
+    # added tokens restated in tokenizer_config.json, an empty extra_special_tokens, generation defaults left out
+    "resaved_by_transformers_4": (_resave_as_transformers_4, [], []),
+    "added_tokens_decoder_changed": (_json_edit("tokenizer_config.json", lambda d: d.update(added_tokens_decoder={
+        "0": {"content": "<mask>", "special": True}})),
+        ["tokenizer_config.json: says something other than the base's", "added_tokens_decoder unset in the base"], []),
+    "generation_setting_changed": (_json_edit("generation_config.json", lambda d: d.update(num_beams=4)),
+                                   ["generation_config.json: says something other than the base's",
+                                    "num_beams unset in the base, 4 here"], []),
 }
 
 

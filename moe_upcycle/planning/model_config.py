@@ -41,6 +41,16 @@ FAMILY_DEFAULTS = {
 }
 FAMILY_DEFAULTS["mistral"]["sliding_window"] = windows.MISTRAL_WINDOW  # `windows.dense_windows` reads it so
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm: strides must be multiples of 16 bytes
+# config.json fields that switch training behaviour on in every forward pass, inference included, and so break
+# a published model; a build writes each as false, `verify` fails a folder that carries one on. transformers 5.24
+# and 4.57 measured (tests/test_verify.py, tests/test_tf4_cli.py).
+TRAINING_SWITCHES = {
+    "output_router_logits": (
+        "transformers then adds the router aux loss in every forward pass, generate included, and a batch of "
+        "prompts of different lengths fails to generate (transformers 5: \"The size of tensor a (2) must match the "
+        "size of tensor b (...)\"; 4.57 fails on any prompt); a training loop asks for router logits in its forward "
+        "calls instead: model(**batch, output_router_logits=True)"),
+}
 
 
 def experts_implementation(hidden: int, intermediate: int, dtype: torch.dtype) -> Optional[str]:
@@ -75,15 +85,13 @@ def head_dim_differs(config: dict) -> bool:
     return bool(head_dim) and head_dim * config["num_attention_heads"] != config["hidden_size"]
 
 
-def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0,
-               output_router_logits: bool = False) -> dict:
+def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0) -> dict:
     """The output config.json as a dict.
 
     Args:
         plan: the build plan (expert sizes are read from its planned tensors, so split experts are described as written).
         router_aux_loss_coef: load-balancing loss weight (None: 0.001, Mixtral's default).
         router_jitter_noise: multiplicative jitter on router inputs during training (0: off).
-        output_router_logits: return router logits (and add the aux loss) in training forward passes.
 
     Example:
         >>> cfg = moe_config(plan)  # doctest: +SKIP
@@ -111,7 +119,8 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
         model_type=layout.model_type,
         num_experts_per_tok=plan.experts_per_token,
         router_aux_loss_coef=0.001 if router_aux_loss_coef is None else router_aux_loss_coef,
-        output_router_logits=output_router_logits,
+        # a training switch, always false in a published config (`TRAINING_SWITCHES`)
+        output_router_logits=False,
         dtype=dtype,
         torch_dtype=dtype,
     )

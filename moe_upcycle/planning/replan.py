@@ -42,7 +42,9 @@ def recorded_build(config: dict) -> RecordedBuild:
     Raises:
         UpcycleError: the recorded config no longer validates.
     """
-    validated = load_config(config)
+    # earlier builds could record output_router_logits: true, which recipes now refuse; verify checks the flag in
+    # config.json itself, so the recorded recipe is read without it
+    validated = load_config({k: v for k, v in config.items() if k != "output_router_logits"})
     return RecordedBuild(check_params(validated), validated)
 
 
