@@ -253,7 +253,8 @@ def upcycle(
             shared_gates = shared_gate_rows(gating, plan, base)
             st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
         gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
-                                         from_prompts=gating.mode in PROMPT_MODES)
+                                         from_prompts=gating.mode in PROMPT_MODES,
+                                         center=gating.center if gating.source == "native" else None)
         specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
         with staged_output(target, force) as stage:
             metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it

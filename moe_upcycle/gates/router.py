@@ -7,7 +7,8 @@ Modes handled here need at most one tensor of the base (the embedding matrix):
 - ``uniform_random``: what ``nn.Linear`` does by default, U(-1/sqrt(H), 1/sqrt(H)).
 - ``uniform``: zeros, so every expert gets exactly the same score (uniform routing).
 - ``cheap_embed``: masked mean of each prompt's token embeddings, averaged over the expert's
-  positive prompts, minus the mean of its negative prompts; normalised and scaled.
+  positive prompts, minus the mean of its negative prompts; centred over experts with
+  ``gate_center``; normalised and scaled.
 
 With ``expert_init: split`` the rows are tied within each virtual group of G experts
 (`inits.tie_router_rows`), which is what keeps a split model function-preserving at init.
@@ -69,7 +70,9 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
         return compute_mergekit_gates(params, plan, base)
     gates: dict[int, torch.Tensor] = {}
     if mode == "cheap_embed":
-        rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
+        rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")  # (E, H)
+        if params.center:  # remove what every expert's prompts share, as `hidden_gates.gate_rows` does
+            rows = rows - rows.mean(dim=0, keepdim=True)
         shared = normalise_rows(rows, params.scale or default_gate_scale(hidden))
         return {layer: shared.clone() for layer in range(plan.num_layers)}
     if mode in HIDDEN_MODES:

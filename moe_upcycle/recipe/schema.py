@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
+from moe_upcycle.recipe.gate_keys import unread_gate_keys
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
@@ -371,6 +372,7 @@ class UpcycleConfig(_Strict):
                             f"hidden_avg, hidden_last, cheap_embed, random or uniform_random")
         if self.output_router_logits:
             problems.append(ROUTER_LOGITS_REFUSAL)
+        problems += unread_gate_keys(self)
         if self.gate_mode == "kmeans" and self.calibration_text is None:
             problems.append("gate_mode kmeans needs calibration_text: a .txt/.jsonl file or a folder of them")
         if problems:
