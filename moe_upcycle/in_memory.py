@@ -42,6 +42,7 @@ from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.guards import check_tied_head, refuse_non_float
 from moe_upcycle.planning.plan import Plan, make_plan
 from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.dense_config import dense_config
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
@@ -72,7 +73,9 @@ def state_dict_source(model: torch.nn.Module) -> StateDictSource:
     config["dtype"] = str(model_dtype(model)).removeprefix("torch.")
     config.pop("torch_dtype", None)
     infos = {k: TensorInfo(k, tuple(t.shape), t.dtype, "") for k, t in state.items()}
-    return StateDictSource(ref=IN_MEMORY_REF, path=None, config=config, tensors=infos, state=state)
+    # checked as a config.json is: a field set by hand (model.config.head_dim = "64") is named, not a traceback
+    return StateDictSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
+                           tensors=infos, state=state)
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

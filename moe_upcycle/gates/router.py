@@ -59,7 +59,7 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
         ConfigError: prompts missing for a prompt-based mode, or a mode not available.
     """
     experts = params.experts
-    num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
+    num_experts, hidden = len(experts), plan.base_config.hidden_size
     mode = params.mode
     check_prompts(params)
     gen = torch.Generator(device=device or "cpu").manual_seed(params.seed)
@@ -164,7 +164,7 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
         from moe_upcycle.gates.mergekit_gates import shared_gate_rows as mergekit_rows
 
         return mergekit_rows(params, plan, base)
-    hidden = int(plan.base_config["hidden_size"])
+    hidden = plan.base_config.hidden_size
     rows = cheap_embed_rows(params.shared_experts, base, "shared_experts")  # (n, H)
     row = normalise_rows(rows.mean(dim=0, keepdim=True), params.scale or default_gate_scale(hidden))
     return {layer: row.clone() for layer in range(plan.num_layers)}

@@ -142,7 +142,7 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                 f"{plan.experts_per_token} softmax mass (< 1, per token) there; exact only with "
                 f"experts_per_token: {experts} (all experts active) or architecture: qwen3_moe / mixtral")
     if plan.ties_decide:
-        k, dense = plan.experts_per_token, plan.base_config.get("intermediate_size")
+        k, dense = plan.experts_per_token, plan.base_config.intermediate_size
         g = dense // plan.expert_intermediate_size if plan.expert_intermediate_size and dense else 1
         if g > 1 and k % g == 0 and experts % g == 0:  # split: experts 0..k-1 are k/G whole virtual groups
             return ("runs, not exact", f"gate_mode uniform ties every expert's score; llama.cpp breaks the tie with the "

@@ -122,7 +122,7 @@ def staging_bytes(plan: Plan, writing: WriteParams) -> int:
 
 def router_bytes(plan: Plan) -> int:
     """The router matrices held (fp32) from gate computation until they are written."""
-    return plan.num_layers * len(plan.expert_names) * int(plan.base_config["hidden_size"]) * 4
+    return plan.num_layers * len(plan.expert_names) * plan.base_config.hidden_size * 4
 
 
 def mapped_input_bytes(plan: Plan, sources: dict[str, Checkpoint]) -> int:
@@ -177,7 +177,7 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
                      f"{batch} × {tokens} tokens ({acts // MB} MB; tokens ≤ UTF-8 bytes of the longest prompt)")
         return private + model + acts, files, 0, notes
     # the router inputs of consecutive layers held to be reduced together, their stack and its masked copy
-    held = 3 * min(HELD_ROUTER_INPUTS_BYTES, plan.num_layers * batch * tokens * int(plan.base_config["hidden_size"])
+    held = 3 * min(HELD_ROUTER_INPUTS_BYTES, plan.num_layers * batch * tokens * plan.base_config.hidden_size
                    * DTYPES[gating.dtype or "bfloat16"].itemsize)
     notes.append(f"hidden gates on the GPU: {(model + acts + held) // MB} MB of GPU memory (weights, one batch and "
                  f"the router inputs reduced together; not measured); host memory is the runtime only")
@@ -220,7 +220,7 @@ def activation_bytes(plan: Plan, gating: GateParams) -> int:
     (the MLP's gate, up, activation and product; residual, norm, attention), read off measured runs.
     ``gate_source: mergekit`` also keeps every layer's hidden states; k-means its sampled tokens."""
     cfg = plan.base_config
-    hidden, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), plan.num_layers
+    hidden, inter, layers = cfg.hidden_size, cfg.intermediate_size, plan.num_layers
     batch, tokens = batch_shape(gating)
     itemsize = DTYPES[gating.dtype or ("bfloat16" if gating.source == "mergekit" else "float32")].itemsize
     per_token = 4 * inter + 6 * hidden + (hidden * (layers + 1) if gating.source == "mergekit" else 0)
@@ -331,8 +331,8 @@ def drift_phase(plan: Plan, checking: CheckParams, base: Checkpoint) -> Optional
     dense = sum(math.prod(t.shape) for t in base.tensors.values())
     moe = sum(math.prod(s.shape) for s in plan.steps if not (plan.tied_embeddings and s.name == "lm_head.weight"))
     experts = sum(math.prod(s.shape) for s in plan.steps if s.kind == "expert")
-    tokens, vocab = len(checking.drift_text.encode()), int(cfg["vocab_size"])  # UTF-8 bytes: at least its tokens
-    acts = tokens * (4 * int(cfg["intermediate_size"]) + 6 * int(cfg["hidden_size"])) * 4 + 4 * tokens * vocab * 4
+    tokens, vocab = len(checking.drift_text.encode()), cfg.vocab_size  # UTF-8 bytes: at least its tokens
+    acts = tokens * (4 * cfg.intermediate_size + 6 * cfg.hidden_size) * 4 + 4 * tokens * vocab * 4
     private = RUNTIME_BYTES + TRANSFORMERS_BYTES + 4 * (dense + moe + experts) + acts
     files = RUNTIME_FILE_BYTES + TRANSFORMERS_FILE_BYTES + sum(t.nbytes for t in base.tensors.values()) + plan.total_bytes
     return private, files

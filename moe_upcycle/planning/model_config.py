@@ -15,6 +15,7 @@ device (transformers 4.x ignores the field).
 
 from __future__ import annotations
 
+from collections import ChainMap
 from typing import Optional, Union
 
 import torch
@@ -100,13 +101,13 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
     """
     # a field the base leaves out is its family's default, which the output class may not share (Mixtral:
     # rms_norm_eps 1e-5, rope_theta 1e6, max_position_embeddings 131072): write the dense model's value
-    base = {**FAMILY_DEFAULTS.get(plan.base_config.get("model_type"), {}), **plan.base_config}
+    # (a lookup, not a copy: only the fields read here are read, each checked by `dense_config`)
+    base = ChainMap(plan.base_config, FAMILY_DEFAULTS.get(plan.base_config.model_type, {}))
     layout = output_layout(plan.architecture)
     cfg = {k: base[k] for k in INHERITED if k in base}
     # null is "the family default" in the base (Mistral configs may say "head_dim": null; 4.x's MistralConfig
     # holds None in memory), but Qwen-MoE classes multiply it: write the value the dense model uses
-    defaults = {"head_dim": base["hidden_size"] // base["num_attention_heads"],
-                "num_key_value_heads": base["num_attention_heads"]}
+    defaults = {"head_dim": plan.base_config.head_dim, "num_key_value_heads": plan.base_config.num_key_value_heads}
     cfg.update({k: v for k, v in defaults.items() if cfg.get(k) is None})
     cfg["tie_word_embeddings"] = plan.tied_embeddings
     # transformers 5 keeps rope settings in rope_parameters; 4.x reads rope_theta / rope_scaling; llama.cpp's

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from moe_upcycle.checkpoint.dense_config import DenseConfig
 from moe_upcycle.checkpoint.headers import tensor_nbytes
 from moe_upcycle.checkpoint.names import LM_HEAD
 from moe_upcycle.recipe.schema import ExpertConfig
@@ -70,7 +71,7 @@ class Plan:
     expert_names: tuple[str, ...]
     experts_per_token: int
     dtype: torch.dtype
-    base_config: dict
+    base_config: DenseConfig  # the base's config.json, checked and typed
     tied_embeddings: bool
     notes: tuple[str, ...] = field(default=())
     expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
@@ -95,7 +96,7 @@ class Plan:
 
     @property
     def num_layers(self) -> int:
-        return int(self.base_config["num_hidden_layers"])
+        return self.base_config.num_hidden_layers
 
     def leaf_steps(self) -> list[Step]:
         """Every step that reads a source or is computed, with fused/averaged steps expanded into their parts."""
