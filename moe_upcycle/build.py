@@ -285,10 +285,13 @@ def upcycle(
             with progress_stage("init drift"):
                 drift = build_drift(checking, plan, base.path, stage, base.adapter)
             card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
+            # verify ran on the staging folder: the card and manifest call it this folder, never by its path
+            card_lines = [line.replace(str(stage), ".") for line in card_lines]
             write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()})
             # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
             verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
-            write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files, verification=verification)
+            unlocated = write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files,
+                                     verification=verification, target=target)
             for source in sources.values():  # last: a source re-saved during the build is never published from
                 source.check_unchanged()
     if checked:
@@ -297,4 +300,4 @@ def upcycle(
         ckpt.close()
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else [])])
+                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else []), *unlocated])

@@ -490,7 +490,9 @@ def test_verify_and_route_find_relative_sources_from_any_folder(tiny_llama, tmp_
     result = CliRunner().invoke(app, ["build", "r.yaml", "-o", "out/moe"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((project / "out/moe/moe_upcycle.json").read_text())
-    assert manifest["paths_relative_to"] == "../.." and manifest["config"]["base_model"] == "./base"
+    # every local path relative to the output itself (the manifest is uploaded with it)
+    assert manifest["paths_relative_to"] == "." and manifest["config"]["base_model"] == "../../base"
+    assert [e["positive_prompts_from"] for e in manifest["config"]["experts"]] == ["../../story.txt", "../../code.txt"]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -542,15 +544,15 @@ def test_recorded_config_keeps_hub_ids_sets_and_absolute_paths(tmp_path):
     assert got["base_model"] == str(tmp_path / "elsewhere" / "models" / "base")
 
 
-def test_a_recipe_of_absolute_paths_records_no_working_folder(tiny_llama, tmp_path, monkeypatch):
-    """paths_relative_to says where the build ran (it can name folders outside the output); it is written only
-    when the recipe has a relative path that needs it."""
+def test_a_recipe_of_absolute_paths_is_recorded_relative_to_the_output(tiny_llama, tmp_path, monkeypatch):
+    """Absolute paths are recorded relative to the output too (an absolute path names the machine's folders);
+    a hub id stays a hub id and gets no paths_relative_to."""
     monkeypatch.chdir(tmp_path)
-    result = upcycle({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe")
-    assert "paths_relative_to" not in json.loads((result.output / "moe_upcycle.json").read_text())
     shutil.copytree(tiny_llama, tmp_path / "base")
-    result = upcycle({"base_model": "base", "num_experts": 2, "gate_mode": "random"}, tmp_path / "out" / "moe")
-    assert json.loads((result.output / "moe_upcycle.json").read_text())["paths_relative_to"] == "../.."
+    result = upcycle({"base_model": str(tmp_path / "base"), "num_experts": 2, "gate_mode": "random"},
+                     tmp_path / "out" / "moe")
+    manifest = json.loads((result.output / "moe_upcycle.json").read_text())
+    assert (manifest["config"]["base_model"], manifest["paths_relative_to"]) == ("../../base", ".")
 
 
 def test_verify_prompts_file_of_records_is_read_as_route_reads_it(tmp_path):
