@@ -342,3 +342,22 @@ def test_hub_models_are_recorded_by_id_and_commit_and_home_paths_with_a_tilde(ti
     assert [e["source_model"] for e in config["experts"]] == [f"acme/tiny-llama@{COMMIT}", "~/models/ft"]
     got = verify(out, device="cpu", max_new_tokens=2)
     assert got.ok and got.comparison is not None and got.planned_tensors, (got.problems, got.notes)
+
+
+def test_a_folder_every_path_to_which_names_the_user_is_recorded_by_name_and_said(tiny_llama, tmp_path, monkeypatch):
+    """/data/<user>/model from an output elsewhere: no spelling leaves the user name out, so the manifest records the
+    folder's name alone and the build says that verify will need --base."""
+    from moe_upcycle.publish import manifest
+
+    monkeypatch.setattr(manifest, "_user", lambda: "someone")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    shutil.copytree(tiny_llama, tmp_path / "data" / "someone" / "llama")
+    result = upcycle({"base_model": str(tmp_path / "data" / "someone" / "llama"), "num_experts": 2,
+                      "gate_mode": "random"}, tmp_path / "out" / "moe")
+    recorded = json.loads((result.output / "moe_upcycle.json").read_text())
+    assert recorded["config"]["base_model"] == "llama" and "paths_relative_to" not in recorded
+    assert result.notes[-1] == (f"moe_upcycle.json records {tmp_path / 'data' / 'someone' / 'llama'} by its folder "
+                                f"name, 'llama', alone: every path to it from the output names your user name, and "
+                                f"the manifest is uploaded with the folder; `moe-upcycle verify` of the output will "
+                                f"need --base")
+    assert "someone" not in (result.output / "moe_upcycle.json").read_text()
