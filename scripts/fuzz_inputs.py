@@ -115,7 +115,7 @@ def run_one(base: Path, recipe: dict, work: Path, check_autoconfig: bool) -> str
     if check_autoconfig:
         from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(str(target))  # the output's config.json loads where it is published
+        AutoConfig.from_pretrained(str(target))  # the output's config.json loads where it is published (typed in 5)
     assert out["num_hidden_layers"] > 0
     shutil.rmtree(target)
     return "built"

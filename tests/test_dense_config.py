@@ -56,8 +56,14 @@ def _plan_and_write(view: DenseConfig) -> None:
         plan = make_plan(load_config({"base_model": "base", "num_experts": 2, "gate_mode": "random"}), sources)
     except UpcycleError:
         return  # a named refusal (an unsupported family, a window layout the output cannot hold)
-    written = json.dumps(moe_config(plan), allow_nan=False)  # no NaN or inf reaches the output
-    assert json.loads(written)["num_local_experts"] == 2
+    written = json.loads(json.dumps(moe_config(plan), allow_nan=False))  # no NaN or inf reaches the output
+    assert written["num_local_experts"] == 2
+    # and transformers 5, whose configs are typed, reads it (a null max_position_embeddings, a list as bos_token_id
+    # or an integer initializer_range were copied into an output it refused)
+    from transformers import AutoConfig
+
+    kwargs = {k: v for k, v in written.items() if k not in ("model_type", "architectures")}
+    assert AutoConfig.for_model(written["model_type"], **kwargs).num_local_experts == 2
     assert compatibility(plan)
 
 

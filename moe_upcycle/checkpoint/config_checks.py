@@ -56,7 +56,10 @@ ACTIVATIONS = frozenset({
     "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu", "relu",
     "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu",
 })
-NOT_NULL = ("rms_norm_eps", "hidden_act")  # a null here is written to the MoE's config.json and breaks it
+# a null here is copied into the MoE's config.json, which transformers 5 then refuses to load (its configs are typed:
+# "Field 'max_position_embeddings' expected int, got NoneType"); the dense base does not load there either
+NOT_NULL = ("rms_norm_eps", "hidden_act", "max_position_embeddings", "use_cache", "initializer_range",
+            "attention_dropout", "max_window_layers", "use_sliding_window")
 # the attention layer types the window logic reads (`planning.windows`); transformers' families here use no other
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -70,7 +73,7 @@ def _fraction(value: Any) -> bool:
 
 
 # Fields read or copied into the output that the checks above do not cover, each with what it must be and the
-# fix: (accepts a non-null value, what it must be, what to do). null is accepted for each (transformers' default).
+# fix: (accepts a non-null value, what it must be, what to do). null is accepted unless the field is in NOT_NULL.
 TYPED_FIELDS: dict[str, tuple[Any, str, str]] = {
     "torch_dtype": (lambda v: isinstance(v, str), 'a dtype name such as "bfloat16"',
                     "write the dtype the weights are stored in, or remove the key"),
@@ -78,11 +81,13 @@ TYPED_FIELDS: dict[str, tuple[Any, str, str]] = {
               "write the dtype the weights are stored in, or remove the key"),
     "architectures": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                       'a list of class names such as ["LlamaForCausalLM"]', "write the model's class name in a list"),
-    "pad_token_id": (_token_ids, "a token id (an integer) or a list of them", "write the id, or null"),
-    "bos_token_id": (_token_ids, "a token id (an integer) or a list of them", "write the id, or null"),
+    # transformers 5 types bos and pad as one id (or null), eos as one or a list
+    "pad_token_id": (lambda v: _is_int(v), "a token id (an integer)", "write the id, or null"),
+    "bos_token_id": (lambda v: _is_int(v), "a token id (an integer)", "write the id, or null"),
     "eos_token_id": (_token_ids, "a token id (an integer) or a list of them", "write the id(s), or null"),
-    "initializer_range": (lambda v: is_number(v) and v >= 0, "a number >= 0 such as 0.02",
-                          "write the model's value, or remove the key"),
+    "initializer_range": (lambda v: isinstance(v, float) and is_number(v) and v >= 0, "a decimal number >= 0 such "
+                          "as 0.02", "write the model's value with its decimal point (transformers 5 refuses an "
+                          "integer here), or remove the key"),
     "attention_dropout": (_fraction, "a number from 0 to 1 such as 0.0", "write 0.0 (no dropout), or remove the key"),
     "partial_rotary_factor": (lambda v: is_number(v) and 0 < v <= 1, "a number above 0 and at most 1",
                               "write the fraction of each head the rotary embedding turns, or remove the key"),
