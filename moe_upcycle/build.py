@@ -3,6 +3,11 @@
 `upcycle()` is the library form of ``moe-upcycle build``; each CLI option is one of its keyword
 arguments. The output folder is staged beside the target and renamed into place only when every
 file is complete (see `output_dir`).
+
+Under torchrun every process runs the same `upcycle` as one rank of one build (`distributed`): each
+plans, the lead (rank 0) checks the output and computes the gates for all, each writes its share of
+the shards into the lead's staging folder, and the lead writes the rest and publishes. One process is
+the world-size-1 case of the same code, and any number of ranks writes the same bytes.
 """
 
 from __future__ import annotations
@@ -14,29 +19,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+import torch
 
+from moe_upcycle.check.compare import LogitComparison
 from moe_upcycle.check.drift import InitDrift, build_drift
+from moe_upcycle.check.verify_report import VerifyResult
 from moe_upcycle.checkpoint.output_dir import (  # noqa: F401 (RECIPE_NAME: public)
-    RECIPE_NAME, check_target, made_parent, name_too_long, staged_output, target_problem)
-from moe_upcycle.checkpoint.source import open_sources
-from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
+    RECIPE_NAME, check_target, made_parent, name_too_long, target_problem)
+from moe_upcycle.checkpoint.source import Checkpoint, open_sources
+from moe_upcycle.checkpoint.writer import ShardedWriter
+from moe_upcycle.distributed.ranked_build import shared_stage, write_rank_shards
+from moe_upcycle.distributed.world import joined_world
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
-from moe_upcycle.planning.execute import iter_tensors, threads_beside_writer
-from moe_upcycle.planning.fused import SAFETENSORS_METADATA
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
-from moe_upcycle.planning.report import sharing_report
+from moe_upcycle.planning.report import sharing_report, sharing_summary
 from moe_upcycle.publish.card import write_model_card
 from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.publish.model_files import copy_tokenizer_files, missing_tokenizer_warning, write_config
 from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.calibration import read_documents
-from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES
+from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, CheckParams, GateParams
 from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 from moe_upcycle.checkpoint.ownership import input_paths
@@ -56,10 +64,11 @@ class BuildResult:
     sha256: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     summary: Optional[PlanSummary] = None
-    verify: Optional[object] = None  # a verify.VerifyResult with `verify=True`
+    verify: Optional[VerifyResult] = None  # with `verify=True`
     drift: Optional[InitDrift] = None  # how far the init moved the model from the dense base
     gate_warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # the plan's cautions; a mergekit config built with our router semantics
+    sharing_line: str = ""  # `sharing` in one line, without paths (what `build` prints; -v prints `sharing`)
 
 
 def source_folders(sources: dict) -> list[Path]:
@@ -200,7 +209,8 @@ def upcycle(
         checksums: record the sha256 of every shard (overrides the config; hashing costs more CPU
             than writing; it runs beside the writes, so turning it off saved 11–19 % of the wall time in
             scripts/bench_build.py on 2 cores).
-        on_step: called with (step, plan) after each output tensor is written (progress).
+        on_step: called with (step, plan) after each output tensor is written (progress); on a rank of a
+            distributed build, for the tensors that rank writes.
         verify: run `verify.verify` on the finished files before they are moved into place and
             put its results in the model card and ``moe_upcycle.json``. A failed verification
             does not stop the build: check ``result.verify.ok`` (the CLI exits 1).
@@ -211,10 +221,12 @@ def upcycle(
 
     Returns:
         The plan, its summary, the sharing report and, unless `dry_run`, the written files with
-        their sha256 (and the verification result with `verify`).
+        their sha256 (and the verification result with `verify`). Every rank of a distributed build
+        returns the same (its own `seconds`).
 
     Raises:
-        UpcycleError: any problem with the config, the sources or the output folder.
+        UpcycleError: any problem with the config, the sources or the output folder; under torchrun,
+            on every rank when it happened on any (`distributed.world`: the others name that rank).
 
     Example:
         >>> upcycle({"base_model": "tiny-llama", "num_experts": 4, "gate_mode": "random"}, "tiny-moe")  # doctest: +SKIP
@@ -225,79 +237,103 @@ def upcycle(
     recipe_source = config
     if from_config and not dry_run:
         raise ConfigError("from_config plans from config.json alone and can only be used with a dry run (plan)")
-    config, sources, plan = prepare(config, from_config, allow_unknown_keys, tensor_policy=tensor_policy,
-                                    max_shard_size=max_shard_size, device=device, batch_size=batch_size,
-                                    checksums=checksums, gate_source=gate_source)
-    if not dry_run:
-        check_device(config, verify)  # before the output folder, the gates and any model load
-    sharing = sharing_report(plan, sources, config.tensor_policy)
-    target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
-    summary = summarize(config, plan, sources, sharing, target)
-    if dry_run:
-        problem = target and target_problem(target, force, source_folders(sources),
-                                            input_paths(recipe_source, config, ()), full=False)
-        if problem:  # what the build would refuse, whatever its --force
-            raise OutputError(problem)
-        return BuildResult(config, plan, None, sharing, summary=summary)
-    with made_parent(target):  # the parent folders it makes are removed again if the build fails
-        check_target(target, force, source_folders(sources),
-                     input_paths(recipe_source, config, ()))
-        check_free_space(target, summary.disk_needed_bytes)
-        base = sources[config.base_model]
-        no_tokenizer = missing_tokenizer_warning(base.path)
-        if no_tokenizer:
-            warnings.warn(no_tokenizer, UpcycleWarning, stacklevel=2)
-        gating, writing, checking = gate_params(config), write_params(config), check_params(config)
-        with progress_stage("gates", total=plan.num_layers, unit="layers") as st:
-            gates = compute_gates(gating, plan, base)
-            shared_gates = shared_gate_rows(gating, plan, base)
-            st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
-        gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
-                                         from_prompts=gating.mode in PROMPT_MODES,
-                                         center=gating.center if gating.source == "native" else None)
-        specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
-        with staged_output(target, force) as stage:
-            metadata = SAFETENSORS_METADATA if plan.layout == "fused" else None  # fused: transformers 4.x refuses it
-            writer = ShardedWriter(stage, specs, writing.max_shard_bytes, writing.checksums, metadata)
-            try:
-                with progress_stage("write", total=plan.total_bytes, unit="bytes") as st, threads_beside_writer():
-                    for step, tensor in iter_tensors(plan, sources, gates, writing.tensor_policy, writing.seed,
-                                                     shared_gates):
-                        writer.write(step.name, tensor)
-                        on_step(step, plan)
-                        st.advance(step.nbytes, note=step.name)
-                    st.update(note="sha256 and fsync of the last shard" if writing.checksums else "fsync of the last shard")
-                    writer.close()
-            except BaseException:
-                writer.abort()
-                raise
-            router = router_fields(config)
-            write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise))
-            copy_tokenizer_files(base.path, stage)
-            hashes = dict(writer.sha256)
-            checked = None
-            if verify:
-                from moe_upcycle.check.verify import verify as verify_folder
-                from moe_upcycle.gates.capture import resolve_device
-
-                checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
-                                        device=resolve_device(gating.device))  # the recipe's device (auto)
-            with progress_stage("init drift"):
-                drift = build_drift(checking, plan, base.path, stage, base.adapter)
-            card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
-            # verify ran on the staging folder: the card and manifest call it this folder, never by its path
-            card_lines = [line.replace(str(stage), ".") for line in card_lines]
-            write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()})
-            # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
-            verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
-            unlocated = write_recipe(stage, config, hashes, skip=() if writing.checksums else writer.files,
-                                     verification=verification, target=target)
-            for source in sources.values():  # last: a source re-saved during the build is never published from
-                source.check_unchanged()
+    with joined_world() as world, world.failing_together():  # torchrun's ranks, or this process alone
+        config, sources, plan = prepare(config, from_config, allow_unknown_keys, tensor_policy=tensor_policy,
+                                        max_shard_size=max_shard_size, device=device, batch_size=batch_size,
+                                        checksums=checksums, gate_source=gate_source)
+        if not dry_run:
+            check_device(config, verify)  # before the output folder, the gates and any model load
+        sharing = sharing_report(plan, sources, config.tensor_policy)
+        target = resolve_output(config, output) if (not dry_run or output is not None or config.output) else None
+        summary = summarize(config, plan, sources, sharing, target)
+        if dry_run:
+            problem = target and target_problem(target, force, source_folders(sources),
+                                                input_paths(recipe_source, config, ()), full=False)
+            if problem:  # what the build would refuse, whatever its --force
+                raise OutputError(problem)
+            return BuildResult(config, plan, None, sharing, summary=summary)
+        with world.lead_context(made_parent, target):  # the parent folders it makes are removed again if it fails
+            world.from_lead(check_output, target, force, source_folders(sources),
+                            input_paths(recipe_source, config, ()), summary, sources[config.base_model])
+            gating, writing, checking = gate_params(config), write_params(config), check_params(config)
+            gates, shared_gates = world.from_lead(make_gates, gating, plan, sources[config.base_model])
+            gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
+                                             from_prompts=gating.mode in PROMPT_MODES,
+                                             center=gating.center if gating.source == "native" else None)
+            with shared_stage(world, target, force) as stage:  # each rank writes its shards; the lead publishes
+                writer, hashes = write_rank_shards(world, stage, plan, sources, gates, shared_gates, writing, on_step)
+                checked, drift, unlocated = world.from_lead(finish, stage, writer, hashes, config, plan, sources,
+                                                            checking, verify, gating.device, target, types=FINISHED)
+        world.sync(last=True)  # the lead has put the output in place: every rank returns (or raises its failure)
     if checked:
         checked.folder = str(target)
     for ckpt in sources.values():
         ckpt.close()
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else []), *unlocated])
+                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else []), *unlocated],
+                       sharing_summary(plan, sources, config.tensor_policy))
+
+
+FINISHED = (VerifyResult, LogitComparison, InitDrift)  # what `finish` returns, sent from the lead to every rank
+
+
+def check_output(target: Path, force: bool, sources: list[Path], inputs: list[Path], summary: PlanSummary,
+                 base: Checkpoint) -> None:
+    """Refuse an output folder the build must not write (`check_target`) or that lacks the room; warn when the
+    base has no tokenizer (the lead of a distributed build checks, for every rank)."""
+    check_target(target, force, sources, inputs)
+    check_free_space(target, summary.disk_needed_bytes)
+    no_tokenizer = missing_tokenizer_warning(base.path)
+    if no_tokenizer:
+        warnings.warn(no_tokenizer, UpcycleWarning, stacklevel=2)
+
+
+def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[int, torch.Tensor],
+                                                                          dict[int, torch.Tensor]]:
+    """Router weights per layer and the shared-expert gates (empty without shared experts)."""
+    with progress_stage("gates", total=len(plan.moe_layers), unit="layers") as st:
+        gates = compute_gates(gating, plan, base)
+        shared_gates = shared_gate_rows(gating, plan, base)
+        st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
+    return gates, shared_gates
+
+
+def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: UpcycleConfig, plan: Plan,
+           sources: dict[str, Checkpoint], checking: CheckParams, verify: bool, device: str,
+           target: Path) -> tuple[Optional[VerifyResult], Optional[InitDrift], list[str]]:
+    """Complete the staged folder once every shard is written: index, config.json, tokenizer, (verification),
+    init drift, model card and manifest; then check no source changed during the build.
+
+    Args:
+        verify: run `verify.verify` on the folder, on `device` (the recipe's).
+        target: the folder the output is published as (the manifest records paths relative to it).
+
+    Returns:
+        The verification result (or None), the init drift (or None) and the manifest's notes.
+    """
+    writer.write_index()
+    router = router_fields(config)
+    write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise))
+    base = sources[config.base_model]
+    copy_tokenizer_files(base.path, stage)
+    checked = None
+    if verify:
+        from moe_upcycle.check.verify import verify as verify_folder
+        from moe_upcycle.gates.capture import resolve_device
+
+        checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
+                                device=resolve_device(device))  # the recipe's device (auto)
+    with progress_stage("init drift"):
+        drift = build_drift(checking, plan, base.path, stage, base.adapter)
+    card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
+    # verify ran on the staging folder: the card and manifest call it this folder, never by its path
+    card_lines = [line.replace(str(stage), ".") for line in card_lines]
+    write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()})
+    # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
+    verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
+    unlocated = write_recipe(stage, config, hashes, skip=() if writer.checksums else writer.files,
+                             verification=verification, target=target)
+    for source in sources.values():  # last: a source re-saved during the build is never published from
+        source.check_unchanged()
+    return checked, drift, unlocated

@@ -41,6 +41,11 @@ class OutputError(UpcycleError):
     """The output folder cannot be written (exists, locked, inside a source, disk full)."""
 
 
+class RankError(UpcycleError):
+    """Another process of a distributed build (torchrun) failed, or this one could not join the job; the message
+    names the rank and host."""
+
+
 class UpcycleWarning(UserWarning):
     """Something the build can go on with but the user should know (NaN in a source, a lossy cast).
 

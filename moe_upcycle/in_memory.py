@@ -17,8 +17,12 @@ unshuffled ``split`` involve no randomness in the experts and are identical ever
 fp32 master weights are often cast before saving), so ``save_pretrained`` → ``from_pretrained``
 runs the same kernel.
 
+A dense model sharded with FSDP2's ``fully_shard`` (its parameters DTensors: FSDP or HSDP) gives an MoE sharded the
+same way, each rank making only its own shards (`moe_upcycle.distributed`, docs/fsdp.md); tensor parallelism is
+refused with what to do instead.
+
 It does not load or save checkpoints (use `build.upcycle` for files), and it holds the whole MoE
-in memory (that is its purpose). Prompt-based gate modes need a tokenizer and files, so only
+in memory (that is its purpose; sharded: each rank its part). Prompt-based gate modes need a tokenizer and files, so only
 ``random``, ``uniform_random`` and ``uniform`` are offered here.
 """
 
@@ -29,7 +33,7 @@ import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -47,6 +51,9 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from moe_upcycle.planning.model_config import experts_implementation_for
+from moe_upcycle.distributed.fsdp_layout import fsdp_layout
+from moe_upcycle.distributed.local_fill import ShardedSource
+from moe_upcycle.distributed.sharded_model import build_sharded_moe
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
@@ -186,12 +193,13 @@ def upcycle_model(
     output_router_logits: bool = False,
     dtype: Union[str, torch.dtype, None] = None,
     architecture: Optional[str] = None,
+    moe_layers: Union[Sequence[int], dict, None] = None,
 ) -> torch.nn.Module:
     """Turn a dense model into an MoE model in memory (Mixtral by default), ready for continued training.
 
     Args:
         dense_model: a loaded ``LlamaForCausalLM`` / ``MistralForCausalLM`` / Qwen2 / Qwen3 (left
-            untouched), on any device(s).
+            untouched), on any device(s), or sharded with FSDP2's ``fully_shard`` (then call this on every rank).
         num_experts: routed experts per layer.
         experts_per_token: top-k.
         expert_init: "copy", or a mapping such as ``{"method": "drop", "ratio": 0.5}`` (the YAML
@@ -209,14 +217,19 @@ def upcycle_model(
         dtype: "float32", "bfloat16" or "float16" (or the torch.dtype); default (or "auto"): the dense model's parameter dtype.
         architecture: the output architecture ("mixtral", "qwen2_moe", "qwen3_moe"...); default:
             the one a build picks for the dense family.
+        moe_layers: which layers become MoE layers, as the recipe's ``moe_layers:`` — a list such as
+            ``[1, 3, 5]`` or ``{"every": 2}`` (layers 1, 3, 5, ...); the others keep the dense MLP (a
+            Qwen-MoE output: a Llama or Mistral becomes ``qwen2_moe``). Default: every layer.
 
     Returns:
         A ``MixtralForCausalLM`` (or the `architecture`'s class) in training mode whose every
-        parameter has its own storage, on the dense model's device(s).
+        parameter has its own storage, on the dense model's device(s); for a sharded dense model, sharded
+        the same way (same mesh, placements and FSDP settings).
 
     Raises:
         ConfigError: an invalid option (reported with the option's name), a `dense_model` that is
-            not a loaded transformers causal LM, or one whose weights are offloaded (on the meta device).
+            not a loaded transformers causal LM, one whose weights are offloaded (on the meta device), or one
+            spread with tensor parallelism.
         PlanError: the dense model cannot be upcycled (e.g. an unsupported architecture).
 
     Example:
@@ -246,12 +259,16 @@ def upcycle_model(
         "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,
         "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef, "dtype": dtype,
         **({"architecture": architecture} if architecture else {}),
+        **({"moe_layers": moe_layers} if moe_layers is not None else {}),
     }, unknown_option=None, name="upcycle_model")
     # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
     # which autograd refuses: the model could never be trained. It is built as ordinary tensors.
     with torch.inference_mode(False):
+        layout = fsdp_layout(dense_model)  # None unless sharded with FSDP2 (DTensors): then so is the MoE
         placement = dense_placement(dense_model)
         source = state_dict_source(dense_model)
+        if layout is not None:
+            source = ShardedSource.of(source, source.state)
         sources = {IN_MEMORY_REF: source}
         plan = make_plan(config, sources)
         refuse_unused_parameters(plan, dense_model)  # a head bias the MoE has no place for
@@ -263,12 +280,15 @@ def upcycle_model(
         router = router_fields(config)
         cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise)  # output_router_logits: false
         model = empty_moe_model(cfg, plan, getattr(dense_model.config, "_attn_implementation", None))
-        fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
-        move_buffers(model, placement)
+        if layout is not None:  # each rank makes its own shards (moe_upcycle.distributed)
+            build_sharded_moe(model, plan, source, gates, config.seed, layout, _place)
+        else:
+            fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
+            move_buffers(model, placement)
         keep_frozen(model, plan, dense_model)
         keep_checkpointing(model, dense_model)
         keep_generation_config(model, dense_model)
-        model = dispatch_like(model, placement)
+        model = model if layout is not None else dispatch_like(model, placement)
         if output_router_logits:
             router_logits_while_training(model)
         return model.train()

@@ -13,7 +13,8 @@ a verdict that does not match llama.cpp.
 
 llama.cpp comes from ``scripts/build_llamacpp.sh`` (the pinned llama-cpp-python sdist, built outside
 the repo); this script imports its converter, gguf-py and ctypes bindings from there. Nothing from it
-is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); the 64 cases take 8 min::
+is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); its 65 cases (93 rows with
+the dense models) take ~13 min::
 
     scripts/build_llamacpp.sh /tmp/llamacpp
     python scripts/check_llamacpp.py --llamacpp /tmp/llamacpp [--only qwen2] [--json out.json]
@@ -69,9 +70,17 @@ for cls in vars(base).values():
             except NotImplementedError:
                 return "gpt-2"
         cls.get_vocab_base_pre = patched
+{extra}
 sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
 import runpy
 runpy.run_path({script!r}, run_name="__main__")
+"""
+# give the converter's qwen2moe / qwen3moe names for a dense MLP (they have none), so that an interleaved
+# (moe_layers) output reaches llama.cpp's loader: what the loader does with dense layers is then measured too
+DENSE_NAMES = """
+import gguf
+for arch in (gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE):
+    gguf.MODEL_TENSORS[arch] += [gguf.MODEL_TENSOR.FFN_GATE, gguf.MODEL_TENSOR.FFN_UP, gguf.MODEL_TENSOR.FFN_DOWN]
 """
 
 
@@ -87,11 +96,13 @@ class Case:
     why: str = ""
     outtype: str = "f32"  # convert_hf_to_gguf --outtype
     experts_from: tuple = ()  # per expert: (dense model name, extra fields); default: copies of `base`
+    dense_names: bool = False  # convert with `DENSE_NAMES` patched in
     result: dict = field(default_factory=dict)
 
 
 def cases() -> list[Case]:
-    """Every output architecture from every input family, and each qwen2_moe recipe the README shows."""
+    """Every output architecture from every input family, and each qwen2_moe recipe docs/architectures.md shows
+    (its exact shared split: the "README shared split" cases, named when it was in the README)."""
     no_renorm = ("llama.cpp's qwen2moe never renormalises the top-k weights; transformers does "
                  "(norm_topk_prob: true), so with experts_per_token < experts the two differ")
     # the input families each output can hold (the tool refuses the rest at plan time)
@@ -211,6 +222,33 @@ def cases() -> list[Case]:
              "experts_per_token": 4}),
         Case("qwen3->qwen3_moe fused", "qwen3", {"architecture": "qwen3_moe", "layout": "fused"}),
     ]
+    # interleaved dense / MoE layers (moe_layers: the sparse-upcycling recipe), 4-layer bases: the converter has
+    # no name for a dense MLP in qwen2moe / qwen3moe; given one, the loader wants a router in every layer
+    dense = "convert_hf_to_gguf.py's qwen2moe / qwen3moe cannot map a dense MLP (mlp.down_proj)"
+    loader = "llama.cpp's qwen2moe / qwen3moe loader requires ffn_gate_inp (a router) in every layer"
+    every_other = {"moe_layers": {"every": 2}}
+    out += [
+        Case("qwen3 4L->qwen3_moe moe_layers every 2", "qwen3_4l", {"architecture": "qwen3_moe", **every_other},
+             expect="fails", why=dense),
+        Case("qwen3 4L->qwen3_moe every 2, dense names forced", "qwen3_4l",
+             {"architecture": "qwen3_moe", **every_other}, expect="fails", why=loader, dense_names=True),
+        Case("llama 4L->qwen2_moe moe_layers [1,3] k=4 of 4", "llama_4l", {"architecture": "qwen2_moe",
+             "experts_per_token": 4, "moe_layers": [1, 3]}, expect="fails", why=dense),
+        Case("llama 4L->qwen2_moe [1,3], dense names forced", "llama_4l",
+             {"architecture": "qwen2_moe", "experts_per_token": 4, "moe_layers": [1, 3]}, expect="fails", why=loader,
+             dense_names=True),
+        # the same bases with every layer MoE: the floor the interleaved cases are compared with
+        Case("qwen3 4L->qwen3_moe every layer", "qwen3_4l", {"architecture": "qwen3_moe"}),
+        Case("llama 4L->qwen2_moe every layer k=4 of 4", "llama_4l", {"architecture": "qwen2_moe",
+             "experts_per_token": 4}),
+        # norm_topk_prob: false (Qwen1.5-MoE's setting): transformers then computes what llama.cpp's qwen2moe does;
+        # llama.cpp's qwen3moe always renormalises
+        Case("qwen2->qwen2_moe norm_topk_prob false, k=2", "qwen2", {"architecture": "qwen2_moe",
+             "norm_topk_prob": False}),
+        Case("qwen3->qwen3_moe norm_topk_prob false, k=2", "qwen3", {"architecture": "qwen3_moe",
+             "norm_topk_prob": False}, expect="differs",
+             why="llama.cpp's qwen3moe always renormalises the top-k weights; norm_topk_prob: false does not"),
+    ]
     return out
 
 
@@ -242,6 +280,9 @@ def dense_models(folder: Path) -> dict[str, Path]:
         "qwen3_hd32": make_dense_model(folder / "qwen3_hd32", family="qwen3", seed=14, head_dim=32,
                                        random_norms_and_biases=True),
         "llama_tied": make_dense_model(folder / "llama_tied", family="llama", seed=15, tie_word_embeddings=True),
+        "llama_4l": make_dense_model(folder / "llama_4l", family="llama", seed=31, num_hidden_layers=4),
+        "qwen3_4l": make_dense_model(folder / "qwen3_4l", family="qwen3", seed=32, num_hidden_layers=4,
+                                     random_norms_and_biases=True),
     }
     # published (transformers 4.x) spellings of rope scaling, written over the saved config.json
     short = dict(max_position_embeddings=16)
@@ -298,10 +339,10 @@ class LlamaCpp:
         ll.llama_log_set(self._log_cb, ctypes.c_void_p())
         ll.llama_backend_init()
 
-    def convert(self, model: Path, out: Path, outtype: str = "f32") -> None:
+    def convert(self, model: Path, out: Path, outtype: str = "f32", dense_names: bool = False) -> None:
         code = CONVERT.format(src=str(self.src), gguf=str(self.src / "gguf-py"), pydeps=str(self.pydeps),
                               model=str(model), out=str(out), outtype=outtype,
-                              script=str(self.src / "convert_hf_to_gguf.py"))
+                              script=str(self.src / "convert_hf_to_gguf.py"), extra=DENSE_NAMES if dense_names else "")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError("convert_hf_to_gguf failed: " + proc.stderr.strip().splitlines()[-1])
@@ -436,7 +477,7 @@ def main() -> int:
                 planned = upcycle(case, dense, out)
                 case.result["plan"], case.result["plan_why"] = planned
             gguf = work / f"{slug}.gguf"
-            lcpp.convert(out, gguf, case.outtype)
+            lcpp.convert(out, gguf, case.outtype, case.dense_names)
             diff = rel_diff(hf_logits(out, ids), lcpp.logits(gguf, ids))
             tol = TOLERANCE_16.get(case.outtype, TOLERANCE)
             verdict = ("equal" if diff <= tol else "NaN" if np.isnan(diff) else "differs")

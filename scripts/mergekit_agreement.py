@@ -15,7 +15,7 @@ gets mergekit's routers from the re-implementation in tests/mergekit_reference.p
 - "label": the fraction of held-out (layer, token) pairs sent to the expert their text belongs to
   (4x: chat → 0, code → 1, story → 2; 2x: code → 0, story → 1).
 
-Deterministic (no sampling); the numbers in README come from this script.
+Deterministic (no sampling); the numbers in docs/mergekit.md come from this script.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train an upcycled MoE for a few steps on CPU and print the loss before and after, per precision recipe.
 
-The README's training recipe, measured. stories260K (vendored under tests/data) is loaded in
+The training recipe of docs/python_api.md, measured. stories260K (vendored under tests/data) is loaded in
 bf16, upcycled in memory (`upcycle_model`, 4 experts, top-2, drop-upcycling or ``--init copy``), and trained for
 ``--steps`` AdamW steps on the shipped prompt sets (even-numbered prompts; the odd-numbered ones
 are held out) with each recipe, all from the same upcycled start:

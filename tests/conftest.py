@@ -17,6 +17,30 @@ import yaml  # noqa: E402
 from moe_upcycle.checkpoint.tiny import make_dense_model  # noqa: E402
 
 STORIES = Path(__file__).resolve().parent / "data" / "stories260K"
+
+
+def pytest_configure(config) -> None:
+    """Run the suite in Python's UTF-8 mode whatever locale it inherits.
+
+    The tests give file names and text in UTF-8 (a zero-width space pasted into a model name, CJK output names,
+    curly quotes), as a UTF-8 locale lets them. Under another (``LANG=en_US.ISO-8859-1``; ``LC_ALL=POSIX`` with
+    ``PYTHONCOERCECLOCALE=0 PYTHONUTF8=0``) this process could not even name those files, so it starts itself again
+    in UTF-8 mode, and its children with it (``PYTHONUTF8=1``). What the tool does under such a locale is tested by
+    children started with that locale set (tests/test_standard_streams.py). Here, not at import: pytest has stopped
+    capturing standard output and error by then, so the new process writes to the terminal.
+    """
+    import locale
+    import sys
+
+    utf8 = sys.getfilesystemencoding().lower() in ("utf-8", "utf8") and \
+        locale.getpreferredencoding(False).lower().replace("-", "") == "utf8"
+    if sys.flags.utf8_mode or utf8:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-X", "utf8", *sys.orig_argv[1:]], {**os.environ, "PYTHONUTF8": "1"})
+
+
 PROMPT_TEXT = "Once upon a time, there was a little girl named Lily."
 
 

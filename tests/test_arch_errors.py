@@ -159,10 +159,24 @@ def test_every_shape_mismatch_at_once_names_model_and_field():
     got = problems(franken("base", "wide", "bigvocab", "deep"), meta("base"), meta("wide", hidden=32),
                    meta("bigvocab", vocab=32000), meta("deep", layers=4))
     assert "experts[1] (wide): hidden_size is 32 but base_model base has 64; experts must have the base's shape" in got
-    assert any(p.startswith("experts[2] (bigvocab): vocab_size is 32000 but base_model base has 300, more than the "
-                            "1024 tokens a fine-tune adds: a model from another pretraining") for p in got), got
+    assert ("experts[2] (bigvocab): vocab_size is 32000 but base_model base has 300: the expert has 31700 tokens more "
+            "than the base, where a fine-tune's vocabulary and its base's differ by at most the 1024 tokens a "
+            "fine-tune adds; it is a model from another pretraining, whose FFN expects that model's hidden states; "
+            "use experts fine-tuned from the same base") in got, got
     assert ("experts[3] (deep): num_hidden_layers is 4 but base_model base has 2; experts must have the base's layer "
             "count; take 2 of its layers with layers: [0, 2]") in got
+
+
+def test_a_smaller_expert_vocabulary_is_worded_the_right_way_round():
+    """An expert whose vocabulary is the smaller one (512 next to SmolLM2's 49152): before, the message said the base
+    had "more than the 1024 tokens a fine-tune adds", as if the expert had added them."""
+    got = problems(franken("base", "small"), meta("base", vocab=49152), meta("small", vocab=512))
+    assert got == ["experts[1] (small): vocab_size is 512 but base_model base has 49152: the expert has 48640 tokens "
+                   "fewer than the base, where a fine-tune's vocabulary and its base's differ by at most the 1024 "
+                   "tokens a fine-tune adds; it is a model from another pretraining, whose FFN expects that model's "
+                   "hidden states; use experts fine-tuned from the same base"]
+    # within 1024 either way round: added tokens (a ChatML base's 32002 next to a fine-tune's 32000) build
+    make_plan(load_config(franken("base", "ft")), {"base": meta("base", vocab=32002), "ft": meta("ft", vocab=32000)})
 
 
 def test_intermediate_size_mismatch_in_a_shared_expert():

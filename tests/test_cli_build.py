@@ -86,12 +86,19 @@ def test_dry_run_and_plan_print_plan_and_write_nothing(tiny_llama, write_yaml, t
 
 
 def test_bin_with_tied_storage_reports_shared_tensors(tiny_llama_bin_tied, write_yaml, tmp_path):
+    """`build` says it in one line without paths; `-v build` (and `plan`) gives the whole report."""
     cfg = write_yaml({"base_model": str(tiny_llama_bin_tied), "num_experts": 2, "gate_mode": "uniform"})
-    code, output = run("build", cfg, tmp_path / "out")
+    code, output = run("-v", "build", cfg, tmp_path / "out")
     assert code == 0, output
     assert "model.embed_tokens.weight, lm_head.weight share one storage" in output.replace("\n", " ")
     assert "Sharing saves" in output and "--clone-tensors" in output
     assert_close_rel(model_logits(tmp_path / "out"), model_logits(tiny_llama_bin_tied))
+    result = CliRunner().invoke(app, ["build", str(cfg), str(tmp_path / "again")])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stderr.splitlines() if "expert slots" in line]
+    assert said == ["12 expert slots share 6 source tensors in memory, saving 196.6 KB; 1 tied group(s) of input "
+                    "tensors are written explicitly (-v: more)"]
+    assert "Sharing saves" not in result.stderr and "no aliasing" not in result.stderr
 
 
 def test_non_contiguous_source_tensor_written_with_right_values(models, write_yaml, tmp_path):

@@ -17,7 +17,8 @@ SETS = sorted((GATE_CONFIGS / "prompts").glob("*.yaml"))
 
 
 def test_there_are_example_configs_and_sets():
-    assert {p.name for p in CONFIGS} >= {"upcycle_8x_kmeans.yaml", "frankenmoe_4x_prompts.yaml", "mergekit_style.yaml"}
+    assert {p.name for p in CONFIGS} >= {"upcycle_8x_kmeans.yaml", "frankenmoe_4x_prompts.yaml", "mergekit_style.yaml",
+                                         "sparse_upcycle_every_other.yaml"}
     assert [p.stem for p in SETS] == ["chat", "code", "creative", "math", "multilingual", "reasoning", "science"]
 
 

@@ -151,3 +151,39 @@ def test_grow_needs_prompts(tiny_llama):
 def test_write_grown_config_refuses_missing_folder(config_path, tmp_path):
     with pytest.raises(OutputError, match="does not exist; create it or choose another -o"):
         write_grown_config(config_path, {}, output=tmp_path / "no" / "such.yaml")
+
+
+def test_an_expert_that_gets_no_new_prompts_is_told_why(config_path):
+    """Before, `prompts grow` said `creative +0` and nothing more."""
+    from moe_upcycle.prompts.grow import grow
+
+    experts = expert_prompts(load_config(config_path).expert_list())
+    embedder = load_embedder()
+    code_only = ["Write a unit test in Go for a function that parses a URL query string.",
+                 "Refactor this JavaScript callback into async/await."]
+    growth = grow(experts, code_only, embedder)
+    assert [p.text for p in growth.picks["code"]] and "code" not in growth.why_none
+    assert growth.why_none["math"].startswith("no pool prompt is closer to it than to another expert (the closest, at ")
+    assert growth.why_none["math"].endswith(", is closer to code)")
+    strict = grow(experts, code_only, embedder, min_similarity=0.9)
+    assert strict.why_none["code"].startswith("2 pool prompt(s) are closest to it, but 2 score under "
+                                              "--min-similarity 0.90 (best 0.")
+    wide = grow(experts, code_only, embedder, margin=1.5)
+    assert wide.why_none["code"].startswith("2 pool prompt(s) are closest to it, but 2 lead the next expert by under "
+                                            "--margin 1.50 (most 0.")
+    repeat = shipped("code")[0] + " "  # not the same text, the same prompt
+    assert grow(experts, [repeat], embedder).why_none["code"] == (
+        "1 pool prompt(s) are closest to it, but 1 repeat one of its prompts (cosine 0.90 or more)")
+    assert set(grow(experts, [shipped("math")[0]], embedder).why_none.values()) == {
+        "the pool holds no prompt that the recipe does not have already"}
+
+
+def test_cli_grow_says_why_an_expert_got_nothing(config_path, tmp_path):
+    pool = tmp_path / "pool.txt"
+    pool.write_text("Write a unit test in Go for a function that parses a URL query string.\n"
+                    "Refactor this JavaScript callback into async/await.\n")
+    result = runner.invoke(app, ["prompts", "grow", str(config_path), "--pool", str(pool)])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stdout.splitlines() if ": no new prompts: " in line]
+    assert [line.split(":")[0] for line in said] == ["math", "creative", "chat"]
+    assert all("no pool prompt is closer to it than to another expert" in line for line in said), said

@@ -13,41 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from failure_checks import REPO, cli, leftovers, module_cmd, module_env, previous_build
+from failure_checks import (REPO, cli, default_signals, leftovers, module_cmd, module_env, previous_build,
+                            signal_defaults, write_big_llama)
 
-HIDDEN, INTER, LAYERS, VOCAB, KV = 256, 1024, 4, 512, 128
 SHARD = "4MB"  # 104 MB of output in 33 shards
 N_SHARDS = 33
 
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory) -> Path:
-    """A Llama-shaped dense checkpoint of ~13 MB (written directly: no transformers model needed)."""
-    folder = tmp_path_factory.mktemp("big") / "llama"
-    folder.mkdir()
-    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=HIDDEN, intermediate_size=INTER,
-               num_hidden_layers=LAYERS, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=HIDDEN // 4, hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=256,
-               tie_word_embeddings=False, torch_dtype="float32")
-    (folder / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    state = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
-             "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g), "model.norm.weight": torch.ones(HIDDEN)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        state.update({p + "input_layernorm.weight": torch.ones(HIDDEN), p + "post_attention_layernorm.weight": torch.ones(HIDDEN),
-                      p + "self_attn.q_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g),
-                      p + "self_attn.k_proj.weight": torch.randn(KV, HIDDEN, generator=g),
-                      p + "self_attn.v_proj.weight": torch.randn(KV, HIDDEN, generator=g),
-                      p + "self_attn.o_proj.weight": torch.randn(HIDDEN, HIDDEN, generator=g),
-                      p + "mlp.gate_proj.weight": torch.randn(INTER, HIDDEN, generator=g),
-                      p + "mlp.up_proj.weight": torch.randn(INTER, HIDDEN, generator=g),
-                      p + "mlp.down_proj.weight": torch.randn(HIDDEN, INTER, generator=g)})
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return write_big_llama(tmp_path_factory.mktemp("big") / "llama")
 
 
 @pytest.fixture
@@ -57,16 +33,20 @@ def big_config(big_model, tmp_path) -> Path:
     return cfg
 
 
-def _sigint_default() -> None:
-    # a background test runner may ignore SIGINT, and children inherit that; Python only turns
-    # SIGINT into KeyboardInterrupt when it is not ignored at start-up
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+@pytest.fixture(autouse=True)
+def _signals_as_in_a_fresh_shell():
+    """Every test here sends signals (to a child, or to this process through the CLI run in it): each starts from the
+    dispositions a fresh shell gives, whatever this test run inherited (``nohup`` ignores SIGHUP, a background job
+    SIGINT, some CI runners more); children get them from `default_signals`."""
+    with signal_defaults():
+        yield
 
 
 def _start_build(cfg: Path, target: Path, *extra: str) -> subprocess.Popen:
+    # Python only turns SIGINT into KeyboardInterrupt when it is not ignored at start-up
     return subprocess.Popen(module_cmd("build", cfg, target, *extra), cwd=REPO, env=module_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_sigint_default)
+                            preexec_fn=default_signals)
 
 
 def _wait_for_shards(proc: subprocess.Popen, target: Path, timeout: float = 180) -> list[str]:
@@ -109,7 +89,9 @@ def test_signal_midway_leaves_nothing_and_rebuild_succeeds(sig, force, big_confi
     if force:
         assert _snapshot(target) == previous
         assert leftovers(target) == ["moe"]
+        assert f"nothing was written under the output name; the previous {target} is untouched" in err, err
     else:
+        assert "previous" not in err
         assert leftovers(target) == []  # no target, no lock, no staging folder
 
     code, output = cli("build", big_config, target, *(["--force"] if force else []))
@@ -194,7 +176,7 @@ def test_signal_during_startup_exits_quietly(sig, delay, big_config, tmp_path):
 def test_sighup_ignored_by_parent_stays_ignored(big_config, tmp_path):
     """Under ``nohup`` (SIGHUP ignored by the parent) a dropped terminal does not stop the build."""
     def nohup() -> None:
-        _sigint_default()
+        default_signals()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     target = tmp_path / "moe"
@@ -281,7 +263,7 @@ def test_a_signal_while_torch_imports_stops_the_command(at, sig, stories, tmp_pa
     config.write_text(f"base_model: {stories}\nnum_experts: 2\ngate_mode: random\n")
     env = {**module_env(), "PYTHONPATH": f"{hook}{os.pathsep}{REPO}", "KILL_AT": at, "KILL_SIG": sig}
     run = subprocess.run(module_cmd("build", config, tmp_path / "moe"), env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300, check=False)
+                         text=True, timeout=300, check=False, preexec_fn=default_signals)
     assert run.returncode == 128 + getattr(signal, sig), run.stdout + run.stderr
     assert "Traceback" not in run.stderr and "Built" not in run.stdout, run.stderr
     assert leftovers(tmp_path / "moe") == []

@@ -146,9 +146,14 @@ def test_cli_bad_embedder_and_no_prompts(tmp_path, tiny_llama):
     assert result.exit_code == 1
     assert "cannot load sentence-transformers model" in result.output and "--embedder" in result.output
     copies = tmp_path / "copies.yaml"
-    copies.write_text(f"base_model: {tiny_llama}\nnum_experts: 2\n")
+    copies.write_text(f"base_model: {tiny_llama}\nnum_experts: 2\ngate_mode: hidden\n")
     result = runner.invoke(app, ["lint", str(copies)])
     assert result.exit_code == 1 and "no expert has positive_prompts" in result.output
+    copies.write_text(f"base_model: {tiny_llama}\nnum_experts: 2\n")  # gate_mode left out: random, nothing to lint
+    result = runner.invoke(app, ["lint", str(copies)])
+    assert result.exit_code == 0
+    assert " ".join(result.stdout.split()).startswith("Nothing to lint: gate_mode random (the default for copies "
+                                                      "without prompts) makes routers without prompts")
 
 
 @pytest.mark.parametrize("name", ["", "  "])

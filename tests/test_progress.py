@@ -232,3 +232,63 @@ def test_heartbeat_reports_a_silent_stage():
     running = [line for line in lines if line.startswith("load embedder: running for ")]
     assert len(running) >= 2 and all(line.endswith(" — all-MiniLM-L6-v2") for line in running)
     assert re.fullmatch(r"load embedder: done in \d+s — all-MiniLM-L6-v2", lines[-1])
+
+
+def _screens(text: str) -> list[str]:
+    """The lines a terminal shows of a rich live display: each redraw's lines, without cursor codes."""
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "\n", text.replace("\r", "\n"))
+    return [line for line in plain.splitlines() if line.strip()]
+
+
+def test_time_left_is_never_cut_at_80_columns():
+    """At 80 columns a stage counted in prompts×layers pushed the time-left column down to ``0:0…``."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=80, color_system=None)
+    with reporting(RichReporter(console)):
+        with stage("gates", total=30, unit="layers"):
+            with stage("router inputs", total=48_000, unit="prompts×layers", note="batch 3 of 40") as st:
+                for _ in range(4):
+                    time.sleep(0.2)
+                    st.advance(1000)
+    rows = [line for line in _screens(buffer.getvalue()) if line.startswith("router inputs")]
+    assert rows and all(len(line) <= 80 for line in rows)
+    assert all(re.search(r" \d+:\d\d:\d\d |-:--:--", line) for line in rows), rows
+    assert any("4,000/48,000 prompts×layers" in line for line in rows)
+
+
+def test_an_interrupted_stage_keeps_its_bar_where_it_stopped():
+    """After Ctrl-C the gates bar jumped to full (30/30 layers) as if the stage had finished."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=100, color_system=None)
+    with pytest.raises(KeyboardInterrupt), reporting(RichReporter(console)):
+        with stage("gates", total=30, unit="layers"):  # the gates advance once, at the end: 0 until then
+            raise KeyboardInterrupt
+    last = [line for line in _screens(buffer.getvalue()) if line.startswith("gates")][-1]
+    assert "0/30 layers" in last and "30/30" not in last
+    unknown = io.StringIO()  # no total: the count stays what it was, not "1/1"
+    with pytest.raises(KeyboardInterrupt), reporting(RichReporter(Console(file=unknown, force_terminal=True,
+                                                                          width=100, color_system=None))):
+        with stage("load base model"):
+            raise KeyboardInterrupt
+    assert "1/1" not in unknown.getvalue() and "stopped" in _screens(unknown.getvalue())[-1]
+
+
+def test_piped_a_parent_stage_speaks_only_when_it_changes():
+    """Piped, `gates: 0 of 30 layers (0%)` came every interval while its router inputs advanced beneath it."""
+    lines: list[str] = []
+    reporter = LineReporter(lambda text, **_: lines.append(text), interval=0.1, first=0.1, heartbeat=True)
+    with reporting(reporter):
+        with stage("gates", total=30, unit="layers") as gates:
+            with stage("router inputs", total=100, unit="prompts×layers") as st:
+                for _ in range(10):
+                    time.sleep(0.1)
+                    st.advance(10)
+            time.sleep(0.35)  # the child is done: the parent, now innermost, has a heartbeat again
+            gates.advance(30)
+    parent = [line for line in lines if line.startswith("gates:")]
+    assert sum(line.startswith("gates: 0 of 30 layers") for line in parent) <= 3, lines  # after the child only
+    first_child = next(i for i, line in enumerate(lines) if line.startswith("router inputs:"))
+    child_done = next(i for i, line in enumerate(lines) if line.startswith("router inputs: done"))
+    assert not any(line.startswith("gates:") for line in lines[first_child:child_done]), lines
+    assert parent[-1].startswith("gates: done 30 layers in ")
+    assert len([line for line in lines if line.startswith("router inputs:")]) >= 5

@@ -205,7 +205,7 @@ def test_build_verify_puts_results_in_card_and_recipe(licensed_base, tmp_path, w
     out = tmp_path / "moe"
     res = runner.invoke(app, ["build", str(cfg), str(out), "--verify"])
     assert res.exit_code == 0, res.output
-    card = (out / "README.md").read_text()
+    card = (out / "README.md").read_text(encoding="utf-8")  # the card is UTF-8 whatever the locale
     assert "Checked with `moe-upcycle verify`" in card and "**passed**" in card
     assert "| top-1 agreement | 100.0% of" in card and "| mean KL(dense‖moe) |" in card
     assert f"| dense base | local model {licensed_base.name} |" in card

@@ -24,7 +24,7 @@ NOISE = ("Traceback", "Warning", "warning:", "error", "Loading weights", "it/s]"
 
 def quick_start() -> tuple[str, list[str]]:
     """The quick start's YAML and its command lines (comments stripped)."""
-    section = ROOT.joinpath("README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    section = ROOT.joinpath("README.md").read_text(encoding="utf-8").split("## Quick start", 1)[1].split("\n## ", 1)[0]
     config = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     commands = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     lines = [line.split("  #")[0].strip() for line in commands.splitlines() if line.strip()]

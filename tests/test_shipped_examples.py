@@ -86,7 +86,9 @@ def test_example_passes_plan(example, user_dir):
     data = yaml.safe_load(example.read_text())
     n = data.get("num_experts") or len(data["experts"])
     assert f"{n} (" in result.stdout and f"top-{data['experts_per_token']}" in result.stdout
-    assert "mixtral" in result.stdout
+    assert data.get("architecture", "mixtral") in result.stdout
+    if "moe_layers" in data:  # the sparse-upcycling example: every other layer of Llama-3.2-1B's 16
+        assert "layers 1, 3, 5, 7, 9, 11, 13, 15 of 16 (dense MLP in 0, 2, 4, 6, 8, 10, 12, 14)" in result.stdout
 
 
 def test_frankenmoe_example_rejects_an_expert_of_another_shape(user_dir):

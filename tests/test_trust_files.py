@@ -462,7 +462,7 @@ def test_model_reference_of_the_wrong_kind(case, tiny_llama, tmp_path, monkeypat
         words = [f"base_model: model '{ref}' is a file, not a model folder",
                  f"give the folder that holds its config.json and weights ({model})"]
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(GOOD.replace("{base}", f'"{ref}"'))
+    cfg.write_text(GOOD.replace("{base}", f'"{ref}"'), encoding="utf-8")  # a recipe is UTF-8, whatever the locale
     code, output = cli("build", cfg, tmp_path / "moe")
     assert_clean_failure(code, output, tmp_path / "moe", words)
 

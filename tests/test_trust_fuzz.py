@@ -106,7 +106,7 @@ def test_fuzz_base_config_json(base_copy, tiny_llama, changes, drop):
 @FUZZ
 @given(raw=st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("utf-8", "replace")))
 def test_fuzz_base_config_json_raw_text(base_copy, raw):
-    (base_copy / "config.json").write_text(raw)
+    (base_copy / "config.json").write_text(raw, encoding="utf-8")  # what the hub serves, whatever the locale
     with _built_from(base_copy) as (code, output, exc, target):
         assert code == 1  # never a model from an unreadable config.json
         _assert_clean(code, output, exc, target)

@@ -44,6 +44,8 @@ class RoutingResult:
         topk: (L, E) int64, top-k assignments of all real tokens at layer l to expert e.
         tokens: (P,) real tokens per prompt.
         experts_per_token: k of the model's top-k routing.
+        layers: the model layer of each of the L rows: the MoE layers (a layer that keeps the dense MLP,
+            ``moe_layers:``, routes nothing); None: 0 to L-1.
     """
 
     prompts: list[str]
@@ -52,6 +54,12 @@ class RoutingResult:
     topk: torch.Tensor
     tokens: torch.Tensor
     experts_per_token: int
+    layers: Optional[list[int]] = None
+
+    @property
+    def layer_indices(self) -> list[int]:
+        """The model layer of each routing row."""
+        return list(self.layers) if self.layers is not None else list(range(self.topk.shape[0]))
 
     def shares(self) -> torch.Tensor:
         """(P, L, E) share of each prompt's real tokens whose top-1 expert at layer l is e."""
@@ -92,8 +100,8 @@ class RoutingResult:
                          "layer_top_expert": [names[e] for e in self.layer_majority()[i].tolist()]}
                         for i, p in enumerate(self.prompts)],
             "layers": [{"layer": layer, "load": {n: round(float(v), 4) for n, v in zip(names, row.tolist())},
-                        "entropy_bits": round(float(entropy[layer]), 4)}
-                       for layer, row in enumerate(self.layer_load())],
+                        "entropy_bits": round(float(entropy[i]), 4)}
+                       for i, (layer, row) in enumerate(zip(self.layer_indices, self.layer_load()))],
         }
 
 
@@ -115,12 +123,14 @@ def expert_names(model_dir: Path, count: int) -> list[str]:
     return names if len(names) == count else [f"expert_{i}" for i in range(count)]
 
 
-def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Each layer's router (``mlp.gate`` in transformers 5, ``block_sparse_moe.gate`` in 4.x)."""
-    routers = []
-    for layer in model.base_model.layers:
+def _routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Layer index -> router (``mlp.gate`` in transformers 5, ``block_sparse_moe.gate`` in 4.x) of every MoE layer;
+    a layer that keeps the dense MLP (``moe_layers:``; Qwen MoE's ``mlp_only_layers``) has none."""
+    routers = {}
+    for i, layer in enumerate(model.base_model.layers):
         block = getattr(layer, "block_sparse_moe", None) or getattr(layer, "mlp", None)
-        routers.append(getattr(block, "gate", None))
+        if hasattr(block, "experts") and getattr(block, "gate", None) is not None:
+            routers[i] = block.gate
     return routers
 
 
@@ -138,7 +148,8 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
         The routing counts.
 
     Raises:
-        SourceError: the folder is not a loadable MoE with one router per layer.
+        SourceError: the folder is not a loadable MoE with a router in at least one layer (a layer that keeps
+            the dense MLP, ``moe_layers:``, has none and is not reported).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,8 +171,8 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     n_experts = int(getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0))
     k = int(getattr(model.config, "num_experts_per_tok", 1))
     routers = _routers(model)
-    if not n_experts or any(r is None for r in routers):
-        raise SourceError(f"{folder}: not an MoE with a router in every layer (model_type "
+    if not n_experts or not routers:
+        raise SourceError(f"{folder}: not an MoE with a router in any layer (model_type "
                           f"{model.config.model_type!r}); route a folder written by moe-upcycle build")
     encoded = encode(tokenizer, prompts, int(getattr(model.config, "max_position_embeddings", 4096)))
     # Counted on each router's device, without a host synchronisation per layer (no masked indexing, no
@@ -187,7 +198,7 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
 
     pad_id = padding_id(tokenizer, model.get_input_embeddings().num_embeddings)
     input_device = model.get_input_embeddings().weight.device
-    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in routers.items()]
     try:
         with torch.inference_mode(), stage("route", total=len(encoded), unit="prompts") as st:
             for start in range(0, len(encoded), batch_size):
@@ -201,11 +212,11 @@ def route(model_dir: Union[str, Path], prompts: list[str], *, device: str = "aut
     finally:
         for h in handles:
             h.remove()
-    n_layers = len(routers)
-    top1 = torch.stack([counts[layer][0].cpu().view(len(prompts), n_experts) for layer in range(n_layers)], dim=1)
-    topk = torch.stack([counts[layer][1].cpu() for layer in range(n_layers)])
+    layers = sorted(routers)
+    top1 = torch.stack([counts[layer][0].cpu().view(len(prompts), n_experts) for layer in layers], dim=1)
+    topk = torch.stack([counts[layer][1].cpu() for layer in layers])
     tokens = torch.tensor([sum(e.real) for e in encoded])
-    return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k)
+    return RoutingResult(list(prompts), expert_names(folder, n_experts), top1, topk, tokens, k, layers)
 
 
 def check_plot_path(path: Union[str, Path], inputs: Sequence[Union[str, Path]] = (), force: bool = False) -> Path:

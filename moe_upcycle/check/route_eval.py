@@ -15,6 +15,8 @@ It does not print anything; `prompt_cli.routing_tables` renders a `RoutingScore`
 
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -39,6 +41,7 @@ class RoutingScore:
         confusion: (E, E) int; row = label, column = expert with the largest share summed over
             layers (ties go to the lower index). Row i sums to the number of prompts labelled i.
         layer_confusion: (L, E, E) int; the same per layer.
+        layers: the model layer of each of the L rows (only MoE layers route, ``moe_layers:``); None: 0 to L-1.
     """
 
     expert_names: list[str]
@@ -46,6 +49,12 @@ class RoutingScore:
     overall: float
     confusion: torch.Tensor
     layer_confusion: torch.Tensor
+    layers: Optional[list[int]] = None
+
+    @property
+    def layer_indices(self) -> list[int]:
+        """The model layer of each `layer_accuracy` entry."""
+        return list(self.layers) if self.layers is not None else list(range(len(self.layer_accuracy)))
 
     @property
     def label_counts(self) -> list[int]:
@@ -54,17 +63,19 @@ class RoutingScore:
 
     def to_dict(self) -> dict:
         return {"experts": self.expert_names, "layer_accuracy": self.layer_accuracy, "overall": self.overall,
-                "confusion": self.confusion.tolist(), "layer_confusion": self.layer_confusion.tolist()}
+                "confusion": self.confusion.tolist(), "layer_confusion": self.layer_confusion.tolist(),
+                "layers": self.layer_indices}
 
 
 def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
-                     expert_names: Sequence[str]) -> RoutingScore:
+                     expert_names: Sequence[str], layers: Optional[Sequence[int]] = None) -> RoutingScore:
     """Score routing against labels.
 
     Args:
         routing: (P, L, E) shares, or (P, L) integer top-1 expert per prompt and layer.
         labels: per prompt, the expert it should go to (name or index).
         expert_names: the experts in router order.
+        layers: the model layer of each of the L routing rows (`route.RoutingResult.layers`); default 0 to L-1.
 
     Returns:
         Accuracy per layer and overall, and the confusion matrices.
@@ -87,17 +98,17 @@ def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
     if len(labels) != routing.shape[0]:
         raise ConfigError(f"labels: {len(labels)} labels for {routing.shape[0]} prompts; give one label per prompt")
     idx = torch.tensor(label_indices(labels, names))  # (P,)
-    p, layers, _ = routing.shape
+    p, n_layers, _ = routing.shape
     hit = routing[torch.arange(p), :, idx]  # (P, L): share routed to the label
-    layer_acc = hit.mean(0).tolist() if p else [0.0] * layers
-    layer_conf = torch.zeros(layers, e, e, dtype=torch.long)
+    layer_acc = hit.mean(0).tolist() if p else [0.0] * n_layers
+    layer_conf = torch.zeros(n_layers, e, e, dtype=torch.long)
     pred = routing.argmax(-1)  # (P, L)
-    for layer in range(layers):
+    for layer in range(n_layers):
         layer_conf[layer].index_put_((idx, pred[:, layer]), torch.ones(p, dtype=torch.long), accumulate=True)
     conf = torch.zeros(e, e, dtype=torch.long)
     conf.index_put_((idx, routing.sum(1).argmax(-1)), torch.ones(p, dtype=torch.long), accumulate=True)
-    overall = sum(layer_acc) / layers if layers else 0.0
-    return RoutingScore(names, layer_acc, overall, conf, layer_conf)
+    overall = sum(layer_acc) / n_layers if n_layers else 0.0
+    return RoutingScore(names, layer_acc, overall, conf, layer_conf, None if layers is None else list(layers))
 
 
 def label_indices(labels: Sequence[Union[str, int]], expert_names: Sequence[str],
@@ -157,7 +168,8 @@ def label_by_embedding(prompts: Sequence[str], experts: Sequence[ExpertPrompts],
 
 def read_labeled(path: Union[str, Path]) -> tuple[list[str], list[Optional[str]]]:
     """Read prompts and labels: JSONL (or a JSON list) of records with "text"/"prompt" and "expert"/"label",
-    CSV/TSV with a header row naming such columns (``.csv``, ``.tsv``), or plain text.
+    CSV/TSV (``.csv``, ``.tsv``) with a header row naming such columns or ``expert,prompt`` rows without one
+    (`_labeled_table` says which is which), or plain text.
 
     Plain text is one prompt per line, optionally ``expert<TAB>prompt``. A prompt without a
     label gets None (to be filled by `label_by_embedding`).
@@ -224,9 +236,26 @@ def labels_for(prompts: Sequence[str], labels: Sequence[Optional[str]],
     return out
 
 
+TEXT_COLUMNS, LABEL_COLUMNS = ("text", "prompt"), ("expert", "label")
+
+
 def _labeled_table(path: Path, text: str, delimiter: str) -> tuple[list[str], list[Optional[str]]]:
+    """A CSV/TSV of labelled prompts, with a header row naming its columns or without one.
+
+    The first row is a header when one of its cells names a column read here (text or prompt; expert or label):
+    ``expert<TAB>text``. Otherwise every row is ``expert<TAB>prompt``, as in a text file. A two-cell first row that
+    names only its second column (``code<TAB>prompt``) could be either, and is refused with the way to say which.
+    """
     header, rows = table_rows(path, text, delimiter)
-    column = next((f for f in ("text", "prompt") if f in header), None)
+    cells = [h for h in header if h]
+    if not any(h in TEXT_COLUMNS + LABEL_COLUMNS for h in cells):
+        return _headerless_table(path, text, delimiter)
+    if len(header) == 2 and header[0] not in TEXT_COLUMNS + LABEL_COLUMNS and header[1] in TEXT_COLUMNS:
+        tab = "<TAB>" if delimiter == "\t" else ","
+        raise ConfigError(f"--labeled {path}: its first row ({', '.join(repr(h) for h in header)}) is either a header "
+                          f"or the prompt {header[1]!r} for expert {header[0]!r}; for a header, name the first column "
+                          f"expert (or label); for labelled prompts, add the header row expert{tab}text above it")
+    column = next((f for f in TEXT_COLUMNS if f in header), None)
     label = next((f for f in ("expert", "label") if f in header), None)
     if column is None:
         raise ConfigError(f"--labeled {path}: its header row names no \"text\" or \"prompt\" column (columns: "
@@ -236,6 +265,28 @@ def _labeled_table(path: Path, text: str, delimiter: str) -> tuple[list[str], li
         raise ConfigError(f"--labeled {path}: holds no prompt under its {column!r} column")
     return ([row[column].strip() for row in kept],
             [((row.get(label) or "").strip() or None) if label else None for row in kept])
+
+
+def _headerless_table(path: Path, text: str, delimiter: str) -> tuple[list[str], list[Optional[str]]]:
+    """Rows of ``expert<TAB>prompt`` (``expert,prompt``) without a header: two cells each, as a text file's lines."""
+    kind, shape = ("TSV", "expert<TAB>prompt") if delimiter == "\t" else ("CSV", "expert,prompt")
+    prompts, labels, problems = [], [], []
+    for n, row in enumerate(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter), 1):
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != 2 or not row[1].strip():
+            quote = ", in double quotes when it holds a comma" if delimiter == "," else ""
+            problems.append(f"{path}:{n}: {len(row)} cell(s) where a {kind} without a header row has two, {shape} "
+                            f"(the prompt{quote}); or add a header row naming the text and expert columns")
+            continue
+        prompts.append(row[1].strip())
+        labels.append(row[0].strip() or None)
+    if problems:
+        raise ConfigError(*problems[:10], *([f"--labeled {path}: {len(problems) - 10} more such rows"]
+                                            if len(problems) > 10 else []))
+    if not prompts:
+        raise ConfigError(f"--labeled {path}: holds no prompt; write {shape} rows, or a header row and records")
+    return prompts, labels
 
 
 def _labeled_list(path: Path, content: str) -> tuple[list[str], list[Optional[str]]]:

@@ -4,7 +4,8 @@
 shards), the sha256 recorded in ``moe_upcycle.json``, the tensors on disk against the plan (re-made
 from the recorded recipe, headers only), the router fields of config.json, and loading with
 ``AutoModelForCausalLM``/``AutoTokenizer`` exactly as a user would (missing, unexpected or
-mismatched keys): in the folder's own dtype and with the experts implementation transformers
+mismatched keys; and, against the plan, which layers it built as MoE blocks — ``moe_layers:``): in the
+folder's own dtype and with the experts implementation transformers
 picks for it, so an output that cannot run where it is published (a bf16 build whose experts
 grouped_mm cannot multiply) fails here, and so do NaN logits; the greedy continuations shown are
 this run's. Then, against the dense base (the recipe's ``base_model`` unless given), it compares
@@ -348,6 +349,7 @@ def _checked(folder: Path, base, base_given: Optional[tuple[Path, Optional[Adapt
             result.problems.append(f"transformers reports {len(keys)} {kind} key(s) when loading: {_listed(keys)}")
     if plan is not None and moe.class_name != output_layout(plan.architecture).class_name:
         result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
+    _check_moe_layers(moe.model, plan, result)
     max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
     inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
     advance("verify", note=f"running the MoE on {len(prompt_list)} prompts")
@@ -425,6 +427,20 @@ def _note_tokenizer_difference(dense_tokenizer, prompts: list[str], inputs, resu
         result.notes.append(f"transformers loads the base's tokenizer as {type(dense_tokenizer).__name__}, which "
                             f"tokenizes {len(differ)} prompt(s) differently from the output's (e.g. {differ[0]!r}); "
                             f"both models were fed the output's token ids")
+
+
+def _check_moe_layers(model: torch.nn.Module, plan: Optional[Plan], result: VerifyResult) -> None:
+    """Record which layers transformers built as MoE blocks, and compare them with the plan's (``moe_layers:``)."""
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    if layers is None:
+        return
+    result.num_layers = len(layers)
+    result.moe_layers = [i for i, layer in enumerate(layers)
+                         if hasattr(layer, "block_sparse_moe") or hasattr(getattr(layer, "mlp", None), "experts")]
+    if plan is not None and tuple(result.moe_layers) != plan.moe_layers:
+        result.problems.append(f"transformers built MoE blocks in layers {result.moe_layers or 'none'}, but the "
+                               f"recipe makes {plan.moe_layers_text()} MoE layers; config.json's mlp_only_layers / "
+                               f"decoder_sparse_step do not say what the build wrote — rebuild it")
 
 
 def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> list[str]:

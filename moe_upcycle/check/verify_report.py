@@ -38,6 +38,9 @@ class VerifyResult:
     continuations: list[dict] = field(default_factory=list)  # {"prompt", "dense", "moe"}
     max_kl: Optional[float] = None
     min_agreement: Optional[float] = None
+    # the layers transformers built as MoE blocks, and the model's depth (a dense MLP in the others: moe_layers)
+    moe_layers: Optional[list[int]] = None
+    num_layers: Optional[int] = None
     version: str = __version__
 
     @property
@@ -53,6 +56,10 @@ class VerifyResult:
                      else "not compared with a plan")
         rows.append(("tensors", f"{self.num_tensors} on disk; {plan_note}"))
         rows.append(("experts / top-k", f"{self.num_experts} / {self.experts_per_token}"))
+        if self.moe_layers is not None and self.num_layers is not None and len(self.moe_layers) < self.num_layers:
+            dense = [i for i in range(self.num_layers) if i not in set(self.moe_layers)]
+            rows.append(("MoE layers", f"{', '.join(map(str, self.moe_layers))} of {self.num_layers} (dense MLP in "
+                                       f"{', '.join(map(str, dense))})"))
         rows.append(("dense base", self.base or "not compared"))
         c = self.comparison
         if c is not None:

@@ -3,8 +3,9 @@
 Inputs are the gate/up/down SwiGLU families with Llama's layer names (Llama, Mistral, Qwen2 with
 q/k/v biases, Qwen3 with q/k norms). Outputs are Mixtral, Qwen2-MoE (attention biases, one
 shared expert with a sigmoid gate) and Qwen3-MoE (q/k norms); each says which dense tensors it
-can hold, its per-expert and transformers-5 fused names and its config.json keys, so `arch`,
-`plan`, `fused` and `model_files` need no per-architecture code paths.
+can hold, its per-expert and transformers-5 fused names, the names of a layer left dense
+(``moe_layers:``; Qwen MoE only) and its config.json keys, so `arch`, `plan`, `fused` and
+`model_files` need no per-architecture code paths.
 
 Names are templates with ``{layer}`` and ``{expert}`` holes, filled by `fill`. `split_layer`
 turns a concrete key such as ``model.layers.3.self_attn.q_proj.weight`` back into
@@ -97,6 +98,9 @@ class OutputLayout:
     inherit: tuple[str, ...] = ()  # base config.json fields copied beyond model_files.INHERITED
     per_layer_windows: bool = False  # layer_types says which layers slide (else one window for every layer)
     config: dict = field(default_factory=dict)  # fixed config.json fields
+    # proj -> name of a dense layer's MLP (``moe_layers:``; the class transformers builds for a layer in
+    # ``mlp_only_layers``); empty: every layer is an MoE layer (Mixtral)
+    dense_mlp: dict[str, str] = field(default_factory=dict)
 
     def holds(self, suffix: str) -> bool:
         """Whether a dense per-layer non-MLP tensor (suffix) has a place in this layout."""
@@ -159,8 +163,10 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         shared_expert_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
         inherit=WINDOW_FIELDS,
         per_layer_windows=True,  # transformers 5's Qwen2-MoE reads layer_types (Qwen3-MoE does not)
-        # norm_topk_prob: top-k weights sum to 1, so identical experts reproduce the dense FFN
+        # norm_topk_prob: top-k weights sum to 1, so identical experts reproduce the dense FFN;
+        # decoder_sparse_step and mlp_only_layers: `arch.config_fields` (which layers are MoE layers)
         config={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        dense_mlp={p: DENSE_MLP.replace("{proj}", p) for p in PROJS},  # Qwen2MoeMLP in mlp_only_layers
     ),
     "qwen3_moe": OutputLayout(
         model_type="qwen3_moe",
@@ -173,6 +179,7 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         bias_config_key="attention_bias",
         inherit=WINDOW_FIELDS,
         config={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        dense_mlp={p: DENSE_MLP.replace("{proj}", p) for p in PROJS},  # Qwen3MoeMLP in mlp_only_layers
     ),
 }
 

@@ -3,7 +3,8 @@
 `staged_output(target, force)` yields a temporary folder ``.<name>.partial-<pid>`` next to the
 target. On success it is renamed to the target (with `force`, an existing target is swapped out
 and removed only after the new one is in place). On any error, Ctrl-C, SIGTERM or SIGHUP the staging
-folder is deleted, so nothing half-written ever carries the target's name. A lock file
+folder is deleted (a second signal meanwhile does not cut that short), so nothing half-written ever carries
+the target's name. A lock file
 ``.<name>.lock`` (an flock, released by the kernel if the process dies) refuses a second
 concurrent build to the same target; leftovers of a killed build are cleared by the next one.
 A name near the 255-byte limit is shortened in these helper names (`_stem`). POSIX only (fcntl).
@@ -18,7 +19,6 @@ import hashlib
 import os
 import re
 import shlex
-import signal
 import stat
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -29,7 +29,7 @@ from moe_upcycle.checkpoint.ownership import (cannot_remove, is_ours, protected_
                                               replace_problem, warn_once)
 from moe_upcycle.errors import OutputError, reraise_if_out_of_memory
 from moe_upcycle.inputs.paths import unloadable_name, user_name
-from moe_upcycle.terminal.signals import HANDLED, terminations_raise
+from moe_upcycle.terminal.signals import signals_held, terminations_raise
 
 MAX_STEM_BYTES = 200  # of the target's name in the helper names beside it (filesystems allow 255)
 
@@ -62,6 +62,8 @@ def check_target(target: Path, force: bool, sources: Sequence[Path] = (), inputs
     problem = target_problem(target, force, sources, inputs, restored=restored)
     if problem:
         raise OutputError(problem)
+    if force and target.is_dir() and any(target.iterdir()):
+        _REPLACING.append(target)  # a previous output, replaced only at the very end (`previous_kept`)
 
 
 def target_problem(target: Path, force: bool, sources: Sequence[Path] = (), inputs: Sequence[Path] = (),
@@ -248,19 +250,24 @@ def staged_output(target: Path, force: bool = False) -> Iterator[Path]:
     target = Path(target).resolve()
     lock, fd = _take_lock(target)
     stage = target.parent / f".{_stem(target)}.partial-{os.getpid()}"
+    failed = True
     try:
         _recover(target)
         stage.mkdir()
         with _sigterm_raises():
             yield stage
             _publish(stage, target, force)
+        failed = False
     except OSError as exc:
         reraise_if_out_of_memory(exc)  # the machine's memory, not the output: the command says so (cli.out_of_memory)
         raise OutputError(f"{exc.filename or stage}: {exc.strerror or exc}; nothing was written under "
                           f"{target}" + _space_hint(exc, target)) from None
     finally:
-        remove_ours(stage)
-        _release_lock(lock, fd)
+        # a second signal must not cut the clean-up short (under torchrun a Ctrl-C arrives twice: from the terminal,
+        # then forwarded by torchrun); after a failure it is dropped, the build is stopping already
+        with signals_held(drop=failed):
+            remove_ours(stage)
+            _release_lock(lock, fd)
 
 
 def _stem(target: Path) -> str:
@@ -448,45 +455,33 @@ def _space_hint(exc: OSError, target: Path) -> str:
         return ""
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Delay SIGINT/SIGTERM/SIGHUP until the block ends, so a swap is never left half done.
-
-    Python-level handlers (not a thread signal mask: torch's threads would still take the
-    signal) note what arrives; it is re-raised, to the handlers in place before, at the end.
-    """
-    pending: list[int] = []
-    held = (signal.SIGINT, *HANDLED)
-    try:
-        previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in held}
-    except ValueError:  # not the main thread: signals are not ours to handle
-        yield
-        return
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(pending):
-            signal.raise_signal(s)
-
-
 def published() -> Optional[Path]:
     """The output this process last put in place (None before any): a signal held off during `_publish` is raised
     after it, and the interrupt message must not then say nothing was written."""
     return _PUBLISHED[-1] if _PUBLISHED else None
 
 
+def previous_kept() -> Optional[Path]:
+    """The previous output a ``--force`` build of this process was to replace and has not (None when there was
+    none, or it was replaced): after an interrupt or an error it is exactly as it was, since it is only swapped out,
+    signals held, in the final rename."""
+    if _REPLACING and _REPLACING[-1] not in _PUBLISHED and _REPLACING[-1].is_dir():
+        return _REPLACING[-1]
+    return None
+
+
 def forget_published() -> None:
     """Start a command with no output put in place yet (commands run in one process under tests)."""
     _PUBLISHED.clear()
+    _REPLACING.clear()
 
 
 _PUBLISHED: list[Path] = []
+_REPLACING: list[Path] = []
 
 
 def _publish(stage: Path, target: Path, force: bool) -> None:
-    with _signals_held():
+    with signals_held():
         if not target.exists():
             os.rename(stage, target)
             _PUBLISHED.append(target)

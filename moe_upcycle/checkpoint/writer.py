@@ -20,7 +20,7 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Collection, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -114,10 +114,15 @@ class ShardedWriter:
     """
 
     def __init__(self, folder: Path, specs: Sequence[TensorSpec], max_shard_bytes: int, checksums: bool = True,
-                 metadata: Optional[dict] = None):
+                 metadata: Optional[dict] = None, only: Optional[Collection[int]] = None):
+        """Args:
+            only: the shards (0-based indices) this writer writes, default all: a rank of a distributed build
+                writes its own (`distributed.shard_split`), with the names, headers and bytes of the whole layout.
+        """
         self.folder = Path(folder)
         self.shards = assign_shards(specs, max_shard_bytes)
-        self._order = [(k, spec) for k, shard in enumerate(self.shards) for spec in shard]
+        mine = range(len(self.shards)) if only is None else sorted(only)
+        self._order = [(k, spec) for k in mine for spec in self.shards[k]]
         self._pos = 0
         self._file: Optional[ShardFile] = None
         self._shard = -1
@@ -130,7 +135,17 @@ class ShardedWriter:
 
     @property
     def files(self) -> list[str]:
+        """Every shard's file name (also those another rank writes)."""
         return [shard_name(k + 1, len(self.shards)) for k in range(len(self.shards))]
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors this writer writes, in order."""
+        return [spec.name for _, spec in self._order]
+
+    def file_size(self, k: int) -> int:
+        """The length of shard `k`'s file: its header and its tensors' bytes."""
+        return len(_header(self.shards[k], self.metadata)) + sum(spec.nbytes for spec in self.shards[k])
 
     def write(self, name: str, tensor: Union[torch.Tensor, TensorParts]) -> None:
         """Append one tensor (any layout: made contiguous here), or stream its parts, to its shard."""
@@ -195,17 +210,27 @@ class ShardedWriter:
 
     @property
     def total_bytes(self) -> int:
-        return sum(spec.nbytes for _, spec in self._order)
+        """The tensor bytes of the whole output (every shard's, also those another rank writes)."""
+        return sum(spec.nbytes for shard in self.shards for spec in shard)
 
-    def close(self) -> dict:
-        """Finish the last shard and write the index. Returns the index dict."""
+    def close(self, index: bool = True) -> dict:
+        """Finish the last shard and wait until every shard is on disk; write the index unless `index` is False
+        (a distributed build writes it once every rank is done: `write_index`). Returns the index dict."""
         if self._pos != len(self._order):
             missing = self._order[self._pos][1].name
             raise RuntimeError(f"writer closed with {len(self._order) - self._pos} tensors unwritten (next: {missing})")
         self._finish_file()
         self._wait_for_flushes()
-        index = {"metadata": {"total_size": self.total_bytes},
-                 "weight_map": {spec.name: self.files[k] for k, spec in self._order}}
+        return self.write_index() if index else self.index()
+
+    def index(self) -> dict:
+        """The index of the whole output: total tensor bytes and which file holds each tensor."""
+        return {"metadata": {"total_size": self.total_bytes},
+                "weight_map": {spec.name: self.files[k] for k, shard in enumerate(self.shards) for spec in shard}}
+
+    def write_index(self) -> dict:
+        """Write ``model.safetensors.index.json`` into the folder; returns it."""
+        index = self.index()
         (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return index
 

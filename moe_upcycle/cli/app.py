@@ -22,7 +22,8 @@ from typer.core import TyperGroup
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli.mergekit_flags import explain, translate
 from moe_upcycle.cli.out_of_memory import out_of_memory
-from moe_upcycle.checkpoint.output_dir import forget_published, published
+from moe_upcycle.checkpoint.output_dir import forget_published, previous_kept, published
+from moe_upcycle.distributed.world import World, joined_world
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import denied, symlink_loop
 from moe_upcycle.terminal.allocator import return_large_frees
@@ -38,6 +39,7 @@ class _Commands(TyperGroup):
     moe-upcycle does instead, and the command to run) before the parser would answer "No such option"."""
 
     def resolve_command(self, ctx, args):
+        ARGS["command"] = list(args)  # the command's own arguments, to run it again (`command_line`)
         first = args[0] if args else ""
         if self.get_command(ctx, first) is None and first.lower().endswith((".yaml", ".yml")):
             # mergekit-moe's form, `mergekit-moe config.yml OUT [options]`: the recipe where the command goes
@@ -59,7 +61,9 @@ app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pre
                   help="Turn dense decoder LLM checkpoints into Mixture-of-Experts checkpoints.")
 out = Console()
 DEBUG = {"on": False}
+ARGS: dict[str, list[str]] = {"command": []}  # the running command's name and arguments
 QUIET = {"on": False}
+VERBOSE = {"on": False}
 DEVICE_HELP = "Where the models run: auto (a GPU when torch sees one, else cpu), cpu, cuda or cuda:N."
 
 
@@ -75,11 +79,20 @@ def _version(value: bool) -> None:
 def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors."),
           quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress display and no notes on stderr; "
                                                                    "results, warnings and errors only."),
+          verbose: bool = typer.Option(False, "-v", "--verbose", help="Full reports where a command prints a "
+                                                                      "summary line (build: the duplicate-tensor report)."),
           version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     DEBUG["on"] = debug
     QUIET["on"] = quiet
+    VERBOSE["on"] = verbose
     return_large_frees()  # big freed tensors go back to the OS: memory is what `plan` predicts
+
+
+def command_line() -> list[str]:
+    """The arguments of the running command (global options first), as ``moe-upcycle`` was given them: to run the
+    same command in other processes (``build --workers``)."""
+    return [*(["--debug"] if DEBUG["on"] else []), *(["-q"] if QUIET["on"] else []), *ARGS["command"]]
 
 
 def note(text: str) -> None:
@@ -107,49 +120,102 @@ def cli_errors(fn: Callable) -> Callable:
                 sys.stderr.write(f"error: {message}\n")
                 sys.stderr.flush()
             raise typer.Exit(1) from None
-        try:
-            with (terminations_raise(sigint=True), _warnings_printed(), libraries_quiet(),  # SIGTERM/SIGHUP: as Ctrl-C
-                  reporting(for_console(console, QUIET["on"]))):
-                return fn(*args, **kwargs)
-        except UpcycleError as exc:
-            if DEBUG["on"]:
-                raise
-            kind = type(exc).__name__.replace("Error", " error").lower()
-            for problem in exc.problems:
-                console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1)
-        except (RuntimeError, OSError, MemoryError, ImportError) as exc:  # torch.OutOfMemoryError: a RuntimeError
-            message = out_of_memory(exc, fn.__name__, kwargs)
-            if message is not None and not DEBUG["on"]:  # the model, batch or machine too small: not a bug
-                said = "; nothing was written under the output name" if fn.__name__ in _WRITERS else ""
-                with contextlib.suppress(OSError):
-                    console.print(f"[bold red]error:[/] {escape(message)}{said}", highlight=False, soft_wrap=True)
-                raise typer.Exit(1)
-            stream = _failed_console(exc) if isinstance(exc, OSError) and not DEBUG["on"] else None
-            if stream is not None:  # results on a full disk (`> /dev/full`): the stream, not a bug
-                if stream is out:
-                    done = published()  # the output is complete: only the report of it is lost
-                    built = f" ({escape(str(done))} was built and is complete)" if done is not None else ""
-                    with contextlib.suppress(OSError):
-                        console.print(f"[bold red]error:[/] writing the results to standard output failed "
-                                      f"({escape(exc.strerror or str(exc))}){built}; send them to a file on a disk "
-                                      f"with room, or to a terminal", highlight=False, soft_wrap=True)
-                raise typer.Exit(1)  # stderr failed: nowhere left to say it
-            # Path.resolve() on a looping link, a name too long, a path the user may not read: theirs, not a bug
-            message = symlink_loop(exc) or denied(exc)
-            if message is None or DEBUG["on"]:
-                raise
-            console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1)
-        except KeyboardInterrupt as exc:  # a signal held off while publishing is raised after it: then say so
-            done = published()
-            said = (f" after {escape(str(done))} was complete and in place" if done is not None else
-                    ": nothing was written under the output name" if fn.__name__ in _WRITERS else "")
-            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-                console.print(f"[bold red]interrupted ({signal_name(exc)})[/]{said}", highlight=False)
-            raise typer.Exit(exit_code(exc))
+        # the world is left after the message (torchrun then stops the other ranks); inside it, a rank's warnings
+        # go to the lead, which prints them
+        with _warnings_printed(), _command_world(fn.__name__) as world:
+            return _run(fn, world, *args, **kwargs)
 
     return wrapper
+
+
+def _run(fn: Callable, world: World, *args, **kwargs):
+    """Run the command `fn`; say what stopped it and exit 1 or 128 + signal.
+
+    On the other ranks of a distributed build nothing is printed (`_said_by`): the lead says their failures too.
+    """
+    try:
+        with (_said_by(world), terminations_raise(sigint=True), libraries_quiet(),
+              reporting(for_console(console, QUIET["on"] or not world.lead)),  # SIGTERM/SIGHUP: as Ctrl-C
+              world.failing_together(not_failures=(typer.Exit,))):  # one rank's failure stops every rank
+            return fn(*args, **kwargs)
+    except UpcycleError as exc:
+        if DEBUG["on"]:
+            raise
+        with _said_by(world):
+            _print_error(exc)
+        raise typer.Exit(1)
+    except (RuntimeError, OSError, MemoryError, ImportError) as exc:  # torch.OutOfMemoryError: a RuntimeError
+        message = out_of_memory(exc, fn.__name__, kwargs)
+        if message is not None and not DEBUG["on"]:  # the model, batch or machine too small: not a bug
+            said = "; nothing was written under the output name" if fn.__name__ in _WRITERS else ""
+            with contextlib.suppress(OSError), _said_by(world):
+                console.print(f"[bold red]error:[/] {escape(message)}{said}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+        stream = _failed_console(exc) if isinstance(exc, OSError) and not DEBUG["on"] else None
+        if stream is not None:  # results on a full disk (`> /dev/full`): the stream, not a bug
+            if stream is out:
+                done = published()  # the output is complete: only the report of it is lost
+                built = f" ({escape(str(done))} was built and is complete)" if done is not None else ""
+                with contextlib.suppress(OSError):
+                    console.print(f"[bold red]error:[/] writing the results to standard output failed "
+                                  f"({escape(exc.strerror or str(exc))}){built}; send them to a file on a disk "
+                                  f"with room, or to a terminal", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)  # stderr failed: nowhere left to say it
+        # Path.resolve() on a looping link, a name too long, a path the user may not read: theirs, not a bug
+        message = symlink_loop(exc) or denied(exc)
+        if message is None or DEBUG["on"]:
+            raise
+        with _said_by(world):
+            console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt as exc:  # a signal held off while publishing is raised after it: then say so
+        done, kept = published(), previous_kept()
+        said = (f" after {escape(str(done))} was complete and in place" if done is not None else
+                f": nothing was written under the output name; the previous {escape(str(kept))} is untouched"
+                if kept is not None else
+                ": nothing was written under the output name" if fn.__name__ in _WRITERS else "")
+        with contextlib.suppress(OSError), _said_by(world):  # after SIGHUP the terminal may be gone
+            console.print(f"[bold red]interrupted ({signal_name(exc)}{escape(getattr(exc, 'where', ''))})[/]{said}",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(exit_code(exc))
+
+
+def _print_error(exc: UpcycleError) -> None:
+    kind = type(exc).__name__.replace("Error", " error").lower()
+    for problem in exc.problems:
+        console.print(f"[bold red]{kind}:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _command_world(command: str) -> Iterator[World]:
+    """The ranks of a distributed build (`build` under torchrun joins them for the whole command, so the lead
+    leaves the job only after its message); a process alone for every other command."""
+    if command not in _DISTRIBUTED:
+        yield World()
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            world = stack.enter_context(joined_world())
+        except UpcycleError as exc:  # this process cannot join the job (WORLD_SIZE without torchrun's other variables)
+            if DEBUG["on"]:
+                raise
+            _print_error(exc)
+            raise typer.Exit(1)
+        yield world
+
+
+@contextlib.contextmanager
+def _said_by(world: World) -> Iterator[None]:
+    """Nothing is printed in the block on a rank other than the lead (it says what every rank did)."""
+    if world.lead:
+        yield
+        return
+    before = console.quiet, out.quiet
+    console.quiet = out.quiet = True
+    try:
+        yield
+    finally:
+        console.quiet, out.quiet = before
 
 
 def _torch_not_loaded(exc: BaseException) -> Optional[str]:
@@ -167,6 +233,7 @@ def _torch_not_loaded(exc: BaseException) -> Optional[str]:
 
 # the commands that write an output (staged, then renamed into place): an interrupt leaves nothing under its name
 _WRITERS = frozenset({"build", "demo", "grow"})
+_DISTRIBUTED = frozenset({"build"})  # run by every rank of a torchrun job as one build
 
 
 def _failed_console(exc: OSError):

@@ -15,7 +15,10 @@ from rich.table import Table
 
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli import help as cli_help  # noqa: F401  (boolean flags are shown as flags in --help)
-from moe_upcycle.cli.app import DEBUG, DEVICE_HELP, QUIET, app, cli_errors, console, note, out  # noqa: F401
+from moe_upcycle.cli.next_steps import after_build, after_demo
+from moe_upcycle.cli.app import (DEBUG, DEVICE_HELP, QUIET, VERBOSE, app, cli_errors, command_line, console,  # noqa: F401
+                                 note, out)
+from moe_upcycle.distributed.world import current_world
 from moe_upcycle.errors import ConfigError, UpcycleError, UpcycleWarning
 from moe_upcycle.terminal.json_text import json_text
 from moe_upcycle.terminal.progress import stage
@@ -53,9 +56,21 @@ def build(
                                                             "(same as gate_source: mergekit)."),
     allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
                                             "warning, as mergekit-moe does (misspelt keys stay errors)."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Build with N processes on this machine, "
+                                          "each writing its share of the shards (as torchrun --nproc-per-node N "
+                                          "runs it; for several nodes, run torchrun on each)."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
+
+    world = current_world()  # the ranks of a torchrun job (or of --workers), or this process alone
+    if workers is not None and workers != world.size and not dry_run:
+        if world.size > 1:
+            raise ConfigError(f"--workers {workers}: this build runs as {world.size} processes of a torchrun job "
+                              f"already; drop --workers (torchrun's --nproc-per-node sets how many)")
+        from moe_upcycle.distributed.local_launch import run_workers
+
+        raise typer.Exit(run_workers(workers, command_line()))
 
     if out_dir is not None and output is not None and out_dir != output:
         raise ConfigError(f"OUT is {out_dir} and -o/--output is {output}; give the output folder once")
@@ -72,7 +87,7 @@ def build(
     policy = None if clone_tensors is None else ("clone" if clone_tensors else "share")
     target = out_dir or output
     gate_source = "mergekit" if mergekit else None
-    if not no_lint:
+    if not no_lint and world.lead:  # advice, printed once: the other ranks of a distributed build skip it
         options = {} if dry_run else dict(tensor_policy=policy, max_shard_size=max_shard_size, device=device,
                                           batch_size=batch_size, checksums=checksums, gate_source=gate_source)
         _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify,
@@ -88,7 +103,7 @@ def build(
                      allow_unknown_keys=allow_unknown_keys, gate_source=gate_source)
     for line in result.notes:
         note(f"[bold cyan]note:[/] {escape(line)}")
-    for line in result.sharing:
+    for line in (result.sharing if VERBOSE["on"] else [result.sharing_line] if result.sharing_line else []):
         note(escape(line))
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
@@ -102,6 +117,8 @@ def build(
         print_verify(result.verify, out, console, notes=not QUIET["on"])
         if not result.verify.ok:
             raise typer.Exit(1)
+    for line in after_build(result.output, verified=result.verify is not None):
+        note(escape(line))
 
 
 @app.command()
@@ -174,9 +191,11 @@ def demo(folder: Path = typer.Argument(Path("demo_out"), readable=False, metavar
     """Generate a tiny dense Llama, upcycle it to 4 experts and show the MoE reproduces its logits."""
     from moe_upcycle.cli.demo import run_demo
 
-    result = run_demo(folder, console=out)
+    result = run_demo(folder, console=out, verbose=VERBOSE["on"])
     if not result["ok"]:
         raise typer.Exit(1)
+    for line in after_demo(Path(result["output"])):
+        note(escape(line))
 
 
 def _warn_prompt_lint(config: Path, allow_unknown_keys: bool = False, options: Optional[dict] = None,
@@ -271,7 +290,7 @@ def route(
     if labels is not None:
         from moe_upcycle.check.route_eval import routing_accuracy
 
-        score = routing_accuracy(result.shares(), labels, result.expert_names)
+        score = routing_accuracy(result.shares(), labels, result.expert_names, result.layers)
     if as_json:
         data = result.to_dict()
         if score is not None:

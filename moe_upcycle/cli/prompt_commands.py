@@ -56,7 +56,8 @@ def lint(
     pair_threshold = PAIR_THRESHOLD if threshold is None else threshold
     duplicate_threshold = DUPLICATE_THRESHOLD if duplicate_threshold is None else duplicate_threshold
     if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
-        why = f"gate_mode {cfg.gate_mode} makes routers without prompts ({PROMPTLESS_GATE_MODES[cfg.gate_mode]})"
+        mode = f"{cfg.gate_mode} ({cfg.gate_mode_default})" if cfg.gate_mode_default else cfg.gate_mode
+        why = f"gate_mode {mode} makes routers without prompts ({PROMPTLESS_GATE_MODES[cfg.gate_mode]})"
         if as_json:  # one JSON document on stdout, as every --json promises: an empty report, the same keys
             empty = LintReport([], [], [], pair_threshold, duplicate_threshold, embedder="")
             out.out(json_text({**empty.to_dict(), "nothing_to_lint": why}), highlight=False)
@@ -115,7 +116,7 @@ def grow(
     """Add to each expert the pool prompts most like its own and clearly unlike the other experts'."""
     from moe_upcycle.errors import ConfigError
     from moe_upcycle.prompts.embed import load_embedder
-    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, check_growable, check_limits, grow_prompts
+    from moe_upcycle.prompts.grow import MARGIN, MIN_SIMILARITY, check_growable, check_limits, grow
     from moe_upcycle.prompts.pool import FORMATS, read_pool_file
     from moe_upcycle.recipe.resolve import expert_prompts
     from moe_upcycle.recipe.rewrite import grown_target, write_grown_config
@@ -136,9 +137,10 @@ def grow(
     with stage("load embedder", note=embedder or "all-MiniLM-L6-v2"):
         loaded = load_embedder(embedder)
     with stage("embed prompts", note=f"{len(candidates)} candidates"):
-        picks = grow_prompts(expert_prompts(cfg.expert_list()), candidates, loaded, per_expert=per_expert,
-                             margin=MARGIN if margin is None else margin,
-                             min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
+        growth = grow(expert_prompts(cfg.expert_list()), candidates, loaded, per_expert=per_expert,
+                      margin=MARGIN if margin is None else margin,
+                      min_similarity=MIN_SIMILARITY if min_similarity is None else min_similarity)
+    picks = growth.picks
     written = write_grown_config(config, {name: [p.text for p in chosen] for name, chosen in picks.items()},
                                  output=output, in_place=in_place, force=force, allow_unknown_keys=allow_unknown_keys,
                                  inputs=[pool], expected=read_first)
@@ -152,3 +154,5 @@ def grow(
     total = sum(len(v) for v in picks.values())
     out.print(f"[green]Wrote[/] {escape(str(written))}: {total} prompt(s) added "
               f"({escape(', '.join(f'{k} +{len(v)}' for k, v in picks.items()))}).", highlight=False)
+    for name, why in growth.why_none.items():
+        out.print(f"{escape(name)}: no new prompts: {escape(why)}", highlight=False, soft_wrap=True)

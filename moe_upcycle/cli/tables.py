@@ -41,7 +41,7 @@ def routing_tables(score) -> list[Table]:
     acc = Table(title=f"routing accuracy (overall {score.overall:.1%})")
     acc.add_column("layer")
     acc.add_column("accuracy")
-    for layer, a in enumerate(score.layer_accuracy):
+    for layer, a in zip(score.layer_indices, score.layer_accuracy):
         acc.add_row(str(layer), f"{a:.1%}")
     conf = Table(title="confusion (rows: label, columns: expert chosen, majority over layers)")
     conf.add_column("label \\ routed")

@@ -50,14 +50,25 @@ def default_gate_scale(hidden_size: int) -> float:
 
 def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
                   device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
-    """Router weights for every layer, fp32, shape (num_experts, hidden).
+    """Router weights for every MoE layer (`Plan.moe_layers`), fp32, shape (num_experts, hidden).
 
     `device` (default CPU) is where ``random``/``uniform_random``/``uniform`` rows are drawn, with a
     generator of that device seeded with ``params.seed`` (CPU and CUDA draw different rows).
 
+    Rows are made for every layer and those of the dense layers (``moe_layers:``) dropped: a layer's router
+    is then the same whichever other layers are MoE layers (the random modes draw layer after layer from
+    one generator; the hidden-state modes run the whole base anyway).
+
     Raises:
         ConfigError: prompts missing for a prompt-based mode, or a mode not available.
     """
+    gates = _every_layer(params, plan, base, device)
+    return {layer: gates[layer] for layer in plan.moe_layers}
+
+
+def _every_layer(params: GateParams, plan: Plan, base: Checkpoint,
+                 device: Optional[torch.device]) -> dict[int, torch.Tensor]:
+    """`compute_gates` for all `plan.num_layers` layers."""
     experts = params.experts
     num_experts, hidden = len(experts), plan.base_config.hidden_size
     mode = params.mode
@@ -99,9 +110,11 @@ def check_prompts(params: GateParams) -> None:
         return
     if params.copies:
         raise ConfigError(f"gate_mode: {params.mode} needs prompts, but num_experts gives copies without "
-                          f"prompts; use gate_mode: random (or uniform, uniform_random), or list experts with prompts")
-    missing = [f"experts[{i}].positive_prompts: gate_mode {params.mode} needs at least one prompt "
-               f"(or positive_prompts_from: a prompt set)"
+                          f"prompts; use gate_mode: random (or uniform, uniform_random; random is the default for "
+                          f"copies: leave gate_mode out), or list experts with prompts")
+    fix = "; or set gate_mode: random to build without prompts (routers to train)" if params.mode_default else ""
+    missing = [f"experts[{i}].positive_prompts: gate_mode {params.mode_said} needs at least one prompt "
+               f"(or positive_prompts_from: a prompt set){fix}"
                for i, e in enumerate(params.experts) if not e.positive]
     if missing:
         raise ConfigError(*missing)
@@ -167,4 +180,4 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
     hidden = plan.base_config.hidden_size
     rows = cheap_embed_rows(params.shared_experts, base, "shared_experts")  # (n, H)
     row = normalise_rows(rows.mean(dim=0, keepdim=True), params.scale or default_gate_scale(hidden))
-    return {layer: row.clone() for layer in range(plan.num_layers)}
+    return {layer: row.clone() for layer in plan.moe_layers}

@@ -19,6 +19,7 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
 from moe_upcycle.planning import windows
 from moe_upcycle.planning.steps import Plan
+from moe_upcycle.recipe.resolve import moe_layers
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 # mergekit-moe's names for outputs, mapped onto ours
@@ -75,7 +76,34 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
     if config.shared_experts and not layout.shared_expert:
         out.append((f"{layout.label} has no shared expert, but shared_experts lists {len(config.shared_experts)}",
                     "shared_experts"))
+    chosen, depth = moe_layers(config), int(base.config.get("num_hidden_layers") or 0)
+    dense = chosen.dense_layers(depth) if depth and not chosen.problems(depth, "") else ()
+    if dense and not layout.dense_mlp:
+        out.append((f"{layout.label} makes every layer an MoE layer (it has no dense-MLP layers), but moe_layers: "
+                    f"{chosen.text()} keeps {len(dense)} of the {depth} layers dense ({_listed(dense)})", "moe_layers"))
+    if config.norm_topk_prob is False and "norm_topk_prob" not in layout.config:
+        out.append((f"{layout.label} always renormalises the top-k router weights (it has no norm_topk_prob), but "
+                    f"norm_topk_prob: false is set", "norm_topk_prob"))
     return out
+
+
+def _listed(layers: tuple[int, ...], limit: int = 12) -> str:
+    shown = ", ".join(map(str, layers[:limit]))
+    return shown + (f" and {len(layers) - limit} more" if len(layers) > limit else "")
+
+
+def choice_notes(config: UpcycleConfig, base: Checkpoint, layout: names.OutputLayout) -> list[str]:
+    """Say why a build without `architecture:` is not written as its family's natural output, when a setting of
+    this feature's (``moe_layers`` keeping dense layers, ``norm_topk_prob: false``) is what Mixtral cannot hold."""
+    family = names.INPUT_FAMILIES.get(base.model_type)
+    if config.architecture or family is None or layout.model_type == family.default_output:
+        return []
+    natural = names.OUTPUT_LAYOUTS[family.default_output]
+    reasons = [text for text, key in misfits(natural, config, base) if key in ("moe_layers", "norm_topk_prob")]
+    if not reasons:
+        return []
+    return [f"{natural.model_type}: {reasons[0]}, so this {base.model_type} build is written as {layout.model_type}; "
+            f"add architecture: {layout.model_type} to the recipe to make the choice explicit"]
 
 
 def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout:
@@ -228,14 +256,19 @@ def config_fields(plan: "Plan") -> dict:
     layout = names.output_layout(plan.architecture)
     base = plan.base_config
     leaves = {s.name: s for s in plan.leaf_steps()}
-    gate0 = leaves.get(names.fill(layout.expert["gate_proj"], layer=0, expert=0))
+    first_moe = plan.moe_layers[0] if plan.moe_layers else 0  # layer 0 may be a dense one (``moe_layers:``)
+    gate0 = leaves.get(names.fill(layout.expert["gate_proj"], layer=first_moe, expert=0))
     fields = dict(layout.config)
     fields[layout.experts_key] = len(plan.expert_names)
     fields[layout.expert_size_key] = gate0.shape[0] if gate0 else base.intermediate_size
     if layout.shared_expert:
         top = {s.name: s for s in plan.steps}  # several shared experts are one step made of parts
-        shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=0))
+        shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=first_moe))
         fields["shared_expert_intermediate_size"] = shared.shape[0] if shared else 0
+    if "norm_topk_prob" in layout.config:
+        fields["norm_topk_prob"] = plan.norm_topk_prob
+    if layout.dense_mlp:
+        fields.update(sparse_layer_fields(plan.moe_layers, plan.num_layers))
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})
@@ -249,3 +282,21 @@ def config_fields(plan: "Plan") -> dict:
         fields.update(use_sliding_window=True, max_window_layers=first,
                       layer_types=["sliding_attention" if w else "full_attention" for w in per_layer])
     return fields
+
+
+def sparse_layer_fields(moe: tuple[int, ...], num_layers: int) -> dict:
+    """Qwen MoE's ``decoder_sparse_step`` and ``mlp_only_layers`` for MoE layers `moe` of `num_layers`.
+
+    transformers (4.57 and 5), vLLM and Qwen's own code make layer i an MoE layer when
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``. ``mlp_only_layers`` lists every
+    dense layer, so a loader that reads only it builds the right layers; ``decoder_sparse_step`` is k when the
+    MoE layers are exactly k-1, 2k-1, ... (Qwen's own spelling of "every k-th layer"), else 1.
+
+    Example:
+        >>> sparse_layer_fields((1, 3), 4), sparse_layer_fields((0, 2), 4)
+        ({'decoder_sparse_step': 2, 'mlp_only_layers': [0, 2]}, {'decoder_sparse_step': 1, 'mlp_only_layers': [1, 3]})
+    """
+    dense = [i for i in range(num_layers) if i not in set(moe)]
+    step = next((k for k in range(2, num_layers + 1)
+                 if tuple(i for i in range(num_layers) if (i + 1) % k == 0) == tuple(moe)), 1)
+    return {"decoder_sparse_step": step, "mlp_only_layers": dense}

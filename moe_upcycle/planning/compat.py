@@ -92,9 +92,16 @@ def _ffn_problems(path: str, expert: ExpertConfig, src: Checkpoint, base: Checkp
                        f"{base.config.get(key)}; experts must have the base's shape")
     vocab, base_vocab = src.config.get("vocab_size"), base.config.get("vocab_size")
     if vocab != base_vocab and not _added_tokens(vocab, base_vocab):
-        out.append(f"{label}: vocab_size is {vocab} but base_model {base_ref} has {base_vocab}, more than the "
-                   f"{ADDED_TOKENS_LIMIT} tokens a fine-tune adds: a model from another pretraining, whose FFN "
-                   f"expects that model's hidden states; use experts fine-tuned from the same base")
+        if isinstance(vocab, int) and isinstance(base_vocab, int):
+            # either way round: a base with added tokens (ChatML's 32002) may have more than its fine-tunes
+            gap = (f"the expert has {abs(vocab - base_vocab)} tokens {'more' if vocab > base_vocab else 'fewer'} than "
+                   f"the base, where a fine-tune's vocabulary and its base's differ by at most the "
+                   f"{ADDED_TOKENS_LIMIT} tokens a fine-tune adds")
+        else:
+            gap = "one of them gives no vocabulary size"
+        out.append(f"{label}: vocab_size is {vocab} but base_model {base_ref} has {base_vocab}: {gap}; it is a "
+                   f"model from another pretraining, whose FFN expects that model's hidden states; use experts "
+                   f"fine-tuned from the same base")
     n_base, n_src = base.fields.num_hidden_layers, src.fields.num_hidden_layers
     if expert.layers is not None:
         start, end = expert.layers

@@ -30,6 +30,12 @@ measures them (convert with ``convert_hf_to_gguf.py``, compare logits with trans
   `rope.rope_fields` always writes) convert for all three (`rope.problem`).
 - The converter's qwen2moe / qwen3moe split transformers-5 fused experts (``gate_up_proj``); its llama
   (Mixtral) cannot map them.
+- A dense layer between MoE layers (``moe_layers:``, transformers' ``mlp_only_layers``) has no place in
+  either: ``gguf-py``'s tensor lists for ``QWEN2MOE`` / ``QWEN3MOE`` have no dense ``FFN_GATE/UP/DOWN``, so the
+  converter cannot map ``mlp.gate_proj``, and ``src/models/qwen2moe.cpp`` / ``qwen3moe.cpp`` create
+  ``ffn_gate_inp`` and the expert tensors for every layer as required tensors (flag 0), reading no
+  ``mlp_only_layers`` / ``decoder_sparse_step``. Such a folder does not convert; converted with dense names
+  forced into the converter's table, the GGUF does not load ("tensor 'blk.0.ffn_gate_inp.weight' not found").
 
 So we write (a) a shared expert at least 1 wide, zeros when there is none (adds exactly 0 in both
 runtimes), (b) the "constant" shared gate as tiny equal entries `half_gate_value` instead of zeros:
@@ -107,6 +113,14 @@ def verdict(plan: "Plan") -> tuple[str, str]:
     whether that is the dense model's function is the plan's other notes' business.
     """
     arch = LLAMACPP[plan.architecture]
+    if plan.dense_layers:
+        first = plan.dense_layers[0]
+        return ("will not load", f"dense layers between MoE layers (moe_layers): convert_hf_to_gguf.py's {arch.name} "
+                                 f"has no GGUF name for a dense MLP (\"Can not map tensor "
+                                 f"'model.layers.{first}.mlp.down_proj.weight'\"), and llama.cpp's {arch.name} "
+                                 f"loader requires a router and experts in every layer (\"tensor "
+                                 f"'blk.{first}.ffn_gate_inp.weight' not found\"); for llama.cpp leave moe_layers out "
+                                 f"(every layer an MoE layer)")
     if plan.layout == "fused" and not arch.converts_fused:
         return ("will not load", f"convert_hf_to_gguf.py's {arch.name} maps per-expert tensors only (\"Can not map "
                                  f"tensor ...mlp.experts.gate_up_proj\"); write layout: per_expert")
@@ -135,12 +149,18 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                                    f"(rope_freqs) for llama only, so llama.cpp's {arch.name} rotates with unscaled "
                                    f"frequencies; use architecture: mixtral")
     experts = len(plan.expert_names)
-    if not arch.renormalises_top_k and plan.experts_per_token < experts:
+    if not arch.renormalises_top_k and plan.norm_topk_prob and plan.experts_per_token < experts:
         return ("runs, not exact",
                 f"llama.cpp's {arch.name} never renormalises the top-{plan.experts_per_token} router weights "
                 f"(it ignores norm_topk_prob: true), so each MoE layer's routed output is scaled by the top-"
                 f"{plan.experts_per_token} softmax mass (< 1, per token) there; exact only with "
-                f"experts_per_token: {experts} (all experts active) or architecture: qwen3_moe / mixtral")
+                f"experts_per_token: {experts} (all experts active), norm_topk_prob: false (transformers then "
+                f"computes what llama.cpp does) or architecture: qwen3_moe / mixtral")
+    if arch.renormalises_top_k and not plan.norm_topk_prob and plan.experts_per_token < experts:
+        return ("runs, not exact",
+                f"llama.cpp's {arch.name} always renormalises the top-{plan.experts_per_token} router weights, and "
+                f"this config says norm_topk_prob: false (transformers does not); exact with norm_topk_prob: true "
+                f"or experts_per_token: {experts}")
     if plan.ties_decide:
         k, dense = plan.experts_per_token, plan.base_config.intermediate_size
         g = dense // plan.expert_intermediate_size if plan.expert_intermediate_size and dense else 1
@@ -154,8 +174,10 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                                    f"the lowest-indexed experts, torch.topk not always (top-2 of 4 on a CPU: experts "
                                    f"2 and 3); these experts differ, so the outputs do; exact with "
                                    f"experts_per_token: {experts}")
-    return ("exact", f"{GATING}, " + ("renormalised as in transformers" if arch.renormalises_top_k
-                                      else "all experts active, so the weights already sum to 1"))
+    how = ("renormalised as in transformers" if arch.renormalises_top_k and plan.norm_topk_prob else
+           "not renormalised, as in transformers with norm_topk_prob: false" if not arch.renormalises_top_k
+           and not plan.norm_topk_prob else "all experts active, so the weights already sum to 1")
+    return ("exact", f"{GATING}, {how}")
 
 
 def plan_note(plan: "Plan") -> str:

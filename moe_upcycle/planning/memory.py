@@ -122,7 +122,7 @@ def staging_bytes(plan: Plan, writing: WriteParams) -> int:
 
 def router_bytes(plan: Plan) -> int:
     """The router matrices held (fp32) from gate computation until they are written."""
-    return plan.num_layers * len(plan.expert_names) * plan.base_config.hidden_size * 4
+    return len(plan.moe_layers) * len(plan.expert_names) * plan.base_config.hidden_size * 4
 
 
 def mapped_input_bytes(plan: Plan, sources: dict[str, Checkpoint]) -> int:

@@ -17,10 +17,10 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks
+from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks, sparsity
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import unused_prompts_note
-from moe_upcycle.recipe.resolve import expert_inits
+from moe_upcycle.recipe.resolve import expert_inits, moe_layers
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 __all__ = ["Plan", "Step", "make_plan", "STR_DTYPES"]
@@ -68,6 +68,9 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base, problems)
     tied = bcfg.tie_word_embeddings
     n_layers = bcfg.num_hidden_layers
+    chosen = moe_layers(config)
+    problems += chosen.problems(n_layers, f"base_model ({config.base_model})")
+    dense_layers = set(chosen.dense_layers(n_layers))
     steps: list[Step] = []
     notes: list[str] = []
 
@@ -135,6 +138,14 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
             key, weight = f"model.layers.{layer}.{bias}", f"model.layers.{layer}.{bias[:-len('bias')]}weight"
             if (layout.biases_always or has_bias) and key not in base.tensors and weight in base.tensors:
                 steps.append(Step(key, base.tensors[weight].shape[:1], dtype, "zeros", layer=layer))
+        if layer in dense_layers:  # the base's own MLP, byte for byte in its dtype (from base_model, never averaged)
+            for proj in names.PROJS:
+                key = names.fill(names.DENSE_MLP, layer=layer, proj=proj)
+                info = need(base, key, f"base_model ({config.base_model})")
+                if info:
+                    steps.append(Step(names.fill(layout.dense_mlp[proj], layer=layer), info.shape, dtype, "copy",
+                                      (config.base_model, key), layer))
+            continue
         hidden = bcfg.hidden_size
         steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), hidden), dtype, "router",
                           layer=layer))
@@ -174,18 +185,25 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     if config.layout == "fused" and not problems:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
-    cautions = (arch.mergekit_choice_notes(config, base, layout) + compat.source_notes(config, sources)
+    notes += sparsity.layer_notes(config, chosen, n_layers)
+    renorm_notes, renorm_inexact = sparsity.renormalisation_notes(config, layout, len(experts))
+    notes += renorm_notes
+    cautions = (arch.choice_notes(config, base, layout) + arch.mergekit_choice_notes(config, base, layout)
+                + compat.source_notes(config, sources)
                 + source_checks.expert_setting_notes(config.base_model, used, sources) + dropped
                 + unused_prompts_note(config))
     notes += cautions
     if split_inexact:  # a caution (printed by build, warned by upcycle_model), beside the split's notes
         cautions.append(split_inexact)
+    cautions += renorm_inexact
     if problems:
         raise PlanError(*_dedupe(problems))
+    inexact = ((split_inexact,) if split_inexact else ()) + tuple(renorm_inexact)
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 bcfg, tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
                 layout=config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
-                not_copied=tuple(extra), inexact=(split_inexact,) if split_inexact else ())
+                not_copied=tuple(extra), inexact=inexact, dense_layers=tuple(sorted(dense_layers)),
+                norm_topk_prob=config.norm_topk_prob is not False)
     if plan.ties_decide:
         tie = (f"gate_mode uniform: every expert scores the same for every token, so the top-{plan.experts_per_token} "
                f"of {len(experts)} is decided by tie-breaking — in transformers on a CPU the same fixed experts for "

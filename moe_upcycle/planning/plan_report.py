@@ -73,6 +73,10 @@ class PlanSummary:
     runtimes: tuple[Verdict, ...] = ()  # where the output runs (`runtimes.compatibility`)
     adapters: tuple[str, ...] = ()  # one line per ``model+adapter`` reference: the LoRA merged in
     tied_head_written: bool = False  # a tied lm_head.weight is written beside the embedding (`llamacpp`)
+    moe_layers: tuple[int, ...] = ()  # the layers with experts (`Plan.moe_layers`); the others keep the dense MLP
+    num_layers: int = 0
+    moe_layers_text: str = ""  # `Plan.moe_layers_text`: "layers 1, 3 of 4" or "all 4 layers"
+    gate_mode_default: str = ""  # why gate_mode is what it is when the recipe leaves it out
 
     @property
     def tied_note(self) -> str:
@@ -186,7 +190,8 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
                                config.base_model), components=tuple(components(plan)),
         sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
         disk_needed_bytes=needed, disk_free_bytes=free, runtimes=tuple(compatibility(plan)),
-        adapters=tuple(adapter_lines(sources)),
+        adapters=tuple(adapter_lines(sources)), moe_layers=plan.moe_layers, num_layers=plan.num_layers,
+        moe_layers_text=plan.moe_layers_text(), gate_mode_default=config.gate_mode_default,
     )
 
 
@@ -222,7 +227,10 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     table = Table(title="moe-upcycle plan", show_header=False)
     table.add_row("architecture", s.architecture)
     table.add_row("experts", escape(f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}"))
-    table.add_row("gate mode", s.gate_mode)
+    if s.moe_layers_text:
+        dense = [i for i in range(s.num_layers) if i not in set(s.moe_layers)]
+        table.add_row("MoE layers", s.moe_layers_text + (f" (dense MLP in {', '.join(map(str, dense))})" if dense else ""))
+    table.add_row("gate mode", s.gate_mode + (f" ({s.gate_mode_default})" if s.gate_mode_default else ""))
     table.add_row("dtype", s.dtype)
     table.add_row("parameters", f"{readable_count(s.total_params)} total, {readable_count(s.active_params)} "
                                 f"active per token"

@@ -30,7 +30,12 @@ rules per runtime are plain functions in `RULES`; what they encode:
   o_proj bias; it has no sliding window; head_dim, llama3 rope and the fused layout per architecture), each
   case measured by ``scripts/check_llamacpp.py``.
 - ExLlamaV2: MixtralForCausalLM and Qwen3MoeForCausalLM (always renormalises top-k); no
-  Qwen2MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only.
+  Qwen2MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only. MoE is
+  a per-architecture switch (``is_moe``: ``model.py`` builds every layer's MLP as ``ExLlamaV2MoEMLP``)
+  and ``config.py`` reads no ``mlp_only_layers``, so dense layers between MoE layers do not load.
+- Dense layers between MoE layers (``moe_layers:``): transformers 4.57 and 5 build them from
+  ``mlp_only_layers`` / ``decoder_sparse_step`` (measured); vLLM's qwen2_moe / qwen3_moe apply the same
+  rule (``Qwen2MoeDecoderLayer``, ``Qwen3MoeDecoderLayer``); llama.cpp cannot convert them (`llamacpp`).
 - rope scaling (every runtime but transformers 5): the rules of `rope` (dynamic NTK, yarn's
   attention_factor, longrope's factor), read from the config.json as `rope.rope_fields` spells it.
 
@@ -68,6 +73,7 @@ class OutputFacts:
     llamacpp: tuple[str, str] = ("exact", "")  # `llamacpp.verdict`: (status, why)
     fused_scope: str = FUSED_ONLY  # the runtimes that read the fused layout: "transformers >= 5 ... only"
     ties_decide: bool = False  # `Plan.ties_decide`: tied router scores choose between experts that differ
+    dense_layers: tuple[int, ...] = ()  # layers that keep the dense MLP (``moe_layers:``, config's mlp_only_layers)
 
     @property
     def renormalises(self) -> bool:
@@ -119,6 +125,7 @@ def output_facts(plan: Plan) -> OutputFacts:
         model_type=layout.model_type, layout=plan.layout, config=cfg, zero_size=zero,
         o_proj_bias=any(s.name.endswith("self_attn.o_proj.bias") for s in plan.steps),
         llamacpp=llamacpp.verdict(plan), fused_scope=fused_scope(plan.architecture), ties_decide=plan.ties_decide,
+        dense_layers=plan.dense_layers,
     )
 
 
@@ -154,7 +161,8 @@ def _transformers4(f: OutputFacts) -> Verdict:
     problem = rope.problem("transformers 4.x", f.config)
     if problem:
         return Verdict("transformers 4.x", RUNS, problem, MEASURED)
-    return Verdict("transformers 4.x", EXACT, "4.57, per-expert tensors", MEASURED)
+    dense = ", dense layers built from mlp_only_layers" if f.dense_layers else ""
+    return Verdict("transformers 4.x", EXACT, f"4.57, per-expert tensors{dense}", MEASURED)
 
 
 def _vllm(f: OutputFacts) -> Verdict:
@@ -176,7 +184,8 @@ def _vllm(f: OutputFacts) -> Verdict:
                        f"self_attn.o_proj.bias")
     if f.ties_decide:
         return Verdict("vLLM", RUNS, TIES)
-    return Verdict("vLLM", EXACT, "honours norm_topk_prob; not run here (GPU)")
+    dense = " and mlp_only_layers / decoder_sparse_step (its qwen2_moe / qwen3_moe build a dense MLP there)"
+    return Verdict("vLLM", EXACT, f"honours norm_topk_prob{dense if f.dense_layers else ''}; not run here (GPU)")
 
 
 def _llama_cpp(f: OutputFacts) -> Verdict:
@@ -193,6 +202,10 @@ def _exllamav2(f: OutputFacts) -> Verdict:
                        "dense mlp.gate_proj")
     if f.layout == "fused":
         return Verdict("ExLlamaV2", NO_LOAD, f"it reads per-expert tensors; fused is {f.fused_scope}")
+    if f.dense_layers:
+        return Verdict("ExLlamaV2", NO_LOAD, "MoE is a switch per architecture there (is_moe: every layer is built as "
+                       "an MoE block) and its config reads no mlp_only_layers / decoder_sparse_step, so it looks "
+                       "for experts in the dense layers")
     if f.model_type == "qwen3_moe" and not f.renormalises and not f.all_experts_active:
         return Verdict("ExLlamaV2", RUNS, "it always renormalises the top-k weights, but norm_topk_prob is false")
     problem = rope.problem("ExLlamaV2", f.config)

@@ -88,6 +88,10 @@ class Plan:
     # every router row is the same (gate_mode uniform): each expert scores the same for every token, so with
     # experts_per_token below the expert count the choice is each runtime's tie-breaking
     tied_scores: bool = False
+    # layers that keep the base's dense MLP (``moe_layers:``); empty: every layer is an MoE layer
+    dense_layers: tuple[int, ...] = ()
+    # the top-k router weights are renormalised to sum 1 (config.json's norm_topk_prob; Mixtral always does)
+    norm_topk_prob: bool = True
 
     @cached_property
     def total_bytes(self) -> int:
@@ -97,6 +101,25 @@ class Plan:
     @property
     def num_layers(self) -> int:
         return self.base_config.num_hidden_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with a router and experts, ascending."""
+        dense = set(self.dense_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
+
+    def moe_layers_text(self) -> str:
+        """Where the experts are, for the plan and the card: ``layers 1, 3 of 4`` or ``all 4 layers``.
+
+        Example:
+            >>> Plan("qwen3_moe", (), (), 2, torch.float32, {"num_hidden_layers": 4}, False,
+            ...      dense_layers=(0, 2)).moe_layers_text()
+            'layers 1, 3 of 4'
+        """
+        if not self.dense_layers:
+            return f"all {self.num_layers} layers"
+        moe = self.moe_layers
+        return f"layer{'s' if len(moe) > 1 else ''} {', '.join(map(str, moe))} of {self.num_layers}"
 
     def leaf_steps(self) -> list[Step]:
         """Every step that reads a source or is computed, with fused/averaged steps expanded into their parts."""

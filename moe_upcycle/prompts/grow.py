@@ -88,9 +88,25 @@ def check_growable(experts: Sequence[ExpertPrompts]) -> None:
                           "list experts with a few positive_prompts each")
 
 
+@dataclass(frozen=True)
+class Growth:
+    """What `grow` chose: the picks per expert, and why an expert got none."""
+
+    picks: dict[str, list[Pick]]  # every expert with prompts, best first (possibly empty)
+    why_none: dict[str, str]  # expert name -> why it got no new prompt (experts without prompts included)
+
+
 def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Optional[Embedder] = None, *,
                  per_expert: int = 10, min_similarity: float = MIN_SIMILARITY, margin: float = MARGIN,
                  duplicate_threshold: float = DUPLICATE_THRESHOLD) -> dict[str, list[Pick]]:
+    """`grow`'s picks alone: ``{expert name: picks, best first}`` (see `grow` for the arguments)."""
+    return grow(experts, pool, embedder, per_expert=per_expert, min_similarity=min_similarity, margin=margin,
+                duplicate_threshold=duplicate_threshold).picks
+
+
+def grow(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Optional[Embedder] = None, *,
+         per_expert: int = 10, min_similarity: float = MIN_SIMILARITY, margin: float = MARGIN,
+         duplicate_threshold: float = DUPLICATE_THRESHOLD) -> Growth:
     """Pick, for each routed expert with prompts, up to `per_expert` candidates from `pool`.
 
     Args:
@@ -103,7 +119,8 @@ def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Op
         duplicate_threshold: a candidate this similar to a prompt the expert has is not added.
 
     Returns:
-        ``{expert name: picks, best first}`` for every expert with prompts (possibly empty lists).
+        ``{expert name: picks, best first}`` for every expert with prompts (possibly empty lists), and for each
+        expert that got none the reason (`_why_none`).
 
     Raises:
         ConfigError: no expert has positive prompts, or a limit is out of its range (NaN included).
@@ -111,11 +128,13 @@ def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Op
     check_limits(per_expert, min_similarity, margin)
     check_growable(experts)
     known = {p for e in experts for p in e.positive + e.negative}
+    why = {e.name: "it has no positive_prompts to compare the pool with" for e in experts if not e.positive}
     experts = [e for e in experts if e.positive]
     pool = [p for p in dict.fromkeys(pool) if p not in known]
     picks: dict[str, list[Pick]] = {e.name: [] for e in experts}
     if not pool:
-        return picks
+        return Growth(picks, {**why, **{e.name: "the pool holds no prompt that the recipe does not have already"
+                                        for e in experts}})
     embedder = embedder or load_embedder()
     texts = [p for e in experts for p in e.positive] + pool
     vecs = embedder.encode(texts)  # one batched call: (N, D) unit rows
@@ -142,4 +161,36 @@ def grow_prompts(experts: Sequence[ExpertPrompts], pool: list[str], embedder: Op
                 continue  # near-duplicate of a candidate already taken
             taken.append(c)
             picks[e.name].append(Pick(pool[c], float(score[c, j]), float(lead[c])))
-    return picks
+        if not taken:
+            dup = sims[j].max(1).values >= duplicate_threshold
+            why[e.name] = _why_none(j, [x.name for x in experts], score, best, lead, dup, min_similarity, margin,
+                                    duplicate_threshold)
+    return Growth(picks, why)
+
+
+def _why_none(j: int, names: list[str], score: torch.Tensor, best: torch.Tensor, lead: torch.Tensor,
+              dup: torch.Tensor, min_similarity: float, margin: float, duplicate_threshold: float) -> str:
+    """Why expert `j` got no pool prompt: none was closest to it, or each that was fell short of a limit.
+
+    Args:
+        score: (C, E) similarity of each candidate to each expert; best: (C,) the expert each is closest to;
+        lead: (C,) its lead over the next expert; dup: (C,) whether it repeats one of expert j's prompts.
+    """
+    mine = best == j
+    if not bool(mine.any()):
+        c = int(score[:, j].argmax())
+        return (f"no pool prompt is closer to it than to another expert (the closest, at {float(score[c, j]):.2f}, "
+                f"is closer to {names[int(best[c])]})")
+    low = mine & (score[:, j] < min_similarity)
+    narrow = mine & ~low & (lead < margin)
+    repeats = mine & ~low & ~narrow & dup
+    parts = []
+    if bool(low.any()):
+        parts.append(f"{int(low.sum())} score under --min-similarity {min_similarity:.2f} (best "
+                     f"{float(score[low, j].max()):.2f})")
+    if bool(narrow.any()):
+        parts.append(f"{int(narrow.sum())} lead the next expert by under --margin {margin:.2f} (most "
+                     f"{float(lead[narrow].max()):.2f})")
+    if bool(repeats.any()):
+        parts.append(f"{int(repeats.sum())} repeat one of its prompts (cosine {duplicate_threshold:.2f} or more)")
+    return f"{int(mine.sum())} pool prompt(s) are closest to it, but {', '.join(parts)}"

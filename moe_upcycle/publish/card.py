@@ -190,7 +190,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
 # {plan.architecture} MoE upcycled from {named.plain(config.base_model)}
 {note}{local_note}
 Built with moe-upcycle {__version__}: {len(experts)} experts,
-{plan.experts_per_token} active per token, gate mode `{config.gate_mode}`, dtype `{str(plan.dtype).removeprefix("torch.")}`.
+{plan.experts_per_token} active per token, gate mode `{config.gate_mode}`, dtype `{str(plan.dtype).removeprefix("torch.")}`.{_layers(plan)}
 
 | parameters | count |
 |---|---|
@@ -241,6 +241,14 @@ def build_notes(config: UpcycleConfig, plan: Plan) -> list[str]:
     with moe-upcycle's router semantics), each once."""
     note = semantics_note(config)
     return list(dict.fromkeys([*plan.notes, *([note] if note else [])]))
+
+
+def _layers(plan: Plan) -> str:
+    """Where the experts are, when some layers keep the dense MLP (``moe_layers:``)."""
+    if not plan.dense_layers:
+        return ""
+    return (f"\nMoE in {plan.moe_layers_text()}; layers {', '.join(map(str, plan.dense_layers))} keep the dense "
+            f"base model's MLP.")
 
 
 def _changes(expert) -> str:

@@ -33,38 +33,37 @@ from moe_upcycle.planning.replan import map_paths
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 
-def write_recipe(folder: Path, config: UpcycleConfig, shard_hashes: dict[str, str],
-                 skip: Sequence[str] = (), verification: Optional[dict] = None,
+def write_recipe(folder: Path, config: Optional[UpcycleConfig], shard_hashes: dict[str, str],
+                 skip: Sequence[str] = (), verification: Optional[dict] = None, extra: Optional[dict] = None,
                  target: Optional[Path] = None) -> list[str]:
     """Record tool version, resolved config, seed, verification and the sha256 of every output file.
 
     Args:
         folder: where the files are (the staging folder of a build).
+        config: the recipe; None for a folder no recipe made (a trained model exported by
+            `distributed.dcp_export`): no config and no seed are recorded.
         shard_hashes: digests computed while writing (not computed again here).
         skip: files left unhashed (the shards with ``checksums: false``).
         verification: `verify`'s result as a dict; its local paths are written as the recipe's are.
+        extra: more top-level fields (an export says what wrote it).
         target: the folder the output is published as (paths are recorded relative to it); default `folder`.
 
     Returns:
         Notes for the user: the sources recorded by name only (see the module docstring).
     """
-    target = Path(target if target is not None else folder)
-    recorded = PortableRefs(target)
-    portable = map_paths(config.model_dump(mode="json"), recorded.ref, every_path=True)
-    portable["output"] = None  # the folder itself: where it was written is the machine's business
+    recorded = PortableRefs(Path(target if target is not None else folder))
     hashes = dict(shard_hashes)
     templates = folder / CHAT_TEMPLATE_DIR  # the named chat templates: the one folder a build writes
     for path in sorted([*folder.iterdir(), *(templates.iterdir() if templates.is_dir() else ())]):
         name = path.relative_to(folder).as_posix()
         if path.is_file() and name not in hashes and name not in skip:
             hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    recipe = {
-        "tool": "moe-upcycle",
-        "version": __version__,
-        "config": portable,
-        "seed": config.seed,
-        "sha256": dict(sorted(hashes.items())),
-    }
+    recipe = {"tool": "moe-upcycle", "version": __version__}
+    if config is not None:
+        portable = map_paths(config.model_dump(mode="json"), recorded.ref, every_path=True)
+        portable["output"] = None  # the folder itself: where it was written is the machine's business
+        recipe.update(config=portable, seed=config.seed)
+    recipe.update(extra or {}, sha256=dict(sorted(hashes.items())))
     if recorded.relative:  # only then: relative paths are read from the output folder itself
         recipe["paths_relative_to"] = "."
     if verification is not None:

@@ -67,6 +67,7 @@ class GateParams:
         init_std: ``router_init_std`` for ``random``.
         group_size: G of ``expert_init: split`` (rows tied within each group of G), else 1.
         center, calibration_text, batch_size, device, dtype, quantize: hidden-state modes only.
+        mode_default: why `mode` was chosen when the recipe left ``gate_mode`` out ("" when it gave it), for messages.
     """
 
     mode: str
@@ -84,6 +85,76 @@ class GateParams:
     device: str = "auto"
     dtype: Optional[str] = None
     quantize: Optional[str] = None
+    mode_default: str = ""
+
+    @property
+    def mode_said(self) -> str:
+        """The mode as messages name it: ``hidden (the default when experts have prompts)`` when the recipe left it out."""
+        return f"{self.mode} ({self.mode_default})" if self.mode_default else self.mode
+
+
+@dataclass(frozen=True)
+class MoeLayers:
+    """Which decoder layers become MoE layers: the recipe's ``moe_layers`` (`layer_choice`), resolved once the
+    base's depth is known. The other layers keep the dense MLP.
+
+    Attributes:
+        indices: the layers listed (``moe_layers: [1, 3, 5]``), else None.
+        every, start: ``{every: k, start: s}``; `start` is already s, or k - 1 when the recipe gave none.
+        Neither (the default): every layer.
+    """
+
+    indices: Optional[tuple[int, ...]] = None
+    every: Optional[int] = None
+    start: int = 0
+
+    @property
+    def given(self) -> bool:
+        """The recipe chose layers (which may still be all of them)."""
+        return self.indices is not None or self.every is not None
+
+    def layers(self, num_layers: int) -> tuple[int, ...]:
+        """The MoE layers of a model `num_layers` deep, ascending (indices beyond it are `problems`).
+
+        Example:
+            >>> MoeLayers(every=2, start=1).layers(8), MoeLayers(indices=(5, 1)).layers(8), MoeLayers().layers(3)
+            ((1, 3, 5, 7), (1, 5), (0, 1, 2))
+        """
+        if self.indices is not None:
+            return tuple(sorted(i for i in self.indices if i < num_layers))
+        if self.every is not None:
+            return tuple(range(self.start, num_layers, self.every))
+        return tuple(range(num_layers))
+
+    def dense_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers that keep the dense MLP."""
+        moe = set(self.layers(num_layers))
+        return tuple(i for i in range(num_layers) if i not in moe)
+
+    def problems(self, num_layers: int, where: str) -> list[str]:
+        """Why these layers do not fit a base `num_layers` deep (`where` names it: "base_model (org/name)")."""
+        last = f"{where} has {num_layers} layer{'s' if num_layers != 1 else ''}, 0 to {num_layers - 1}"
+        if self.indices is not None:
+            beyond = sorted(i for i in self.indices if i >= num_layers)
+            if beyond:
+                shown = ", ".join(map(str, beyond[:8])) + (f" and {len(beyond) - 8} more" if len(beyond) > 8 else "")
+                return [f"moe_layers: layer{'s' if len(beyond) > 1 else ''} {shown} do{'es' if len(beyond) == 1 else ''} "
+                        f"not exist: {last}; list layers from 0 to {num_layers - 1}"]
+        elif self.every is not None and self.start >= num_layers:
+            given = f"{{every: {self.every}, start: {self.start}}}"
+            fix = (f"use start: 0 to {num_layers - 1}" if self.every <= num_layers or self.start != self.every - 1
+                   else f"use every: 2 to {num_layers} (every: 1 is every layer)")
+            return [f"moe_layers: {given} makes layers {self.start}, {self.start + self.every}, ... MoE layers, none of "
+                    f"which exists: {last}; {fix}"]
+        return []
+
+    def text(self) -> str:
+        """The choice as the recipe writes it: ``[1, 3, 5]``, ``{every: 2, start: 1}``, or ``all layers``."""
+        if self.indices is not None:
+            return f"[{', '.join(map(str, self.indices))}]"
+        if self.every is not None:
+            return f"{{every: {self.every}, start: {self.start}}}"
+        return "all layers"
 
 
 @dataclass(frozen=True)

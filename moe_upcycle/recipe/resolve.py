@@ -6,7 +6,8 @@ everything downstream gets a frozen dataclass with just what it needs.
 
 from __future__ import annotations
 
-from moe_upcycle.recipe.params import CheckParams, ExpertPrompts, GateParams, RouterFields, WriteParams
+from moe_upcycle.recipe.params import CheckParams, ExpertPrompts, GateParams, MoeLayers, RouterFields, WriteParams
+from moe_upcycle.recipe.layer_choice import LayerEvery
 from moe_upcycle.recipe.schema import ExpertConfig, ExpertInit, UpcycleConfig
 
 
@@ -48,8 +49,18 @@ def gate_params(config: UpcycleConfig) -> GateParams:
         shared_experts=expert_prompts(list(config.shared_experts)), copies=config.num_experts is not None,
         seed=config.seed, scale=config.gate_scale, init_std=config.router_init_std, group_size=group,
         center=config.gate_center, calibration_text=config.calibration_text, batch_size=config.batch_size,
-        device=config.device, dtype=config.gate_dtype, quantize=config.quantize,
+        device=config.device, dtype=config.gate_dtype, quantize=config.quantize, mode_default=config.gate_mode_default,
     )
+
+
+def moe_layers(config: UpcycleConfig) -> MoeLayers:
+    """Which layers the recipe makes MoE layers (``moe_layers:``; every layer when it is left out)."""
+    chosen = config.moe_layers
+    if chosen is None:
+        return MoeLayers()
+    if isinstance(chosen, LayerEvery):
+        return MoeLayers(every=chosen.every, start=chosen.first)
+    return MoeLayers(indices=tuple(chosen))
 
 
 def write_params(config: UpcycleConfig) -> WriteParams:
@@ -63,8 +74,11 @@ def router_fields(config: UpcycleConfig) -> RouterFields:
 
 
 def is_function_preserving(config: UpcycleConfig) -> bool:
-    """True when every expert is the base FFN with no mergekit noise or residual scale and no shared expert."""
+    """True when every expert is the base FFN with no mergekit noise or residual scale and no shared expert, and
+    the top-k weights sum to 1 (renormalised, or every expert active)."""
     if config.shared_experts:
+        return False
+    if config.norm_topk_prob is False and config.experts_per_token < config.expert_count:
         return False
     return all(e.source_model == config.base_model and not e.noise_scale and e.residual_scale in (None, 1.0)
                for e in config.expert_list())

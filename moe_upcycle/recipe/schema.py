@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.recipe.gate_keys import unread_gate_keys
+from moe_upcycle.recipe.layer_choice import LayerChoice, check_value
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.params import PROMPT_MODES
 from moe_upcycle.errors import ConfigError
@@ -259,7 +260,7 @@ class UpcycleConfig(_Strict):
     experts: list[ExpertConfig] = Field(default_factory=list, max_length=1024)
     num_experts: Optional[int] = Field(default=None, ge=1, le=1024)
     architecture: Optional[Architecture] = None
-    gate_mode: GateMode = "hidden"
+    gate_mode: GateMode = "hidden"  # left out: chosen by the recipe (`_default_gate_mode`): hidden or random
     gate_source: GateSource = "native"
     dtype: Optional[DType] = None
     experts_per_token: int = Field(default=2, ge=1, le=1024)
@@ -286,6 +287,11 @@ class UpcycleConfig(_Strict):
     device: str = "auto"
     gate_dtype: Optional[DType] = None
     quantize: Optional[Quantize] = None
+    # which layers become MoE layers (`layer_choice`); None: every layer. The others keep the dense MLP.
+    moe_layers: Optional[LayerChoice] = None
+    # Qwen-MoE outputs: renormalise the top-k router weights (default true, what keeps copies exact); false is
+    # Qwen1.5-MoE's setting and what llama.cpp's qwen2moe always computes
+    norm_topk_prob: Optional[bool] = None
 
     @field_validator("base_model", mode="before")
     @classmethod
@@ -319,6 +325,11 @@ class UpcycleConfig(_Strict):
 
         return architecture_name(value) if isinstance(value, str) else value
 
+    @field_validator("moe_layers", mode="before")
+    @classmethod
+    def _layer_choice(cls, value: Any) -> Any:
+        return check_value(value)
+
     @field_validator("shared_experts", mode="before")
     @classmethod
     def _null_is_no_shared(cls, value: Any) -> Any:
@@ -328,6 +339,15 @@ class UpcycleConfig(_Strict):
     @classmethod
     def _size(cls, value: Any) -> int:
         return parse_size(value)
+
+    @model_validator(mode="after")
+    def _default_gate_mode(self) -> "UpcycleConfig":
+        """A recipe without ``gate_mode`` gets the mode its experts can use: ``hidden`` (mergekit-moe's default)
+        when any routed expert has prompts, ``random`` when none has any (``num_experts`` copies, or experts
+        listed without prompts): the simplest recipe, ``base_model`` and ``num_experts``, then builds."""
+        if "gate_mode" not in self.model_fields_set:  # frozen: set once, here, as pydantic set the given fields
+            object.__setattr__(self, "gate_mode", "hidden" if self.experts_have_prompts else "random")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> "UpcycleConfig":
@@ -400,9 +420,24 @@ class UpcycleConfig(_Strict):
         if all(e.source_model == first.source_model for e in self.experts):
             fix += (f"; for {len(self.experts)} copies of one model to train, write num_experts: {len(self.experts)} "
                     f"with gate_mode: random instead of the experts list")
+        mode = f"{self.gate_mode} ({self.gate_mode_default})" if self.gate_mode_default else self.gate_mode
         return (f"experts: every expert has the same prompts (positive_prompts: {shown}), so gate_mode "
-                f"{self.gate_mode} gives every expert the same router row and the router scores them all alike "
+                f"{mode} gives every expert the same router row and the router scores them all alike "
                 f"for every token: it cannot choose between them (mergekit-moe refuses this too); {fix}")
+
+    @property
+    def experts_have_prompts(self) -> bool:
+        """Whether any routed expert lists positive prompts (or a set or file of them)."""
+        return any(e.positive_prompts or e.positive_prompts_from for e in self.experts)
+
+    @property
+    def gate_mode_default(self) -> str:
+        """Why `gate_mode` is what it is when the recipe leaves it out ("" when the recipe gives it)."""
+        if "gate_mode" in self.model_fields_set:
+            return ""
+        return ("the default when experts have prompts" if self.gate_mode == "hidden" else
+                "the default for copies without prompts" if self.num_experts is not None else
+                "the default when no expert has prompts")
 
     @property
     def expert_count(self) -> int:

@@ -220,6 +220,7 @@ class LineReporter(Reporter):
         self._next: dict[int, float] = {}
         self._open: dict[int, Stage] = {}
         self._shown: set[int] = set()
+        self._said: dict[int, tuple] = {}  # what the last line of each stage said (done, total, note)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -233,17 +234,24 @@ class LineReporter(Reporter):
         with self._lock:
             self._next[id(st)] = st.started + self.first
             self._open[id(st)] = st
+            self._said[id(st)] = (st.completed, st.total, st.note)  # a parent's unchanged start is not news
         if self.heartbeat and self._thread is None and self.interval > 0:
             self._thread = threading.Thread(target=self._beat, name="progress-lines", daemon=True)
             self._thread.start()
 
-    def _due(self, st: Stage) -> Optional[str]:
+    def _due(self, st: Stage, quiet_parent: bool = False) -> Optional[str]:
+        """The line for `st` when one is due, else None. With `quiet_parent` (the heartbeat), a stage with a
+        stage running inside it says nothing new until it changes: the inner stage's lines show the work."""
         now = self.clock()
+        state = (st.completed, st.total, st.note)
         with self._lock:
             if now < self._next.get(id(st), float("inf")):
                 return None
+            if quiet_parent and self._said.get(id(st)) == state and next(reversed(self._open)) != id(st):
+                return None  # `gates: 0 of 30 layers (0%)` every 5 s while its router inputs advance
             self._next[id(st)] = now + max(self.interval, 1e-9)
             self._shown.add(id(st))
+            self._said[id(st)] = state
         return describe(st, now)
 
     def changed(self, st: Stage) -> None:
@@ -256,7 +264,7 @@ class LineReporter(Reporter):
             with self._lock:
                 running = list(self._open.values())
             for st in running:
-                line = self._due(st)
+                line = self._due(st, quiet_parent=True)
                 if line:
                     self._print(line)
 
@@ -266,6 +274,7 @@ class LineReporter(Reporter):
             self._open.pop(id(st), None)
             shown = id(st) in self._shown
             self._shown.discard(id(st))
+            self._said.pop(id(st), None)
         elapsed = self.clock() - st.started
         if shown or elapsed >= self.first:
             done = f"{human_count(st.completed, st.unit)} " if st.completed else ""
@@ -301,8 +310,8 @@ class _RateColumn(ProgressColumn):
         speed = task.finished_speed or task.speed
         if not speed:
             return Text("")
-        unit = task.fields.get("unit", "steps")
-        return Text(f"{human_count(speed, unit)}/s" if unit == "bytes" else f"{speed:,.1f} {unit}/s")
+        unit = task.fields.get("unit", "steps")  # the count beside it names other units: ``3.1/s`` keeps 80 columns
+        return Text(f"{human_count(speed, unit)}/s" if unit == "bytes" else f"{speed:,.1f}/s")
 
 
 class RichReporter(Reporter):
@@ -312,7 +321,9 @@ class RichReporter(Reporter):
         fixed = dict(no_wrap=True, overflow="ellipsis")
         self.progress = Progress(TextColumn("{task.description}", table_column=Column(**fixed)),
                                  BarColumn(bar_width=20), _CountColumn(table_column=Column(**fixed)),
-                                 _RateColumn(table_column=Column(**fixed)), TimeRemainingColumn(),
+                                 _RateColumn(table_column=Column(**fixed)),
+                                 # never cut to ``0:0…``: the note, last, gives up its width first
+                                 TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)),
                                  TextColumn("{task.fields[note]}", table_column=Column(ratio=1, **fixed)),
                                  console=console, transient=False, expand=True)
         self._tasks: dict[int, int] = {}
@@ -332,7 +343,10 @@ class RichReporter(Reporter):
 
     def finished(self, st: Stage) -> None:
         task = self._tasks.pop(id(st), None)
-        if task is not None:  # an unknown total becomes what was done, so the bar ends full
+        if task is not None and st.stopped:  # Ctrl-C, an error: the bar stays where the stage stopped
+            self.progress.update(task, completed=st.completed, note=escape(st.note or "stopped"))
+            self.progress.stop_task(task)
+        elif task is not None:  # an unknown total becomes what was done, so the bar ends full
             total = st.total if st.total else max(st.completed, 1)
             self.progress.update(task, completed=total if st.completed == 0 else st.completed, total=total,
                                  note=escape(st.note))

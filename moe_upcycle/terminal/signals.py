@@ -6,6 +6,8 @@ process on the spot, leaving ``.<name>.partial-*`` and ``.<name>.lock`` beside t
 turns them into `Terminated`, a `KeyboardInterrupt` subclass carrying the signal number, so every
 ``finally`` runs; `exit_code` gives 128 + the signal number (130, 143, 129), as shells report.
 
+`signals_held` delays them over a block that must not be cut short (a swap of folders, a clean-up).
+
 `quiet_startup` covers the moments outside a command — imports, argument parsing — by exiting
 at once, with that code and no traceback (nothing has been written then).
 It handles signals only in the main thread; elsewhere it changes nothing.
@@ -85,3 +87,28 @@ def quiet_startup() -> None:
 
 def _exit_quietly(signum, frame):  # noqa: ARG001
     os._exit(128 + signum)
+
+
+@contextlib.contextmanager
+def signals_held(drop: bool = False) -> Iterator[None]:
+    """Delay SIGINT/SIGTERM/SIGHUP/SIGQUIT until the block ends, so what it does (a swap of folders, a clean-up)
+    is never left half done.
+
+    Python-level handlers (not a thread signal mask: torch's threads would still take the signal) note what
+    arrives; it is raised again, to the handlers in place before, at the end, unless `drop` (the process is
+    stopping already). Outside the main thread it changes nothing.
+    """
+    pending: list[int] = []
+    held = (signal.SIGINT, *HANDLED)
+    try:
+        previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in held}
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending if not drop else ()):
+            signal.raise_signal(s)

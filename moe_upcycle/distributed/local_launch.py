@@ -1,0 +1,57 @@
+"""``build --workers N``: run the same command as the N processes of a torchrun job on this machine.
+
+`run_workers` calls torch's own launcher in this process (`torch.distributed.run`, what ``torchrun --standalone
+--nproc-per-node N -m moe_upcycle ARGS`` runs): a rendezvous on a free local port, N workers
+``python -m moe_upcycle ARGS`` with this command's arguments (``--workers N`` among them: a worker checks that it
+runs in a job of that size), SIGINT/SIGTERM/SIGHUP/SIGQUIT passed on to them, every worker stopped when one
+fails. The workers say what the build says (the lead does); this process adds nothing of its own (the launcher's
+log lines and failure table are left out), and exits with the lead's exit code (else the first failed worker's).
+
+It builds nothing itself, and does not reach other machines: for several nodes, run torchrun on each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
+
+
+def run_workers(workers: int, command: list[str]) -> int:
+    """Run ``python -m moe_upcycle *command`` as `workers` local processes of one job; returns the exit code.
+
+    Args:
+        workers: how many processes (ranks).
+        command: the command line's arguments after the program name (``build CFG OUT ... --workers N``).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(["--standalone", f"--nproc-per-node={workers}", "--module", "moe_upcycle", *command])
+    with _launcher_quiet():
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            failed = exc.failures.get(0) or min(exc.failures.values(), key=lambda f: f.timestamp)
+            return failed.exitcode if failed.exitcode > 0 else 128 - failed.exitcode  # -N: killed by signal N
+        except SignalException as exc:  # the workers were sent the signal; the lead said what it stopped
+            return 128 + int(exc.sigval)
+    return 0
+
+
+@contextlib.contextmanager
+def _launcher_quiet() -> Iterator[None]:
+    """The launcher's own log lines (rendezvous, OMP_NUM_THREADS, "Sending process ... SIGTERM") are left out."""
+    # each of torch's elastic modules sets its own logger's level: every one is set here, not their parent
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(LOGGERS)]
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

@@ -1,0 +1,65 @@
+"""One rank's failure is everyone's: work that may fail on some ranks ends with every rank raising.
+
+`all_or_none(what)` wraps a block that each rank runs on its own (filling its shards, rank 0 writing files).
+After the block, one collective tells every rank whether any rank failed, and all raise: the failed rank its
+own exception, the others an error of the same kind naming that rank and its message. Without it the
+healthy ranks would wait in their next collective until the process group's timeout (30 minutes by default).
+
+It does not retry, and it cannot rescue a collective issued inside the block: those must still be issued by
+every rank in the same order. Outside a process group (or with one rank) the block simply runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+from moe_upcycle.distributed.failure_record import Failure
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextmanager
+def all_or_none(what: str) -> Iterator[None]:
+    """Run the block on every rank; when it raises on any rank, raise on all of them.
+
+    The failure travels as a `failure_record.Failure` (plain strings, the same record a distributed build keeps),
+    so every rank raises it as a torchrun build does: the same error class, ``rank R of N (host H): `` before
+    each message.
+
+    Args:
+        what: what the block does, for the other ranks' message ("filling layer 3").
+
+    Raises:
+        The failed rank's own exception on that rank; on the others the first failed rank's error, of the same
+        `UpcycleError` class (a `RankError` for a bug), naming that rank, `what` and the message.
+    """
+    rank, size = world()
+    if size == 1:
+        yield
+        return
+    error: Optional[Exception] = None
+    try:
+        yield
+    except Exception as exc:  # KeyboardInterrupt and SystemExit end the process: torchrun stops the others
+        error = exc
+    record = None
+    if error is not None:
+        failure = Failure.of(error, 1, rank, size)
+        record = dataclasses.asdict(dataclasses.replace(
+            failure, problems=tuple(f"{what} failed, so every rank stops: {p}" for p in failure.problems)))
+    said: list = [None] * size
+    dist.all_gather_object(said, record)  # dicts of strings and numbers, within the caller's own job
+    if error is not None:
+        raise error
+    failed = next((s for s in said if s is not None), None)
+    if failed is not None:
+        raise Failure(**{**failed, "problems": tuple(failed["problems"])}).exception()

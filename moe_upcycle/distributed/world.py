@@ -1,0 +1,364 @@
+"""The ranks of a job: which one this process is, what they share, and one rank's failure made every rank's.
+
+`joined_world()` joins the job torchrun started (its ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` environment; a
+gloo process group) or, outside torchrun, yields the world of this one process, where every method below is
+immediate and does nothing: the one-process build is the world-size-1 case of the same code.
+
+- `share` (the lead's value, to every rank: gates, where the staging folder is) and `gather` (every rank's value,
+  to every rank: shard digests) are gloo collectives. gloo moves CPU tensors and needs no GPU, so a build uses it
+  on GPU machines too (its collectives carry kilobytes to megabytes); under a job whose own group is NCCL it makes
+  a gloo group beside it. Values travel as `torch.save` bytes read back with ``weights_only``: plain data,
+  tensors and the dataclasses the caller names, no pickled code.
+- `failing_together()` wraps a rank's work. When the block raises, the rank records what failed (kind, message,
+  rank, host) in the job's c10d store, the key-value store torchrun's rendezvous already runs on, and every rank
+  looks there at each `sync` and, while writing, after each tensor (`check`): a failure on any rank raises on all
+  within about a tensor's time, not after the healthy ranks finished hours of work. The lead (rank 0) raises the
+  first failure (its own, or a peer's with the rank and host in front of each message); the others raise too,
+  and the command line prints nothing on them (`cli.app`), so it is said once.
+- The end is ordered: before the lead's staging folder is removed it waits (`STOP_WAIT_S`) until every peer has
+  stopped writing into it, and a failed peer leaves only after the lead has left (`LEAVE_WAIT_S`). torchrun stops
+  every worker with SIGTERM as soon as one exits non-zero; so it never interrupts the lead's clean-up or message.
+
+Why a store and not only collectives: a collective needs every rank to arrive, but ranks write for different
+times, and a process blocked in a gloo call runs no Python signal handler until the call returns. So every wait
+is a polled store key (SIGINT and SIGTERM act at once), and the gloo collectives run only after every rank has
+arrived (`sync`), lasting as long as their transfer (`TRANSFER_TIMEOUT` bounds it); they too are awaited by
+polling (``async_op``), so a rank stopped by a signal between two of them never leaves the others blocked. A
+rank that hangs (not one that dies: torchrun stops the job then) keeps the others waiting, as a hung disk
+stalls a one-process build.
+
+It does not start processes (torchrun does, or ``build --workers``) and knows nothing about builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+
+from moe_upcycle.distributed.failure_record import Failure
+from moe_upcycle.errors import RankError, UpcycleWarning
+from moe_upcycle.terminal.signals import signals_held
+
+T = TypeVar("T")
+
+TRANSFER_TIMEOUT = timedelta(minutes=10)  # one gloo collective, started once every rank has arrived
+CHECK_EVERY_S = 0.2  # while writing, how often a rank looks for a peer's failure (one store round trip)
+STOP_WAIT_S = 20.0  # the lead's wait for its peers to stop writing into the staging folder before it is removed
+LEAVE_WAIT_S = 120.0  # a failed peer's wait for the lead to finish its clean-up and say what failed
+_POLL_S = (0.0005, 0.05)  # first and longest sleep between two looks at the store
+_RUNS = [0]  # joined worlds in this process: each keeps its keys apart in the job's store
+_CURRENT: list["World"] = []
+
+
+def _bytes_tensor(data: bytes):
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _dumps(value: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes, types: Sequence[type]) -> Any:
+    """`torch.load` with ``weights_only``: plain data, tensors and `types` are rebuilt; no other code runs."""
+    import torch
+
+    with torch.serialization.safe_globals(list(types)):
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class World:
+    """This process among the ranks of a job (see the module doc); ``World()`` is a process alone.
+
+    Every rank must make the same calls of `sync`, `share` and `gather`, in the same order.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, store: Any = None, group: Any = None):
+        self.rank, self.size = rank, size
+        self._store, self._group = store, group
+        self._syncs = 0
+        self._checked = 0.0
+        self._stopped = False  # this rank failed (or saw a failure) and stopped its work
+        self._own: Optional[Failure] = None
+        self.said: set[str] = set()  # the lead: warnings it showed; peers: left to the lead
+        self.unsaid: list[str] = []  # a peer's warnings, sent to the lead with the next `gather`
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: it holds the output's lock and staging folder, publishes and says what happened."""
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return f"World(rank={self.rank}, size={self.size})"
+
+    # ---- what ranks share -----------------------------------------------------------------------------------
+
+    def sync(self, last: bool = False) -> None:
+        """Wait until every rank has come here; raise a peer's failure instead if one was recorded.
+
+        Args:
+            last: the job's shared work is over (the output is in place): a failure after it, on any rank, has
+                nothing left to wait for.
+        """
+        if self.size == 1:
+            return
+        self._syncs += 1
+        key = f"sync/{self._syncs}"
+        self._store.add(key, 1)
+        self._wait(lambda: self._store.add(key, 0) >= self.size, check=True)
+        if last:
+            self._store.set(f"stopped/{self.rank}", "1")
+
+    def share(self, value: T, types: Sequence[type] = ()) -> T:
+        """The lead's `value`, on every rank (others pass anything, e.g. None).
+
+        Args:
+            types: the classes in `value` besides plain data and tensors (dataclasses), which may be rebuilt.
+        """
+        if self.size == 1:
+            return value
+        self.sync()
+        return _loads(self._broadcast(_dumps(value) if self.lead else b""), types)
+
+    def gather(self, value: T) -> list[T]:
+        """Every rank's `value` (plain data, tensors), in rank order, on every rank. Peers' warnings travel with it
+        to the lead, which shows those it has not shown itself."""
+        if self.size == 1:
+            return [value]
+        self.sync()
+        got = [_loads(data, ()) for data in self._all_gather(_dumps((value, self.unsaid)))]
+        self.unsaid = []
+        if self.lead:
+            for _, lines in got:
+                for line in lines:
+                    if line not in self.said:
+                        warnings.warn(line, UpcycleWarning, stacklevel=2)
+        return [v for v, _ in got]
+
+    def _broadcast(self, data: bytes) -> bytes:
+        import torch
+        import torch.distributed as dist
+
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        self._finish(dist.broadcast(length, src=0, group=self._group, async_op=True))
+        buffer = _bytes_tensor(data) if self.lead else torch.empty(int(length), dtype=torch.uint8)
+        self._finish(dist.broadcast(buffer, src=0, group=self._group, async_op=True))
+        return buffer.numpy().tobytes()
+
+    def _all_gather(self, data: bytes) -> list[bytes]:
+        import torch
+        import torch.distributed as dist
+
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._finish(dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=self._group,
+                                     async_op=True))
+        longest = max(int(n) for n in lengths)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = _bytes_tensor(data)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self._finish(dist.all_gather(parts, mine, group=self._group, async_op=True))
+        return [part[:int(n)].numpy().tobytes() for part, n in zip(parts, lengths)]
+
+    def _finish(self, work: Any) -> None:
+        """Wait for a collective polling, not blocked in gloo: a signal acts, and a peer that failed instead of
+        taking part (a signal between two collectives) raises its failure here."""
+        self._wait(work.is_completed, check=True)
+        try:
+            work.wait()
+        except RuntimeError as exc:  # a peer's connection closed: it died (torchrun stops this rank too)
+            raise RankError(f"a transfer between the ranks failed ({exc}); another rank stopped, see its output") \
+                from None
+
+    def from_lead(self, fn: Callable[..., T], *args, types: Sequence[type] = ()) -> T:
+        """Run ``fn(*args)`` on the lead alone; every rank gets its result (`share`'s `types`), or its failure."""
+        return self.share(fn(*args) if self.lead else None, types)
+
+    def lead_context(self, factory: Callable[..., contextlib.AbstractContextManager], *args):
+        """``factory(*args)`` on the lead (a context manager for it alone, e.g. the parent folders it makes), a
+        context that does nothing on the other ranks."""
+        return factory(*args) if self.lead else contextlib.nullcontext()
+
+    # ---- failures -------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise a peer's recorded failure, looking at most every `CHECK_EVERY_S` (for loops over tensors)."""
+        if self.size == 1 or time.monotonic() - self._checked < CHECK_EVERY_S:
+            return
+        self._raise_peer_failure()
+
+    @contextlib.contextmanager
+    def failing_together(self, not_failures: tuple[type, ...] = ()) -> Iterator[None]:
+        """On any rank, an exception leaving the block (but `not_failures`) is recorded for every rank to raise.
+
+        The lead raises its own exception, unless it is an interrupt that came after a peer's error (torchrun's
+        SIGTERM once that peer exited): then that error. Nested blocks handle an exception once.
+        """
+        try:
+            yield
+        except not_failures:
+            raise
+        except BaseException as exc:
+            if self.size == 1 or self._stopped:
+                raise
+            earlier = self._stop(exc)
+            if earlier is not None:
+                raise earlier from None
+            raise
+
+    def _stop(self, exc: BaseException) -> Optional[BaseException]:
+        self._stopped = True
+        with signals_held(drop=True):  # a second signal (torchrun passes on the terminal's Ctrl-C) must not cut this short
+            if getattr(exc, "failed_rank", self.rank) == self.rank:  # not the echo of a peer's failure
+                seq = self._store.add("failures", 1)
+                self._own = Failure.of(exc, seq, self.rank, self.size)
+                self._store.set(f"failure/{seq}", json.dumps(self._own.__dict__))
+            self._store.set(f"stopped/{self.rank}", "1")
+            if not self.lead:
+                return None
+            peers = [f"stopped/{r}" for r in range(1, self.size)]
+            self._wait(lambda: self._store.check(peers), limit=STOP_WAIT_S)
+            if self._own is not None and self._own.kind == "interrupt":
+                first = next((f for f in self._failures() if f.rank != self.rank and f.kind != "interrupt"
+                              and f.seq < self._own.seq), None)
+                return first.exception() if first is not None else None
+        return None
+
+    def _raise_peer_failure(self) -> None:
+        self._checked = time.monotonic()
+        if self._store.add("failures", 0) == 0:
+            return
+        first = next((f for f in self._failures() if f.rank != self.rank), None)
+        if first is not None:
+            raise first.exception()
+
+    def _failures(self) -> list[Failure]:
+        found = []
+        for seq in range(1, self._store.add("failures", 0) + 1):
+            key = f"failure/{seq}"
+            self._store.wait([key], timedelta(seconds=30))  # counted a moment before it was written
+            record = json.loads(self._store.get(key))
+            found.append(Failure(**{**record, "problems": tuple(record["problems"])}))
+        return found
+
+    def _wait(self, done: Callable[[], bool], check: bool = False, limit: Optional[float] = None) -> bool:
+        """Poll `done` (signals act between looks); with `check`, raise a peer's failure meanwhile. Returns
+        whether it came true (False after `limit` seconds)."""
+        start, pause = time.monotonic(), _POLL_S[0]
+        while not done():
+            if check:
+                self._raise_peer_failure()
+            if limit is not None and time.monotonic() - start > limit:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+        return True
+
+    def _leave(self, failed: bool) -> None:
+        """The lead says it has left (its clean-up and message are done); after a failure, a peer waits for that
+        (torchrun stops the others once it exits)."""
+        if self.size == 1:
+            return
+        if self.lead:
+            self._store.set("left", "1")
+        elif failed:
+            self._wait(lambda: self._store.check(["left"]), limit=LEAVE_WAIT_S)
+
+
+def current_world() -> World:
+    """The world joined by the innermost `joined_world` (a process alone outside any)."""
+    return _CURRENT[-1] if _CURRENT else World()
+
+
+@contextlib.contextmanager
+def joined_world() -> Iterator[World]:
+    """Join torchrun's job for the block (reusing a world joined around it, or the caller's process group).
+
+    Without torchrun's environment (``WORLD_SIZE`` unset or 1) it yields a world of one process. A process
+    group it initialises (gloo, on the job's ``env://`` store under a prefix of its own, so a script may build
+    again) is destroyed at the end; one the caller made is left as it was.
+
+    Raises:
+        RankError: ``WORLD_SIZE`` says several processes but the job cannot be joined.
+    """
+    if _CURRENT:
+        yield _CURRENT[-1]
+        return
+    world, teardown = _join()
+    _CURRENT.append(world)
+    failed = True
+    try:
+        with _warnings_to_lead(world):
+            yield world
+        failed = False
+    finally:
+        _CURRENT.pop()
+        try:
+            world._leave(failed)
+        finally:
+            teardown()
+
+
+def _join() -> tuple[World, Callable[[], None]]:
+    import torch.distributed as dist
+
+    joined = dist.is_available() and dist.is_initialized()
+    size = dist.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if size == 1:
+        return World(), lambda: None
+    _RUNS[0] += 1
+    prefix = f"moe-upcycle/{_RUNS[0]}/"  # each build of the job apart in its store (a script may build twice)
+    if joined:  # the caller's group (its own training job): its store, and a gloo group beside an NCCL one
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
+    else:
+        try:  # env:// as torchrun sets it: the job's store, and a group of this build's own on it
+            store, rank, size = next(dist.rendezvous("env://", timeout=TRANSFER_TIMEOUT))
+            dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "group", store), rank=rank,
+                                    world_size=size, timeout=TRANSFER_TIMEOUT)
+        except (ValueError, RuntimeError) as exc:
+            raise RankError(f"WORLD_SIZE is {size}, but this process could not join the job ({exc}); start the "
+                            f"build with torchrun (torchrun --nproc-per-node N -m moe_upcycle build ...)") from None
+        group = None
+
+    def teardown() -> None:
+        if not joined:
+            dist.destroy_process_group()
+        elif group is not None:
+            dist.destroy_process_group(group)
+
+    return World(dist.get_rank(), dist.get_world_size(), dist.PrefixStore(prefix, store), group), teardown
+
+
+@contextlib.contextmanager
+def _warnings_to_lead(world: World) -> Iterator[None]:
+    """UpcycleWarnings: the lead shows them and notes their text; a peer keeps them for the lead (`gather`)."""
+    if world.size == 1:
+        yield
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, UpcycleWarning):
+            shown(message, category, filename, lineno, file, line)
+        elif world.lead:
+            world.said.add(str(message))
+            shown(message, category, filename, lineno, file, line)
+        else:
+            world.unsaid.append(str(message))
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
