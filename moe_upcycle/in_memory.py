@@ -80,7 +80,9 @@ def state_dict_source(model: torch.nn.Module) -> StateDictSource:
     config["dtype"] = str(model_dtype(model)).removeprefix("torch.")
     config.pop("torch_dtype", None)
     infos = {k: TensorInfo(k, tuple(t.shape), t.dtype, "") for k, t in state.items()}
-    # checked as a config.json is: a field set by hand (model.config.head_dim = "64") is named, not a traceback
+    # checked as a config.json is: a field set by hand (model.config.head_dim = "64") is named, not a traceback;
+    # a family no output takes is named as such first (a GPT-2 config has none of the fields checked)
+    names.input_family(config.get("model_type", ""), "dense_model")
     return StateDictSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
                            tensors=infos, state=state)
 

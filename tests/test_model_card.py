@@ -232,7 +232,9 @@ calibration_text: null  # default; not read by gate_mode cheap_embed
 batch_size: 8  # default; not read by gate_mode cheap_embed, which runs no model
 device: auto  # default
 gate_dtype: null  # default; not read by gate_mode cheap_embed, which runs no model
-quantize: null  # default; not read by gate_mode cheap_embed, which runs no model"""
+quantize: null  # default; not read by gate_mode cheap_embed, which runs no model
+moe_layers: null  # default: all 5 layers
+norm_topk_prob: null  # default"""
 
 
 def _section(card: str, title: str) -> str:

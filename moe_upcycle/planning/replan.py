@@ -87,9 +87,11 @@ def map_paths(config: dict, rebase: Callable[[str], str], every_path: bool = Fal
             return ref
         if prompts and ref in sets:  # a shipped set wins over a file of that name, as in the build
             return ref
-        if "+" in ref and rebase(ref) == ref:  # mergekit's MODEL+ADAPTER: each part on its own
-            model, _, adapter = ref.partition("+")
-            return f"{one(model)}+{one(adapter)}"
+        if "+" in ref:  # mergekit's MODEL+ADAPTER: each part on its own (a folder named a+b, whose parts are no paths,
+            model, _, adapter = ref.partition("+")  # as a whole)
+            parts = one(model), one(adapter)
+            if parts != (model, adapter):
+                return "+".join(parts)
         return rebase(ref)
 
     out = dict(config, base_model=one(config.get("base_model")))

@@ -112,8 +112,10 @@ class Plan:
         """Where the experts are, for the plan and the card: ``layers 1, 3 of 4`` or ``all 4 layers``.
 
         Example:
-            >>> Plan("qwen3_moe", (), (), 2, torch.float32, {"num_hidden_layers": 4}, False,
-            ...      dense_layers=(0, 2)).moe_layers_text()
+            >>> from moe_upcycle.checkpoint.dense_config import dense_config
+            >>> base = dense_config({"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 16, "vocab_size": 10,
+            ...                      "num_hidden_layers": 4, "num_attention_heads": 2}, "config.json")
+            >>> Plan("qwen3_moe", (), (), 2, torch.float32, base, False, dense_layers=(0, 2)).moe_layers_text()
             'layers 1, 3 of 4'
         """
         if not self.dense_layers:

@@ -80,6 +80,10 @@ def _resolved(key: str, value: Any, config: UpcycleConfig, plan: Plan, shown_ref
         return shared_experts.gate_init(config), "default: prompts when every shared expert has prompts"
     if key == "gate_scale" and value is None:
         return None, _default_scale(config, plan)
+    if key == "moe_layers" and value is None:
+        return None, f"default: {plan.moe_layers_text()}"
+    if key == "norm_topk_prob" and value is None and plan.architecture != "mixtral":
+        return plan.norm_topk_prob, "default: top-k router weights renormalised"
     if key == "expert_init":
         return _init(value), ""
     if key in SHOWN_BY_NAME and isinstance(value, str):
