@@ -659,8 +659,11 @@ def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allo
                    else "a value, or delete the line")
             lines.append(f"{path}: empty text; write {fix}")
         elif kind == "finite_number":
-            lines.append(f"{path}: {'.nan' if err['input'] != err['input'] else '.inf' if err['input'] > 0 else '-.inf'} "
-                         f"(not a number, or infinity) is not a finite number; write an ordinary number")
+            given = err["input"]  # a float, or text pydantic read as one ("NaN", "inf")
+            shown = (repr(given) if isinstance(given, str) else '.nan' if given != given
+                     else '.inf' if given > 0 else '-.inf')
+            lines.append(f"{path}: {shown} (not a number, or infinity) is not a finite number; write an ordinary "
+                         f"number")
         elif kind == "string_type":
             lines.append(f"{path}: {_not_text(err['input'], str(loc[-1]) if loc else path)}")
         elif kind == "missing":
