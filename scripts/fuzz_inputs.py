@@ -154,7 +154,7 @@ def main() -> int:
                 outcomes[f"{what} {outcome}"] += 1
             except Exception:  # noqa: BLE001 - every other ending is the finding
                 outcomes[f"{what} FINDING"] += 1
-                findings.append((json.dumps(case if case is not None else recipe, allow_nan=True, default=str)[:600],
+                findings.append((json.dumps(case if case is not None else recipe, allow_nan=True, default=str)[:2000],
                                  traceback.format_exc(limit=4)))
                 shutil.rmtree(work / "out", ignore_errors=True)
     seconds = time.monotonic() - start

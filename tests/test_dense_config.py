@@ -22,7 +22,7 @@ from moe_upcycle.recipe.schema import load_config
 
 # every JSON type, and values of the right type but out of bounds
 HOSTILE = [[], {}, [[]], {"a": []}, [1, "a"], "x", "", 1.5, -3, 0, True, False, math.nan, math.inf, 2**70,
-           {"rope_type": []}, {"type": "linear", "factor": []}]
+           {"rope_type": []}, {"type": "linear", "factor": []}, {"type": "linear", "factor": 2.0, "a": -math.inf}]
 FIELDS = sorted(CHECKED_FIELDS | set(REQUIRED_INT_FIELDS))
 
 

@@ -87,6 +87,8 @@ def base_copy(tiny_llama, tmp_path_factory) -> Path:
 @example(changes={"eos_token_id": "</s>", "layer_types": "full_attention", "sliding_window": [4]}, drop=[])
 # scripts/fuzz_inputs.py --seed 20251128: accepted, then copied into an output config.json transformers 5 refused
 @example(changes={"max_position_embeddings": None, "bos_token_id": [2], "initializer_range": 10**30}, drop=[])
+# --seed 11: an unknown key of a rope dict holding -Infinity, copied into the output's config.json
+@example(changes={"rope_scaling": {"rope_type": "linear", "factor": 2.0, "a": -math.inf}}, drop=[])
 def test_fuzz_base_config_json(base_copy, tiny_llama, changes, drop):
     cfg = json.loads((tiny_llama / "config.json").read_text())
     for key in drop:

@@ -201,6 +201,11 @@ def rope_problems(key: str, rope: dict, config: dict) -> list[str]:
     first forward pass)."""
     if not rope:
         return []
+    # any key: the dict is copied into the MoE's config.json, where NaN or Infinity is not JSON a loader reads
+    endless = [name for name, value in rope.items() if isinstance(value, float) and not math.isfinite(value)]
+    if endless:
+        return [f"{key}.{name} is {rope[name]}, not a finite number; write the model's value, or remove the key"
+                for name in endless]
     kind = rope.get("rope_type", rope.get("type", "default"))
     if not isinstance(kind, str):
         return [f"{key}.rope_type must be the name of a rope type such as \"linear\", got {_short(kind)}; write one of "
