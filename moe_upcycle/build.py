@@ -258,11 +258,12 @@ def upcycle(
             gating, writing, checking = gate_params(config), write_params(config), check_params(config)
             gates, shared_gates = world.from_lead(make_gates, gating, plan, sources[config.base_model])
             gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
-                                             from_prompts=gating.mode in PROMPT_MODES)
+                                             from_prompts=gating.mode in PROMPT_MODES,
+                                             center=gating.center if gating.source == "native" else None)
             with shared_stage(world, target, force) as stage:  # each rank writes its shards; the lead publishes
                 writer, hashes = write_rank_shards(world, stage, plan, sources, gates, shared_gates, writing, on_step)
-                checked, drift = world.from_lead(finish, stage, writer, hashes, config, plan, sources, checking,
-                                                 verify, gating.device, types=FINISHED)
+                checked, drift, unlocated = world.from_lead(finish, stage, writer, hashes, config, plan, sources,
+                                                            checking, verify, gating.device, target, types=FINISHED)
         world.sync(last=True)  # the lead has put the output in place: every rank returns (or raises its failure)
     if checked:
         checked.folder = str(target)
@@ -270,7 +271,7 @@ def upcycle(
         ckpt.close()
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
-                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else [])],
+                       summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else []), *unlocated],
                        sharing_summary(plan, sources, config.tensor_policy))
 
 
@@ -299,20 +300,21 @@ def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[i
 
 
 def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: UpcycleConfig, plan: Plan,
-           sources: dict[str, Checkpoint], checking: CheckParams, verify: bool,
-           device: str) -> tuple[Optional[VerifyResult], Optional[InitDrift]]:
+           sources: dict[str, Checkpoint], checking: CheckParams, verify: bool, device: str,
+           target: Path) -> tuple[Optional[VerifyResult], Optional[InitDrift], list[str]]:
     """Complete the staged folder once every shard is written: index, config.json, tokenizer, (verification),
     init drift, model card and manifest; then check no source changed during the build.
 
     Args:
         verify: run `verify.verify` on the folder, on `device` (the recipe's).
+        target: the folder the output is published as (the manifest records paths relative to it).
 
     Returns:
-        The verification result (or None) and the init drift (or None).
+        The verification result (or None), the init drift (or None) and the manifest's notes.
     """
     writer.write_index()
     router = router_fields(config)
-    write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits))
+    write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise))
     base = sources[config.base_model]
     copy_tokenizer_files(base.path, stage)
     checked = None
@@ -325,10 +327,13 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
     with progress_stage("init drift"):
         drift = build_drift(checking, plan, base.path, stage, base.adapter)
     card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
+    # verify ran on the staging folder: the card and manifest call it this folder, never by its path
+    card_lines = [line.replace(str(stage), ".") for line in card_lines]
     write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()})
     # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
     verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
-    write_recipe(stage, config, hashes, skip=() if writer.checksums else writer.files, verification=verification)
+    unlocated = write_recipe(stage, config, hashes, skip=() if writer.checksums else writer.files,
+                             verification=verification, target=target)
     for source in sources.values():  # last: a source re-saved during the build is never published from
         source.check_unchanged()
-    return checked, drift
+    return checked, drift, unlocated

@@ -46,6 +46,7 @@ from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.guards import check_tied_head, refuse_non_float
 from moe_upcycle.planning.plan import Plan, make_plan
 from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.dense_config import dense_config
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
@@ -79,7 +80,11 @@ def state_dict_source(model: torch.nn.Module) -> StateDictSource:
     config["dtype"] = str(model_dtype(model)).removeprefix("torch.")
     config.pop("torch_dtype", None)
     infos = {k: TensorInfo(k, tuple(t.shape), t.dtype, "") for k, t in state.items()}
-    return StateDictSource(ref=IN_MEMORY_REF, path=None, config=config, tensors=infos, state=state)
+    # checked as a config.json is: a field set by hand (model.config.head_dim = "64") is named, not a traceback;
+    # a family no output takes is named as such first (a GPT-2 config has none of the fields checked)
+    names.input_family(config.get("model_type", ""), "dense_model")
+    return StateDictSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
+                           tensors=infos, state=state)
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -204,8 +209,13 @@ def upcycle_model(
         gate: router init: "random" (std `router_init_std`), "uniform_random" or "uniform".
         seed: seeds routers and every random init.
         router_init_std: std of the random router rows.
-        router_jitter_noise, router_aux_loss_coef, output_router_logits: MoE training knobs
-            written into the model's config.
+        router_jitter_noise, router_aux_loss_coef: MoE training knobs written into the model's config.
+        output_router_logits: return router logits and add the load-balancing aux loss to ``loss`` in the
+            forward passes that train (model in training mode, gradients on), as transformers' own
+            ``output_router_logits`` does. It is passed to those calls, not written into the config:
+            ``config.output_router_logits`` stays False, so ``save_pretrained`` publishes a model whose
+            ``generate`` works (with the field true, transformers computes the aux loss at every
+            decoding step, and a batch of prompts of different lengths fails).
         dtype: "float32", "bfloat16" or "float16" (or the torch.dtype); default (or "auto"): the dense model's parameter dtype.
         architecture: the output architecture ("mixtral", "qwen2_moe", "qwen3_moe"...); default:
             the one a build picks for the dense family.
@@ -243,12 +253,13 @@ def upcycle_model(
     _python_values(num_experts=num_experts, experts_per_token=experts_per_token, expert_init=expert_init, seed=seed,
                    router_init_std=router_init_std, router_jitter_noise=router_jitter_noise,
                    output_router_logits=output_router_logits)
+    # output_router_logits is this call's training switch, never the recipe's: a recipe's would be written into
+    # config.json, which the recipe refuses (see `router_logits_while_training`)
     _dtype_warnings(dense_model, dtype)
     config = load_config({
         "base_model": IN_MEMORY_REF, "num_experts": num_experts, "experts_per_token": experts_per_token,
         "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,
-        "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef,
-        "output_router_logits": output_router_logits, "dtype": dtype,
+        "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef, "dtype": dtype,
         **({"architecture": architecture} if architecture else {}),
         **({"moe_layers": moe_layers} if moe_layers is not None else {}),
     }, unknown_option=None, name="upcycle_model")
@@ -269,7 +280,7 @@ def upcycle_model(
         check_tied_head(plan, source, IN_MEMORY_REF)  # a head untied in memory under a config that ties it
         gates = compute_gates(gate_params(config), plan, source, device=placement.main)
         router = router_fields(config)
-        cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise, router.output_router_logits)
+        cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise)  # output_router_logits: false
         model = empty_moe_model(cfg, plan, getattr(dense_model.config, "_attn_implementation", None))
         if layout is not None:  # each rank makes its own shards (moe_upcycle.distributed)
             build_sharded_moe(model, plan, source, gates, config.seed, layout, _place)
@@ -279,7 +290,36 @@ def upcycle_model(
         keep_frozen(model, plan, dense_model)
         keep_checkpointing(model, dense_model)
         keep_generation_config(model, dense_model)
-        return (model if layout is not None else dispatch_like(model, placement)).train()
+        model = model if layout is not None else dispatch_like(model, placement)
+        if output_router_logits:
+            router_logits_while_training(model)
+        return model.train()
+
+
+def router_logits_while_training(model: torch.nn.Module) -> None:
+    """Make `model` return router logits (and add the aux loss to its loss) in training forward passes only.
+
+    transformers' MoE classes read ``output_router_logits`` from each call, else from the config. In the
+    config it is published by ``save_pretrained`` and read at inference too: transformers then computes the
+    aux loss at every decoding step of ``generate``, against an attention mask of the whole sequence, and a
+    batch of prompts of different lengths fails ("The size of tensor a (2) must match the size of tensor b
+    (16)"; transformers 4.57 fails on any prompt). So the switch is a forward pre-hook: a call made in
+    training mode with gradients on gets ``output_router_logits=True`` unless it passes its own; ``eval()``,
+    ``torch.no_grad()`` and ``generate`` (which runs without gradients) get the config's false. The hook is
+    part of this model object only: ``save_pretrained`` writes false and a reloaded model has no hook.
+    """
+    import functools
+
+    names = list(inspect.signature(model.forward).parameters)
+    position = names.index("output_router_logits") if "output_router_logits" in names else len(names)
+    model.register_forward_pre_hook(functools.partial(_ask_router_logits, position=position), with_kwargs=True)
+
+
+def _ask_router_logits(module: torch.nn.Module, args: tuple, kwargs: dict, *, position: int):
+    """The hook of `router_logits_while_training` (module level, so the model stays picklable and deep-copyable)."""
+    if module.training and torch.is_grad_enabled() and "output_router_logits" not in kwargs and len(args) <= position:
+        return args, {**kwargs, "output_router_logits": True}
+    return None
 
 
 def keep_generation_config(model: torch.nn.Module, dense_model: torch.nn.Module) -> None:

@@ -87,9 +87,11 @@ def test_recorded_recipe_config_reloads(tiny_llama, tmp_path):
     from moe_upcycle import load_config
 
     result = _upcycle_copy(tiny_llama, tmp_path / "moe", expert_init={"method": "drop", "ratio": 0.25})
+    from moe_upcycle.planning.replan import recorded_config
+
     recipe = json.loads((result.output / "moe_upcycle.json").read_text())
-    again = load_config(recipe["config"])
-    assert again == result.config and again.expert_init.ratio == 0.25
+    again = load_config(recorded_config(recipe, result.output))  # its paths read relative to the output
+    assert again == result.config.model_copy(update={"output": None}) and again.expert_init.ratio == 0.25
 
 
 def test_no_checksums_skips_shard_hashes_but_keeps_small_files(tiny_llama, tmp_path):
@@ -122,5 +124,6 @@ def test_paths_from_python_are_read_as_their_text(tiny_llama, tmp_path):
     assert built["Path"].output == tmp_path / "moe-Path"
     manifests = {name: json.loads((r.output / "moe_upcycle.json").read_text()) for name, r in built.items()}
     recorded = {name: {k: v for k, v in m["config"].items() if k != "output"} for name, m in manifests.items()}
-    assert recorded["Path"] == recorded["str"] and recorded["Path"]["base_model"] == str(tiny_llama)
+    # recorded relative to each output (the same place for both), never as the absolute path
+    assert recorded["Path"] == recorded["str"] and recorded["Path"]["base_model"].startswith("../")
     assert built["Path"].sha256 == built["str"].sha256  # the same bytes

@@ -147,7 +147,7 @@ PLAUSIBLE = {
     "gate_mode": ["random", "uniform", "uniform_random", "cheap_embed", "hidden", "kmeans", "Random"],
     "dtype": ["float32", "bf16", "float16", "fp8", None], "tensor_policy": ["share", "clone", "copy"],
     "max_shard_size": ["50KB", 1, "1B", 10**13, "0.1MB", "1 GiB", -1], "architecture": ["mixtral", "qwen", "deepseek", "gpt"],
-    "router_init_std": [0.02, 0.0, 1e300], "gate_scale": [1.0, None, 0], "router_aux_loss_coef": [0.01, -1.0],
+    "router_init_std": [0.02, 0.0, 1e300, "NaN"], "gate_scale": [1.0, None, 0, "-inf"], "router_aux_loss_coef": [0.01, -1.0],
     "shared_experts": [[], [{"source_model": "{base}"}]], "output": [None, ""],
 }
 EXPERT_PLAUSIBLE = {"source_model": ["{base}", "{other}", "/no/such/model", ""], "name": ["a", "b", "", None],

@@ -96,7 +96,8 @@ def test_full_training_step_changes_no_dense_weight(tiny_llama):
     snapshot = {k: v.clone() for k, v in dense.state_dict().items()}
     moe = upcycle_model(dense, num_experts=4, experts_per_token=1, expert_init={"method": "noise", "scale": 0.01},
                         router_jitter_noise=0.01, output_router_logits=True, router_aux_loss_coef=0.02)
-    assert (moe.config.router_jitter_noise, moe.config.output_router_logits) == (0.01, True)
+    # output_router_logits is passed to the training calls, never kept in the config save_pretrained writes
+    assert (moe.config.router_jitter_noise, moe.config.output_router_logits) == (0.01, False)
     out = moe.train()(input_ids=ids, labels=ids)
     assert out.aux_loss is not None and torch.isfinite(out.loss)
     out.loss.backward()
@@ -399,3 +400,86 @@ def test_dtype_auto_keeps_the_dense_models_dtype(tiny_llama):
     dense, _ = load(tiny_llama)
     dense = dense.to(torch.bfloat16)
     assert {p.dtype for p in upcycle_model(dense, num_experts=2, dtype="auto").parameters()} == {torch.bfloat16}
+
+
+# ---------------------------------------------------------------- the README's training recipe, then publishing
+
+
+def test_readme_training_recipe_saves_a_model_that_generates_and_verifies(stories, tmp_path):
+    """The README recipe: `output_router_logits=True`, fp32 master weights, a few AdamW steps, `save_pretrained` in
+    bf16. Before, the flag was saved into config.json and transformers 5.24 failed a batched, padded `generate` of
+    the reloaded model ("The size of tensor a (2) must match the size of tensor b (16)"); now the training calls
+    get router logits and the aux loss, the saved config says false, and the folder generates and verifies."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_upcycle.check.verify import verify
+
+    tok = AutoTokenizer.from_pretrained(str(stories))
+    dense = AutoModelForCausalLM.from_pretrained(str(stories), dtype=torch.bfloat16)
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, expert_init={"method": "drop", "ratio": 0.5},
+                        gate="random", router_aux_loss_coef=0.01, output_router_logits=True, dtype="float32")
+    assert moe.config.output_router_logits is False and moe.training
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
+    for text in ["Once upon a time, there was a little girl", "The dog ran to the park and"]:
+        batch = tok(text, return_tensors="pt")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(**batch, labels=batch["input_ids"])
+            plain = moe(**batch, labels=batch["input_ids"], output_router_logits=False)  # the caller's word wins
+        # the loss is the language-model loss plus router_aux_loss_coef x aux loss, as transformers' flag gives it
+        assert out.aux_loss is not None and plain.aux_loss is None and out.router_logits is not None
+        assert_close_rel(out.loss, plain.loss + 0.01 * out.aux_loss)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():  # an evaluation pass (no gradients): no aux loss, as in eval mode
+        assert moe(**tok("Lily", return_tensors="pt")).aux_loss is None
+    assert moe.eval()(**tok("Lily", return_tensors="pt")).aux_loss is None
+    folder = tmp_path / "my-moe-trained"
+    moe.to(torch.bfloat16).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    assert json.loads((folder / "config.json").read_text())["output_router_logits"] is False
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto").eval()
+    tok.padding_side = "left"
+    tok.pad_token = tok.pad_token or tok.unk_token or tok.eos_token
+    batch = tok(["Once upon a time, there was a little girl named", "Lily"], return_tensors="pt", padding=True)
+    assert batch["attention_mask"][1, 0] == 0  # the second row is padded
+    new = reloaded.generate(**batch, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert new.shape == (2, batch["input_ids"].shape[1] + 4)
+
+    result = verify(folder, stories, max_new_tokens=4)
+    assert result.ok, result.problems
+    # a folder carrying the flag (as transformers' own save_pretrained writes it when the config says so) fails,
+    # named with its fix, and every other check still ran
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "output_router_logits": True}))
+    flagged = verify(folder, stories, max_new_tokens=4)
+    assert not flagged.ok and len(flagged.problems) == 1, flagged.problems
+    assert flagged.problems[0].startswith("config.json: output_router_logits is true, and published so: transformers "
+                                          "then adds the router aux loss in every forward pass, generate included")
+    assert flagged.problems[0].endswith('Set "output_router_logits": false in config.json (from a training script: '
+                                        'model.config.output_router_logits = False before save_pretrained); the '
+                                        'other checks ran with it false')
+    assert flagged.comparison is not None and flagged.continuations
+
+
+def test_a_model_with_the_flag_in_its_config_fails_a_padded_generate(stories, tmp_path):
+    """Why the flag must not be published, measured in the installed transformers: the same weights with
+    output_router_logits true in config.json fail a padded batch (prompts of equal length pass, which is why
+    verify pads its continuation batch itself)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moe_upcycle.check.continuations import continue_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(stories))
+    dense = AutoModelForCausalLM.from_pretrained(str(stories))
+    upcycle_model(dense, num_experts=2, output_router_logits=True).save_pretrained(str(tmp_path / "m"))
+    flagged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), output_router_logits=True).eval()
+    same_length = [tok(p, return_tensors="pt")["input_ids"] for p in ("The capital of France is", "def fibonacci(n):")]
+    assert same_length[0].shape == same_length[1].shape == (1, 16)
+    with pytest.raises(RuntimeError, match="The size of tensor a"):
+        continue_prompts(flagged, same_length, 2, 0, "cpu")  # the extra, shorter row pads the batch
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    assert [c.shape for c in continue_prompts(saved, same_length, 2, 0, "cpu")] == [(2,), (2,)]

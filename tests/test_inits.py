@@ -286,12 +286,25 @@ def test_granularity_must_divide_intermediate_size(stories):
 def test_router_knobs_written_to_config_json(tiny_llama, tmp_path):
     from transformers import AutoConfig
 
-    out = build(tiny_llama, tmp_path / "moe", router_jitter_noise=0.01, output_router_logits=True,
-                router_aux_loss_coef=0.02, report_init_drift=False).output
+    out = build(tiny_llama, tmp_path / "moe", router_jitter_noise=0.01, router_aux_loss_coef=0.02,
+                report_init_drift=False).output
     cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["router_jitter_noise"], cfg["output_router_logits"], cfg["router_aux_loss_coef"]) == (0.01, True, 0.02)
+    assert (cfg["router_jitter_noise"], cfg["output_router_logits"], cfg["router_aux_loss_coef"]) == (0.01, False, 0.02)
     hf = AutoConfig.from_pretrained(str(out))
-    assert (hf.router_jitter_noise, hf.output_router_logits, hf.router_aux_loss_coef) == (0.01, True, 0.02)
+    assert (hf.router_jitter_noise, hf.output_router_logits, hf.router_aux_loss_coef) == (0.01, False, 0.02)
+
+
+def test_output_router_logits_true_is_refused_with_the_way_to_train(tiny_llama, tmp_path):
+    """Written into config.json it made transformers fail to generate padded batches (4.57: any prompt), so
+    the recipe refuses it before anything is opened, and says where router logits are asked for instead."""
+    with pytest.raises(ConfigError) as err:
+        build(tiny_llama, tmp_path / "moe", output_router_logits=True)
+    (problem,) = err.value.problems
+    assert problem.startswith("config: output_router_logits: true would be written into the output's config.json, "
+                              "which transformers reads at inference too")
+    assert "remove the key (the output says false)" in problem
+    assert "model(**batch, labels=..., output_router_logits=True)" in problem
+    assert not (tmp_path / "moe").exists()
 
 
 def test_split_note_says_16_bit_router_logits_can_tie_across_groups():

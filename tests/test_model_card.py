@@ -189,3 +189,112 @@ def test_names_with_pipes_and_backticks_keep_the_card_readable(stories, tmp_path
     row = next(line for line in card.splitlines() if line.startswith("| 0 |"))
     assert row == "| 0 | code\\|`x` | local model `pi\\|pe` | 1 | none |"  # GFM: an escaped pipe inside the cell
     assert "local model `pi|pe`" in card and "  - `` code|`x` ``: 1 positive prompts" in card
+
+
+# ---------------------------------------------------------------- the whole recipe, and what the build said (issue 35)
+
+CHEAP_EMBED_RECIPE = """\
+base_model: stories260K
+experts:
+- source_model: stories260K
+  name: kids
+  positive_prompts_from: creative
+- source_model: stories260K
+  name: expert_1
+  positive_prompts:
+  - One, two, three.
+  residual_scale: 0.5
+num_experts: null  # default
+architecture: mixtral  # default: the output family for this base
+gate_mode: cheap_embed
+gate_source: native  # default
+dtype: float32  # default: the base's
+experts_per_token: 2  # default
+shared_experts: []  # default
+tensor_policy: share  # default
+seed: 0  # default
+max_shard_size: 5000000000  # default
+checksums: true  # default
+router_aux_loss_coef: 0.001  # default: Mixtral's
+router_init_std: 0.02  # default; not read by gate_mode cheap_embed
+gate_scale: null  # default: 16/sqrt(hidden) = 2
+expert_init:
+  method: drop
+  ratio: 0.5
+router_jitter_noise: 0.0  # default
+output_router_logits: false  # default
+report_init_drift: true  # default: measured for non-copy inits of outputs up to 2 GB
+layout: per_expert  # default
+attention_from: base  # default
+shared_expert_gate: null  # default
+gate_center: true
+calibration_text: null  # default; not read by gate_mode cheap_embed
+batch_size: 8  # default; not read by gate_mode cheap_embed, which runs no model
+device: auto  # default
+gate_dtype: null  # default; not read by gate_mode cheap_embed, which runs no model
+quantize: null  # default; not read by gate_mode cheap_embed, which runs no model
+moe_layers: null  # default: all 5 layers
+norm_topk_prob: null  # default"""
+
+
+def _section(card: str, title: str) -> str:
+    return card.split(f"## {title}\n")[1].split("\n## ")[0]
+
+
+def test_the_recipe_block_shows_every_key_with_the_value_built(stories, tmp_path):
+    """Before, the block left out every key at its default (exclude_defaults): a reader could not tell the dtype,
+    architecture, aux loss or drop ratio the model was built with. Now every key is there, a default says what it
+    resolved to, a router key the mode does not read says so, and local paths are names."""
+    result = upcycle({"base_model": str(stories), "gate_mode": "cheap_embed", "gate_center": True,
+                      "expert_init": {"method": "drop"}, "output": str(tmp_path / "moe"),
+                      "experts": [{"source_model": str(stories), "name": "kids", "positive_prompts_from": "creative"},
+                                  {"source_model": str(stories), "positive_prompts": ["One, two, three."],
+                                   "residual_scale": 0.5}]})
+    card = (result.output / "README.md").read_text()
+    recipe = _section(card, "Recipe")
+    assert recipe.split("```yaml\n")[1].split("\n```")[0] == CHEAP_EMBED_RECIPE
+    assert str(tmp_path) not in card and str(stories) not in card
+    how = _section(card, "How the experts were made").strip().splitlines()
+    assert how[:2] == [
+        "- Experts: Drop-Upcycling: a seeded 50% of each expert's neurons re-initialised.",
+        "- Router (gate mode `cheap_embed`): the mean token embedding of each expert's positive prompts (minus its "
+        "negative prompts), no forward pass, centred over experts, rows of length 16/sqrt(hidden)."]
+    assert _section(card, "Notes from the build").strip().splitlines() == [
+        "- expert_init drop on expert(s) [0, 1]: Drop-Upcycling, 86 of 172 neurons per expert re-initialised "
+        "(ratio 0.5)"]
+
+
+def test_a_copy_upcycle_card_says_the_experts_are_one_ffn_until_trained(stories, tmp_path):
+    result = upcycle({"base_model": str(stories), "num_experts": 4, "gate_mode": "random"}, tmp_path / "moe")
+    card = (result.output / "README.md").read_text()
+    assert _section(card, "How the experts were made").strip().splitlines() == [
+        "- Experts: exact copies of the source FFN.",
+        "- All 4 experts are the same FFN, the dense model's, so whichever experts the router picks the MoE computes "
+        "what the dense model computes, until it is trained.",
+        "- Router (gate mode `random`): random rows, normal(0, 0.02) (seed 0)."]
+    recipe = _section(card, "Recipe")
+    for line in ("num_experts: 4", "experts: []  # default", "gate_scale: null  # default; not read by gate_mode random",
+                 "report_init_drift: false  # default: measured for non-copy inits of outputs up to 2 GB",
+                 "expert_init:  # default\n  method: copy"):
+        assert f"\n{line}\n" in recipe, line
+    assert "Notes from the build" not in card  # the plan said nothing more
+
+
+def test_a_mergekit_build_card_describes_mergekit_rows_and_what_the_build_said(stories, tmp_path):
+    """gate_source: mergekit computes mergekit-moe's rows: the card said our native computation (post-attention
+    norm outputs, rows scaled per layer); and a prompt recipe of identical experts carries the build's caution."""
+    same = [{"source_model": str(stories), "positive_prompts": [p]} for p in ("Once upon a time", "The cat sat")]
+    result = upcycle({"base_model": str(stories), "gate_mode": "cheap_embed", "gate_source": "mergekit",
+                      "experts": same}, tmp_path / "moe")
+    card = (result.output / "README.md").read_text()
+    how = _section(card, "How the experts were made").strip().splitlines()
+    assert how[2] == ("- Router (gate mode `cheap_embed`): mergekit-moe 0.1.5's computation: the summed token "
+                      "embeddings (BOS included) of each expert's positive prompts, unit length, minus its negative "
+                      "prompts', unit rows.")
+    assert how[1] == "- All 2 experts are the same FFN, the dense model's, so whichever experts the router picks " \
+                     "the MoE computes what the dense model computes, until it is trained."
+    notes = _section(card, "Notes from the build")
+    assert "- every expert is local model stories260K, unchanged: the 2 experts compute the same FFN" in notes
+    assert "\ngate_source: mergekit\n" in _section(card, "Recipe")
+    assert "gate_scale: null  # default: unit rows, as mergekit-moe writes them" in card
+    assert str(stories) not in card

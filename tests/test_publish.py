@@ -58,7 +58,11 @@ def test_same_config_and_seed_give_identical_files(tiny_llama, tmp_path):
         assert _sha(first.output / name) == _sha(second.output / name), name
     recipe = json.loads((first.output / "moe_upcycle.json").read_text())
     assert recipe["tool"] == "moe-upcycle" and recipe["version"] == __version__ and recipe["seed"] == 7
-    assert recipe["config"] == load_config(cfg).model_dump(mode="json")
+    # the recipe as built, its paths relative to the output (uploaded with it): read back, the same recipe
+    from moe_upcycle.planning.replan import recorded_config
+
+    assert recipe["config"]["base_model"].startswith("../") and recipe["paths_relative_to"] == "."
+    assert load_config(recorded_config(recipe, first.output)).model_dump() == load_config(cfg).model_dump()
     assert recipe["sha256"] == {n: _sha(first.output / n) for n in files if n != "moe_upcycle.json"}
     assert set(first.sha256) == set(first.shards) and all(recipe["sha256"][k] == v for k, v in first.sha256.items())
     # the seed matters: shards holding routers or noisy experts change, copied tensors do not
@@ -79,7 +83,8 @@ def test_model_card_front_matter_and_body(licensed_base, tmp_path):
     assert "| total | 260,416 (0.26M) |" in card and "| active per token | 162,112 (0.16M) |" in card
     assert "4 experts,\n2 active per token, gate mode `random`, dtype `float32`" in card
     assert f"| 3 | expert_3 | local model `{licensed_base.name}` | 0 | none |" in card and str(licensed_base) not in card
-    assert f"```yaml\nbase_model: {licensed_base.name}\nnum_experts: 4\ngate_mode: random\n```" in card
+    assert f"```yaml\nbase_model: {licensed_base.name}\nexperts: []  # default\nnum_experts: 4\n" \
+           "architecture: mixtral  # default: the output family for this base\ngate_mode: random\n" in card
     assert "Not run. Run `moe-upcycle verify <this folder>`" in card
     assert 'AutoModelForCausalLM.from_pretrained("path/to/this/folder")' in card
     assert "License:" not in card
@@ -230,3 +235,129 @@ def test_a_license_that_is_not_text_is_not_copied_into_the_card(front, expected,
     card = ModelCard.load(result.output / "README.md")
     got = card.data.to_dict().get("license")
     assert got == (expected or {}).get("license") and (got is None or isinstance(got, str))
+
+
+# ------------------------------------------------------------------ safe to upload as it is (issue 35)
+
+
+def _machine_words() -> list[str]:
+    import getpass
+    import os
+
+    home = str(Path.home())
+    return [w for w in (home if home != "/" else None, os.environ.get("HOME"), getpass.getuser()) if w]
+
+
+def test_a_built_folder_names_no_path_of_the_machine_and_verify_and_route_still_find_everything(
+        tiny_llama, tmp_path, monkeypatch):
+    """Before, moe_upcycle.json recorded the recipe's absolute paths (home folders, user names) and was uploaded
+    with the folder. Every byte of every file the build writes is scanned for the build folder's path, $HOME and
+    the user name; the files it copies are the base's own bytes. Then, from another working folder, verify finds
+    the base and the plan, and route --label-by embedding finds the prompt files, through the recorded paths."""
+    import re
+
+    project = tmp_path / "project"
+    shutil.copytree(tiny_llama, project / "models" / "base")
+    (project / "prompts").mkdir()
+    (project / "prompts" / "story.txt").write_text("Once upon a time there was a cat\nThe dog ran home\n")
+    (project / "prompts" / "code.txt").write_text("def add(a, b): return a + b\nimport numpy as np\n")
+    out = project / "out" / "moe"
+    recipe = project / "r.yaml"
+    recipe.write_text(yaml.safe_dump({  # absolute paths throughout, and the output named in the recipe
+        "base_model": str(project / "models" / "base"), "gate_mode": "hidden", "output": str(out),
+        "experts": [{"source_model": str(project / "models" / "base"), "name": "story",
+                     "positive_prompts_from": str(project / "prompts" / "story.txt")},
+                    {"source_model": "models/base", "name": "code", "positive_prompts_from": "prompts/code.txt"}]}))
+    monkeypatch.chdir(project)
+    run = CliRunner().invoke(app, ["build", str(recipe), "--verify", "--no-lint"])
+    assert run.exit_code == 0, run.output
+
+    manifest = json.loads((out / "moe_upcycle.json").read_text())
+    config = manifest["config"]
+    assert (config["base_model"], config["output"], manifest["paths_relative_to"]) == ("../../models/base", None, ".")
+    assert [(e["source_model"], e["positive_prompts_from"]) for e in config["experts"]] == [
+        ("../../models/base", "../../prompts/story.txt"), ("../../models/base", "../../prompts/code.txt")]
+    assert manifest["verify"]["base"] == "../../models/base" and manifest["verify"]["ok"] is True
+
+    copied = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"}
+    looked_for = [str(tmp_path), *_machine_words()]
+    for file in sorted(out.iterdir()):
+        if file.suffix == ".safetensors":
+            continue
+        data = file.read_bytes()
+        if file.name in copied:  # the base's own file, byte for byte: nothing of ours in it
+            assert data == (project / "models" / "base" / file.name).read_bytes(), file.name
+            continue
+        text = data.decode("utf-8")
+        for word in looked_for:
+            found = re.search(rf"(?<![\w.-]){re.escape(word)}(?![\w.-])", text) if "/" not in word else \
+                (word in text and word)
+            assert not found, f"{file.name} names {word!r}"
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    got = verify(out, device="cpu", max_new_tokens=2)
+    assert got.ok and got.comparison is not None and got.planned_tensors > 0, (got.problems, got.notes)
+    assert got.base == str(project / "models" / "base")
+    labeled = elsewhere / "labeled.jsonl"
+    labeled.write_text('{"text": "Once upon a time"}\n{"text": "def f(): pass", "expert": "code"}\n')
+    routed = CliRunner().invoke(app, ["route", str(out), "--labeled", str(labeled), "--label-by", "embedding",
+                                      "--json", "--device", "cpu"])
+    assert routed.exit_code == 0, routed.output
+    assert json.loads(routed.stdout)["experts"] == ["story", "code"]
+
+
+def test_hub_models_are_recorded_by_id_and_commit_and_home_paths_with_a_tilde(tiny_llama, tmp_path, monkeypatch):
+    """A model read from the Hugging Face cache is recorded as org/name@<the commit read>, whatever spelling the
+    recipe used (the id, or the snapshot's folder); a folder reached from the output only through the home folder
+    is recorded ~/..., never /home/<user>/...; verify reads both back."""
+    import huggingface_hub.constants as constants
+
+    from moe_upcycle.publish.manifest import PortableRefs
+
+    COMMIT = hashlib.sha1(b"acme/tiny-llama").hexdigest()  # a commit, as the hub names snapshots
+
+    home, cache = tmp_path / "home" / "someone", tmp_path / "home" / "someone" / ".cache" / "hub"
+    snapshot = cache / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (cache / "models--acme--tiny-llama" / "refs").mkdir()
+    (cache / "models--acme--tiny-llama" / "refs" / "main").write_text(COMMIT)
+    for f in tiny_llama.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(tiny_llama, home / "models" / "ft")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    out = tmp_path / "srv" / "out"
+    refs = PortableRefs(out)
+    assert refs.ref("acme/tiny-llama") == f"acme/tiny-llama@{COMMIT}"
+    assert refs.ref(str(snapshot)) == f"acme/tiny-llama@{COMMIT}"
+    assert refs.ref(str(home / "models" / "ft")) == "~/models/ft"  # not ../../home/someone/models/ft
+    assert refs.ref("org/not-cached") == "org/not-cached" and not refs.relative
+
+    result = upcycle({"base_model": "acme/tiny-llama", "gate_mode": "random", "experts": [
+        {"source_model": "acme/tiny-llama"}, {"source_model": str(home / "models" / "ft")}]}, out)
+    config = json.loads((result.output / "moe_upcycle.json").read_text())["config"]
+    assert config["base_model"] == f"acme/tiny-llama@{COMMIT}"
+    assert [e["source_model"] for e in config["experts"]] == [f"acme/tiny-llama@{COMMIT}", "~/models/ft"]
+    got = verify(out, device="cpu", max_new_tokens=2)
+    assert got.ok and got.comparison is not None and got.planned_tensors, (got.problems, got.notes)
+
+
+def test_a_folder_every_path_to_which_names_the_user_is_recorded_by_name_and_said(tiny_llama, tmp_path, monkeypatch):
+    """/data/<user>/model from an output elsewhere: no spelling leaves the user name out, so the manifest records the
+    folder's name alone and the build says that verify will need --base."""
+    from moe_upcycle.publish import manifest
+
+    monkeypatch.setattr(manifest, "_user", lambda: "someone")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    shutil.copytree(tiny_llama, tmp_path / "data" / "someone" / "llama")
+    result = upcycle({"base_model": str(tmp_path / "data" / "someone" / "llama"), "num_experts": 2,
+                      "gate_mode": "random"}, tmp_path / "out" / "moe")
+    recorded = json.loads((result.output / "moe_upcycle.json").read_text())
+    assert recorded["config"]["base_model"] == "llama" and "paths_relative_to" not in recorded
+    assert result.notes[-1] == (f"moe_upcycle.json records {tmp_path / 'data' / 'someone' / 'llama'} by its folder "
+                                f"name, 'llama', alone: every path to it from the output names your user name, and "
+                                f"the manifest is uploaded with the folder; `moe-upcycle verify` of the output will "
+                                f"need --base")
+    assert "someone" not in (result.output / "moe_upcycle.json").read_text()

@@ -195,7 +195,8 @@ def test_route_labeled_cli_reports_accuracy_and_confusion(stories, tmp_path):
 
 def test_label_by_embedding_with_a_recorded_prompt_file_gone_fails_before_routing(stories, tmp_path, monkeypatch):
     """Before: after loading and routing, "config error: config: experts[0].positive_prompts_from: ..."; now the
-    message says it is the recorded recipe and what to do, before any routing work."""
+    message says it is the recorded recipe, where it looked (the file recorded relative to the output) and what to
+    do, before any routing work."""
     from typer.testing import CliRunner
 
     import moe_upcycle.check.route as route_module
@@ -215,5 +216,5 @@ def test_label_by_embedding_with_a_recorded_prompt_file_gone_fails_before_routin
     said = " ".join(res.output.split())
     assert res.exit_code == 1 and "Traceback" not in res.output, res.output
     assert (f"--label-by embedding: the recipe {out}/moe_upcycle.json records no longer loads "
-            f"(experts[0].positive_prompts_from: 'animals.txt' is neither a prompt set") in said, said
+            f"(experts[0].positive_prompts_from: '{tmp_path / 'animals.txt'}' is neither a prompt set") in said, said
     assert "give every prompt in --labeled its expert" in said

@@ -78,15 +78,24 @@ with warnings.catch_warnings(record=True) as caught:
     upcycle_model(dense, num_experts=2)
 print("WARNED", [str(w.message) for w in caught if w.category.__name__ == "UpcycleWarning"])
 from transformers import LlamaConfig
-moe = upcycle_model(AutoModelForCausalLM.from_config(LlamaConfig(**small)), num_experts=2,
-                    output_router_logits=True).eval()
+import sys
+moe = upcycle_model(AutoModelForCausalLM.from_config(LlamaConfig(**small)), num_experts=2, output_router_logits=True)
 ids = torch.tensor([[1, 5, 9, 3, 7]])
+out = moe(input_ids=ids, labels=ids)  # a training call: router logits and the aux loss
+print("TRAINING AUX", out.aux_loss is not None, "CONFIG", moe.config.output_router_logits)
+moe.eval()
 steps = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)  # decoding steps past the first: no early eos
+print("GENERATES", moe.generate(ids, **steps).shape[1])
+moe.save_pretrained(sys.argv[1])
+reloaded = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+padded = torch.tensor([[1, 5, 9, 3, 7], [0, 0, 1, 5, 9]])
+print("RELOADED PADDED", tuple(reloaded.generate(padded, attention_mask=(padded != 0).long(), pad_token_id=0,
+                                                 **steps).shape))
+flagged = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_router_logits=True).eval()
 try:
-    moe.generate(ids, **steps)
+    flagged.generate(ids, **steps)
 except RuntimeError as exc:
-    print("GENERATE FAILS", str(exc).splitlines()[0])
-print("WORKAROUND", moe.generate(ids, **steps, output_router_logits=False).shape[1])
+    print("FLAG IN CONFIG FAILS", str(exc).splitlines()[0])
 """
 
 
@@ -96,13 +105,49 @@ def test_upcycle_model_says_what_the_installed_transformers_4_cannot_run(tmp_pat
     (before: silently other logits than the dense model's)."""
     env = {"HF_HUB_OFFLINE": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO),
            "HOME": str(tmp_path)}
-    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_UPCYCLE_MODEL], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=tmp_path, check=False)
+    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_UPCYCLE_MODEL, str(tmp_path / "saved")], capture_output=True,
+                         text=True, timeout=600, env=env, cwd=tmp_path, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert ("REFUSED architecture: qwen2_moe cannot hold this dense model in transformers 4.57" in run.stdout
             and "its Qwen2-MoE needs head_dim = hidden_size / num_attention_heads (16), not 32; install "
                 "transformers>=5, or pass another architecture=" in run.stdout), run.stdout
     assert ("Qwen2MoeForCausalLM run this MoE, but not as the dense model computes: its Qwen2-MoE applies "
             "sliding_window to every layer" in run.stdout), run.stdout
-    # the README's advice for 4.57: a model saved with output_router_logits=True generates with it turned off
-    assert "GENERATE FAILS The size of tensor a" in run.stdout and "WORKAROUND 8" in run.stdout, run.stdout
+    # output_router_logits=True reaches the training calls only: the model generates in memory and saved, padded
+    # batches too; the same folder with the flag in its config fails on one prompt in 4.57 (why it is not saved)
+    assert "TRAINING AUX True CONFIG False" in run.stdout and "GENERATES 8" in run.stdout, run.stdout
+    assert "RELOADED PADDED (2, 8)" in run.stdout, run.stdout
+    assert "FLAG IN CONFIG FAILS The size of tensor a" in run.stdout, run.stdout
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["output_router_logits"] is False
+
+
+TF4_README_RECIPE = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from moe_upcycle import upcycle_model
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+moe = upcycle_model(AutoModelForCausalLM.from_pretrained(sys.argv[1]), num_experts=4, experts_per_token=2,
+                    gate="random", router_aux_loss_coef=0.01, output_router_logits=True, dtype="float32")
+opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
+for text in ["Once upon a time, there was a little girl", "The dog ran to the park and"]:
+    batch = tok(text, return_tensors="pt")
+    out = moe(**batch, labels=batch["input_ids"])
+    assert out.aux_loss is not None
+    out.loss.backward(); opt.step(); opt.zero_grad()
+moe.save_pretrained(sys.argv[2]); tok.save_pretrained(sys.argv[2])
+"""
+
+
+def test_readme_training_recipe_publishes_a_model_verify_passes_in_transformers_4(stories, tmp_path):
+    """The README recipe in transformers 4.57: trained with router logits, saved, and `verify` (which generates a
+    padded batch) passes; before, 4.57 could not generate with the saved model at all."""
+    env = {"HF_HUB_OFFLINE": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO),
+           "HOME": str(tmp_path)}
+    folder = tmp_path / "my-moe-trained"
+    run = subprocess.run([str(TF4_PYTHON), "-c", TF4_README_RECIPE, str(stories), str(folder)], capture_output=True,
+                         text=True, timeout=600, env=env, cwd=tmp_path, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads((folder / "config.json").read_text())["output_router_logits"] is False
+    checked = tf4_cli("verify", folder, "--base", stories, "--max-new-tokens", "4", cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "PASSED" in checked.stdout

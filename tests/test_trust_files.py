@@ -553,7 +553,7 @@ def test_transformers_weights_file_is_the_one_read(tiny_llama, tiny_mistral, tmp
     ("missing.safetensors", ["transformers_weights names missing.safetensors, which is missing from"]),
     ("../model.safetensors", ["transformers_weights is '../model.safetensors', which is not a file name in"]),
     ("pytorch_model.bin", ["transformers_weights is 'pytorch_model.bin'; transformers loads only a *.safetensors"]),
-    (5, ["transformers_weights is 5"]),
+    (5, ["transformers_weights must be a file name such as \"model.safetensors\", got 5; fix or remove the field"]),
     ("dcp", ["holds distributed-checkpoint shards (shard-00000-model-00001-of-00001.safetensors)",
              "transformers 5 loads instead of the usual weight files"]),
 ])

@@ -69,6 +69,10 @@ CASES = [
     ("binary-seed", GOOD + "seed: !!binary aGVsbG8=\n", ["seed: 5 bytes of binary data (YAML's !!binary)"]),
     ("nan-scale", GOOD + "router_init_std: .nan\n", ["router_init_std: .nan (not a number, or infinity) is not a "
                                                       "finite number; write an ordinary number"]),
+    # text pydantic reads as a float: before, TypeError '>' not supported between 'str' and 'int' (fuzz_inputs.py)
+    ("nan-text-scale", GOOD + "router_init_std: NaN\n", ["router_init_std: 'NaN' (not a number, or infinity) is not "
+                                                          "a finite number; write an ordinary number"]),
+    ("inf-text-scale", GOOD + "gate_scale: -Infinity\n", ["gate_scale: '-Infinity' (not a number, or infinity)"]),
     ("inf-noise", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"
      "    noise_scale: -.inf\n  - source_model: {base}\n", ["experts[0].noise_scale: -.inf (not a number, or infinity)"]),
     ("short-layers", "base_model: {base}\ngate_mode: random\nexperts:\n  - source_model: {base}\n"

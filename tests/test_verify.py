@@ -216,6 +216,17 @@ def _json_edit(name: str, edit):
     return change
 
 
+def _resave_as_transformers_4(folder) -> None:
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    _json_edit("tokenizer_config.json", lambda d: d.update(extra_special_tokens={}, added_tokens_decoder={
+        str(t["id"]): {"content": t["content"], "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False, "special": t["special"]} for t in added}))(folder)
+    base_generation = json.loads((folder / "generation_config.json").read_text())
+    assert base_generation["use_cache"] is True and base_generation["output_attentions"] is False  # the defaults
+    _json_edit("generation_config.json", lambda d: [d.pop(k) for k in ("output_attentions", "output_hidden_states",
+                                                                        "use_cache")])(folder)
+
+
 def _merges_as_pairs(data: dict) -> None:  # the tokenizers library's other spelling of BPE merges
     data["model"]["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in data["model"]["merges"]]
 
@@ -245,6 +256,15 @@ FOREIGN_TOKENIZERS = {
     "template_newline_only": (lambda f: (f / "chat_template.jinja").write_text("{{ messages }}\r\n\n"), [], []),
     "template_changed": (lambda f: (f / "chat_template.jinja").write_text("{{ other }}"),
                          ["chat_template.jinja: differs from the base's"], []),
+    # transformers 4.57's save_pretrained of a model trained from the base (the README recipe): the tokenizer's
+    # added tokens restated in tokenizer_config.json, an empty extra_special_tokens, generation defaults left out
+    "resaved_by_transformers_4": (_resave_as_transformers_4, [], []),
+    "added_tokens_decoder_changed": (_json_edit("tokenizer_config.json", lambda d: d.update(added_tokens_decoder={
+        "0": {"content": "<mask>", "special": True}})),
+        ["tokenizer_config.json: says something other than the base's", "added_tokens_decoder unset in the base"], []),
+    "generation_setting_changed": (_json_edit("generation_config.json", lambda d: d.update(num_beams=4)),
+                                   ["generation_config.json: says something other than the base's",
+                                    "num_beams unset in the base, 4 here"], []),
 }
 
 
@@ -470,7 +490,9 @@ def test_verify_and_route_find_relative_sources_from_any_folder(tiny_llama, tmp_
     result = CliRunner().invoke(app, ["build", "r.yaml", "-o", "out/moe"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((project / "out/moe/moe_upcycle.json").read_text())
-    assert manifest["paths_relative_to"] == "../.." and manifest["config"]["base_model"] == "./base"
+    # every local path relative to the output itself (the manifest is uploaded with it)
+    assert manifest["paths_relative_to"] == "." and manifest["config"]["base_model"] == "../../base"
+    assert [e["positive_prompts_from"] for e in manifest["config"]["experts"]] == ["../../story.txt", "../../code.txt"]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -522,15 +544,15 @@ def test_recorded_config_keeps_hub_ids_sets_and_absolute_paths(tmp_path):
     assert got["base_model"] == str(tmp_path / "elsewhere" / "models" / "base")
 
 
-def test_a_recipe_of_absolute_paths_records_no_working_folder(tiny_llama, tmp_path, monkeypatch):
-    """paths_relative_to says where the build ran (it can name folders outside the output); it is written only
-    when the recipe has a relative path that needs it."""
+def test_a_recipe_of_absolute_paths_is_recorded_relative_to_the_output(tiny_llama, tmp_path, monkeypatch):
+    """Absolute paths are recorded relative to the output too (an absolute path names the machine's folders);
+    a hub id stays a hub id and gets no paths_relative_to."""
     monkeypatch.chdir(tmp_path)
-    result = upcycle({"base_model": str(tiny_llama), "num_experts": 2, "gate_mode": "random"}, tmp_path / "moe")
-    assert "paths_relative_to" not in json.loads((result.output / "moe_upcycle.json").read_text())
     shutil.copytree(tiny_llama, tmp_path / "base")
-    result = upcycle({"base_model": "base", "num_experts": 2, "gate_mode": "random"}, tmp_path / "out" / "moe")
-    assert json.loads((result.output / "moe_upcycle.json").read_text())["paths_relative_to"] == "../.."
+    result = upcycle({"base_model": str(tmp_path / "base"), "num_experts": 2, "gate_mode": "random"},
+                     tmp_path / "out" / "moe")
+    manifest = json.loads((result.output / "moe_upcycle.json").read_text())
+    assert (manifest["config"]["base_model"], manifest["paths_relative_to"]) == ("../../base", ".")
 
 
 def test_verify_prompts_file_of_records_is_read_as_route_reads_it(tmp_path):

@@ -91,10 +91,10 @@ def test_verify_loads_each_model_once_and_never_holds_both(stories_bf16_moe, sto
     loads, alive = [], []
     real = verify_module.load_causal_lm
 
-    def counting(folder, dtype=torch.float32, device="cpu", adapter=None):
+    def counting(folder, dtype=torch.float32, device="cpu", adapter=None, overrides=None):
         gc.collect()
         alive.append([ref() is not None for ref in loads_refs])  # models from earlier loads still in memory
-        loaded = real(folder, dtype=dtype, device=device, adapter=adapter)
+        loaded = real(folder, dtype=dtype, device=device, adapter=adapter, overrides=overrides)
         loads.append((folder.name, dtype))
         loads_refs.append(weakref.ref(loaded.model))
         return loaded

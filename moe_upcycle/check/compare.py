@@ -101,8 +101,11 @@ def encode_inputs(tokenizer, prompts: list[str], text: Optional[str] = None,
 
 
 def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32, device: str = "cpu",
-                   adapter: Optional[Adapter] = None) -> Loaded:
+                   adapter: Optional[Adapter] = None, overrides: Optional[dict] = None) -> Loaded:
     """Load a model folder with AutoModelForCausalLM/AutoTokenizer (eval mode), `adapter` (a LoRA) merged in.
+
+    `overrides` replace config.json fields as ``from_pretrained(..., key=value)`` does (a training switch
+    `verify` has already reported).
 
     `dtype` "auto" is the folder's own (config.json ``dtype``); the experts implementation is
     whatever transformers picks for the folder (config.json ``experts_implementation``, else its
@@ -124,7 +127,8 @@ def load_causal_lm(folder: Path, dtype: Union[torch.dtype, str] = torch.float32,
                                     if not any((Path(folder) / n).is_file()
                                                for n in ("tokenizer.json", "tokenizer.model", "vocab.json")) else "")
                                  ) from exc
-    model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True,
+                                                       **(overrides or {}))
     merge_into_model(model, adapter)
     mismatched = [k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys", [])]
     return Loaded(model.to(device).eval(), tokenizer, sorted(info.get("missing_keys", [])),

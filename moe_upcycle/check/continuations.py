@@ -23,17 +23,23 @@ def continue_prompts(model, prompts: list[torch.Tensor], max_new_tokens: int, pa
 
     One left-padded batch: the attention mask hides the padding and transformers derives the
     positions from it, so each row continues its own prompt (in 16-bit a near tie can still
-    resolve differently from an unbatched run).
+    resolve differently from an unbatched run). A batch whose rows are all one length gets one more
+    row, the first prompt without its first token, whose continuation is dropped: padded batches are
+    how models are served, and a model that cannot generate one (``output_router_logits: true`` in
+    config.json) fails here as it would for its users, whatever lengths the prompts happen to have.
     """
     if not prompts or max_new_tokens <= 0:
         return []
+    asked = len(prompts)
+    if len({p.shape[1] for p in prompts}) == 1 and prompts[0].shape[1] > 1:
+        prompts = [*prompts, prompts[0][:, 1:]]  # (1, T - 1): padded by one position
     width = max(p.shape[1] for p in prompts)
     ids = torch.cat([pad(p, (width - p.shape[1], 0), value=0) for p in prompts]).to(device)  # (B, T)
     mask = torch.cat([pad(torch.ones_like(p), (width - p.shape[1], 0), value=0) for p in prompts]).to(device)
     new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
     eos = eos_ids(model)
-    return [_cut_at_eos(row[width:].cpu(), eos) for row in new]
+    return [_cut_at_eos(row[width:].cpu(), eos) for row in new[:asked]]
 
 
 def continue_from_drafts(model, prompts: list[torch.Tensor], drafts: list[torch.Tensor], logits: list[torch.Tensor],

@@ -6,8 +6,10 @@ re-saves the tokenizer through transformers and writes no generation_config.json
 the files say, not their bytes:
 
 - a JSON file is compared as data, without the keys a save adds and no loader reads
-  (`SAVE_NOISE`), a top-level null read as unset (as loaders read it), with transformers 5's ``TokenizersBackend`` read as the fast tokenizer it is,
-  and with a tokenizer.json's merges in either of the tokenizers library's spellings;
+  (`SAVE_NOISE`), a top-level null or empty mapping or list read as unset (as loaders read it), with transformers 5's ``TokenizersBackend`` read as the fast tokenizer it is,
+  with a tokenizer.json's merges in either of the tokenizers library's spellings, generation settings
+  at generation's defaults read as unset, and an ``added_tokens_decoder`` (which transformers 4 writes
+  into tokenizer_config.json) read as unset when it restates the folder's own tokenizer.json;
 - a chat template or merges file that differs only in line endings or a final newline passes;
 - a different ``pad_token`` is a note (it changes only how batches are padded);
 - any other difference is a problem naming the file and where inside it the values first differ
@@ -113,13 +115,33 @@ def _data(path: Path) -> Any:
         return None
     if not isinstance(data, dict):
         return {"": data}
-    data = {k: v for k, v in data.items() if k not in SAVE_NOISE and v is not None}  # null reads as unset
+    # null, {} and [] read as unset; so do generation's defaults, which transformers 4 writes and 5 leaves out
+    data = {k: v for k, v in data.items() if k not in SAVE_NOISE and v is not None and v != {} and v != []
+            and not (path.name == "generation_config.json" and GENERATION_DEFAULTS.get(k, _ABSENT) == v)}
+    if path.name == "tokenizer_config.json" and _restates_added_tokens(data.get("added_tokens_decoder"), path.parent):
+        del data["added_tokens_decoder"]
     if isinstance(data.get("tokenizer_class"), str):
         data["tokenizer_class"] = SAME_CLASS.get(data["tokenizer_class"], data["tokenizer_class"])
     model = data.get("model")
     if isinstance(model, dict) and isinstance(model.get("merges"), list):  # "a b" or ["a", "b"]
         data["model"] = {**model, "merges": [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]}
     return data
+
+
+def _restates_added_tokens(decoder: Any, folder: Path) -> bool:
+    """Whether tokenizer_config.json's ``added_tokens_decoder`` says only what the folder's tokenizer.json says:
+    each id with the content and special flag of its added token there (transformers 4 writes it on every save)."""
+    if not isinstance(decoder, dict) or not decoder:
+        return False
+    try:
+        added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
+    if not isinstance(added, list):
+        return False
+    known = {str(t.get("id")): (t.get("content"), t.get("special")) for t in added if isinstance(t, dict)}
+    return all(isinstance(v, dict) and known.get(str(k)) == (v.get("content"), v.get("special"))
+               for k, v in decoder.items())
 
 
 def _shown(keys: list[str], a: dict, b: dict, both: bool = True, limit: int = 3) -> str:

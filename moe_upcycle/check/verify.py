@@ -61,6 +61,7 @@ from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.weight_files import index_files
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError, reraise_if_out_of_memory
+from moe_upcycle.planning.model_config import TRAINING_SWITCHES
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build, recorded_config
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
@@ -322,14 +323,15 @@ def _checked(folder: Path, base, base_given: Optional[tuple[Path, Optional[Adapt
                                 f"tensors checked by transformers only")
     if plan is not None:
         check_against_plan(tensors, plan, result, bool(unread))
-    _check_config(folder, plan, result)
+    switches = _check_config(folder, plan, result)
     if unread:  # transformers would only say the same file is "not found"
         result.notes.append("not loaded with transformers: a weight file cannot be read (see above)")
         return result
 
     advance("verify", note="loading the MoE with transformers")
     try:
-        moe = load_causal_lm(folder, dtype="auto", device=device)  # as a user would: the folder's own dtype
+        # as a user would: the folder's own dtype (a training switch turned off, named above: the rest is checked)
+        moe = load_causal_lm(folder, dtype="auto", device=device, overrides=dict.fromkeys(switches, False))
     except TokenizerLoadError as exc:
         result.problems.append(str(exc))
         return result
@@ -441,17 +443,25 @@ def _check_moe_layers(model: torch.nn.Module, plan: Optional[Plan], result: Veri
                                f"decoder_sparse_step do not say what the build wrote — rebuild it")
 
 
-def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> None:
+def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> list[str]:
+    """Check config.json's expert fields against the recipe and fail a training switch left on (returned, so the
+    model is loaded with it off and every other check still runs)."""
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     layout = layout_of_config(cfg)
     experts_key = layout.experts_key if layout else "num_local_experts"  # each architecture's own field name
     result.num_experts = cfg.get(experts_key)
     result.experts_per_token = cfg.get("num_experts_per_tok")
-    if plan is None:
-        return
-    for key, want in ((experts_key, len(plan.expert_names)), ("num_experts_per_tok", plan.experts_per_token)):
-        if cfg.get(key) != want:
-            result.problems.append(f"config.json: {key} is {cfg.get(key)} but the recipe has {want}")
+    switches = [key for key in TRAINING_SWITCHES if cfg.get(key) is True]
+    for key in switches:
+        result.problems.append(
+            f"config.json: {key} is true, and published so: {TRAINING_SWITCHES[key]}. Set \"{key}\": false in "
+            f"config.json (from a training script: model.config.{key} = False before save_pretrained); the other "
+            f"checks ran with it false")
+    if plan is not None:
+        for key, want in ((experts_key, len(plan.expert_names)), ("num_experts_per_tok", plan.experts_per_token)):
+            if cfg.get(key) != want:
+                result.problems.append(f"config.json: {key} is {cfg.get(key)} but the recipe has {want}")
+    return switches
 
 
 def _check_options(device: str, max_new_tokens: int, max_kl: Optional[float],

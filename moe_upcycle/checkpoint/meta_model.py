@@ -9,13 +9,14 @@ read or invent weights: reading a tensor of a meta checkpoint gives a ``meta`` t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
 
 from moe_upcycle.checkpoint import names
-from moe_upcycle.errors import SourceError
-from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint, meta_checkpoint, open_sources, read_config
+from moe_upcycle.checkpoint.dense_config import DenseConfig, dense_config
+from moe_upcycle.checkpoint.source import Checkpoint, meta_checkpoint, open_sources, read_config
 from moe_upcycle.checkpoint.lora import reference_parts, resolve_adapter
 from moe_upcycle.checkpoint.model_refs import resolve_model
 
@@ -45,11 +46,12 @@ BIAS_SHAPES: dict[str, tuple[str, Callable[[Dims], tuple[int, ...]]]] = {
 }
 
 
-def describe_dense(config: dict, where: str = "config.json") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def describe_dense(config: Mapping, where: str = "config.json") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor a dense checkpoint with this config holds, in Hugging Face order.
 
     Args:
-        config: a parsed ``config.json`` of a supported dense family (llama, mistral).
+        config: a ``config.json`` of a supported dense family (llama, mistral): its checked view, or a
+            dict, checked here (`dense_config`).
         where: names the config in messages.
 
     Returns:
@@ -57,6 +59,7 @@ def describe_dense(config: dict, where: str = "config.json") -> dict[str, tuple[
 
     Raises:
         PlanError: the model_type is not a supported dense family.
+        SourceError: a field of the config has the wrong type or is out of bounds.
 
     Example:
         >>> t = describe_dense({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -65,23 +68,22 @@ def describe_dense(config: dict, where: str = "config.json") -> dict[str, tuple[
         (21, (64, 64))
     """
     names.input_family(config.get("model_type", ""), where)
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    dims = {"H": hidden, "I": int(config["intermediate_size"]), "Q": heads * head_dim, "KV": kv_heads * head_dim}
-    dtype = STR_DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32)
-    vocab = int(config["vocab_size"])
+    cfg = config if isinstance(config, DenseConfig) else dense_config(dict(config), where)
+    hidden, heads, head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    dims = {"H": hidden, "I": cfg.intermediate_size, "Q": heads * head_dim, "KV": cfg.num_key_value_heads * head_dim}
+    # torch_dtype first (transformers 4's name), as transformers 4 reads it; float32 when neither names one
+    dtype = next(iter(cfg.stated_dtypes.values()), torch.float32)
+    vocab = cfg.vocab_size
 
     shapes: dict[str, tuple[int, ...]] = {names.EMBED: (vocab, hidden)}
-    for layer in range(int(config["num_hidden_layers"])):
+    for layer in range(cfg.num_hidden_layers):
         for suffix, shape in LAYER_SHAPES.items():
             shapes[f"model.layers.{layer}.{suffix}"] = shape(dims)
         for suffix, (flag, shape) in BIAS_SHAPES.items():
-            if config.get(flag):
+            if getattr(cfg, flag):
                 shapes[f"model.layers.{layer}.{suffix}"] = shape(dims)
     shapes["model.norm.weight"] = (hidden,)
-    if not config.get("tie_word_embeddings", False):
+    if not cfg.tie_word_embeddings:
         shapes[names.LM_HEAD] = (vocab, hidden)
     return {k: (s, dtype) for k, s in shapes.items()}
 
@@ -96,12 +98,8 @@ def meta_source(ref: str, field_name: str) -> Checkpoint:
     path = resolve_model(model_ref, field_name)
     if adapter_ref is not None:
         resolve_adapter(adapter_ref, field_name)
-    config = read_config(path, field_name)
-    try:
-        return meta_checkpoint(ref, config, describe_dense(config, f"{field_name} ({path / 'config.json'})"))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SourceError(f"{path / 'config.json'}: cannot derive tensor shapes ({type(exc).__name__}: {exc}); "
-                          f"the config lacks a dimension field") from None
+    config = read_config(path, field_name)  # checked: every dimension is a positive integer
+    return meta_checkpoint(ref, config, describe_dense(config, f"{field_name} ({path / 'config.json'})"))
 
 
 def meta_sources(refs: dict[str, str]) -> dict[str, Checkpoint]:

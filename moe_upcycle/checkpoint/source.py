@@ -18,6 +18,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -27,7 +28,8 @@ from moe_upcycle.errors import SourceError, reraise_if_out_of_memory
 from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_problem
 from moe_upcycle.inputs.paths import broken_link, symlink_loop
-from moe_upcycle.checkpoint.config_checks import side_file_problems, value_problems
+from moe_upcycle.checkpoint.config_checks import side_file_problems
+from moe_upcycle.checkpoint.dense_config import STR_DTYPES, DenseConfig, dense_config  # noqa: F401 (STR_DTYPES: public)
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
 from moe_upcycle.checkpoint.file_stamp import FileStamp
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header
@@ -35,9 +37,6 @@ from moe_upcycle.checkpoint.lora import Adapter, reference_parts
 from moe_upcycle.checkpoint.model_refs import repo_and_revision, resolve_model
 from moe_upcycle.checkpoint.weight_files import WEIGHT_FILES, check_index, choose_weights, duplicate_problems, index_files
 
-REQUIRED_INT_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
-# config.json dtype names
-STR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -47,7 +46,8 @@ class Checkpoint:
     Attributes:
         ref: the reference as the user wrote it (folder or hub id).
         path: the resolved folder (None for meta checkpoints used in plan tests).
-        config: the parsed ``config.json``.
+        config: the checked ``config.json`` (`dense_config.DenseConfig`: typed attributes, and a read-only mapping
+            of its JSON values); a plain dict for checkpoints made by hand in tests (see `fields`).
         tensors: key -> TensorInfo, in file order.
         shared_groups: groups of keys that share one storage in the input (only ``.bin`` can).
         adapter: the LoRA adapter merged into what `read` returns (a ``model+adapter`` reference).
@@ -57,7 +57,7 @@ class Checkpoint:
 
     ref: str
     path: Optional[Path]
-    config: dict
+    config: Mapping
     tensors: dict[str, TensorInfo]
     shared_groups: list[list[str]] = field(default_factory=list)
     adapter: Optional[Adapter] = None
@@ -70,6 +70,17 @@ class Checkpoint:
     @property
     def model_type(self) -> str:
         return self.config.get("model_type", "")
+
+    @property
+    def fields(self) -> DenseConfig:
+        """The typed view of `config`: itself when read from a folder, else checked now (a config made by hand).
+
+        Raises:
+            SourceError: a config made by hand has a field of the wrong type.
+        """
+        if not isinstance(self.config, DenseConfig):
+            self.config = dense_config(dict(self.config), f"{self.ref} config")
+        return self.config
 
     def identity(self, key: str) -> tuple[str, str]:
         """Which bytes `read(key)` returns: (the model's folder, key), with the adapter's folder for a tensor it changes.
@@ -316,8 +327,13 @@ def _as_causal_lm(tensors: dict[str, TensorInfo], shared: list[list[str]], confi
     return {"model." + k: info for k, info in tensors.items()}, [["model." + k for k in group] for group in shared]
 
 
-def read_config(path: Path, field_name: str) -> dict:
-    """Read a model folder's config.json, with clear errors."""
+def read_config(path: Path, field_name: str) -> DenseConfig:
+    """Read a model folder's config.json into its checked, typed view (`dense_config`), with clear errors.
+
+    Raises:
+        SourceError: no config.json, not JSON, or any field of a wrong type or out of bounds (every one, named
+            with the file, the value and the fix).
+    """
     cfg = path / "config.json"
     link = broken_link(cfg)
     if link:
@@ -333,24 +349,7 @@ def read_config(path: Path, field_name: str) -> dict:
         raise SourceError(f"{cfg}: not valid JSON ({exc})") from None
     except OSError as exc:  # as `open_checkpoint` says it: plan --from-config and the lint's plan read only this
         raise _unreadable(exc, field_name, cfg) from None
-    if not isinstance(config, dict):
-        raise SourceError(f"{cfg}: expected a JSON object")
-    missing = [k for k in ("model_type", *REQUIRED_INT_FIELDS) if k not in config]
-    nested = [k for k in ("text_config", "language_config", "llm_config") if isinstance(config.get(k), dict)]
-    if missing and nested:  # a multimodal model: its language model is described under a sub-config
-        raise SourceError(f"{cfg}: describes a {config.get('model_type', 'multimodal')!r} model whose language model "
-                          f"is under {nested[0]}; moe-upcycle upcycles a dense language model (Llama, Mistral, Qwen2, "
-                          f"Qwen3) saved on its own — give that checkpoint")
-    if missing:
-        raise SourceError(f"{cfg}: missing required field(s) {', '.join(missing)}")
-    wrong = [f"{k} must be a positive integer, got {config[k]!r}" for k in REQUIRED_INT_FIELDS
-             if not isinstance(config[k], int) or isinstance(config[k], bool) or config[k] <= 0]
-    if not isinstance(config["model_type"], str):
-        wrong.insert(0, f"model_type must be a string, got {config['model_type']!r}")
-    wrong += value_problems(config)
-    if wrong:
-        raise SourceError(*[f"{cfg}: {w}" for w in wrong])
-    return config
+    return dense_config(config, str(cfg))
 
 
 def meta_checkpoint(ref: str, config: dict, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Checkpoint:

@@ -7,9 +7,18 @@ inspects the gates; it changes nothing.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 PARALLEL_COSINE = 0.95
+# what a user can do about experts whose prompts give parallel rows, by gate_center in the mode in use
+PROMPT_ADVICE = {
+    False: "make them more distinct, add negative_prompts, or set gate_center: true",
+    True: "make them more distinct or add negative_prompts (gate_center is on already)",
+    None: ("make them more distinct or add negative_prompts (mergekit-moe's rows, which gate_source: mergekit "
+           "reproduces, have no centring; gate_source: native with gate_center: true removes what all prompts share)"),
+}
 
 
 def layer_ranges(layers: list[int]) -> str:
@@ -30,7 +39,8 @@ def layer_ranges(layers: list[int]) -> str:
 
 
 def parallel_experts(gates: dict[int, torch.Tensor], expert_names: list[str] | tuple[str, ...],
-                     threshold: float = PARALLEL_COSINE, group_size: int = 1, from_prompts: bool = True) -> list[str]:
+                     threshold: float = PARALLEL_COSINE, group_size: int = 1, from_prompts: bool = True,
+                     center: Optional[bool] = False) -> list[str]:
     """Warnings naming each expert pair and the layers where their gate rows have cosine > `threshold`.
 
     Args:
@@ -40,6 +50,9 @@ def parallel_experts(gates: dict[int, torch.Tensor], expert_names: list[str] | t
         group_size: G of ``expert_init: split``: the rows of a virtual group are tied on purpose (that keeps
             the split exact), so pairs within a group are not reported.
         from_prompts: the rows come from the experts' prompts (the advice is about them).
+        center: ``gate_center`` as the mode in use has it: False (off, and advised), True (on already), None
+            (the mode has no centring: ``gate_source: mergekit``, whose advice stays within mergekit-moe's own
+            means and names the native mode that centres).
 
     Returns:
         One message per offending pair (empty when routing can tell every pair apart).
@@ -61,8 +74,7 @@ def parallel_experts(gates: dict[int, torch.Tensor], expert_names: list[str] | t
         layers = [layer for layer, _ in found]
         worst = max(c for _, c in found)
         why = (f"your prompts for `{expert_names[a]}` and `{expert_names[b]}` are too similar for the router to tell "
-               f"apart; make them more distinct, add negative_prompts, or set gate_center: true" if from_prompts else
-               "the router cannot tell them apart")
+               f"apart; {PROMPT_ADVICE[center]}" if from_prompts else "the router cannot tell them apart")
         out.append(f"routing: gate vectors of experts `{expert_names[a]}` and `{expert_names[b]}` are nearly "
                    f"parallel (cosine > {threshold}, up to {worst:.3f}) in layer(s) {layer_ranges(layers)}: {why}")
     return out

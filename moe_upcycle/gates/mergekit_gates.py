@@ -169,7 +169,7 @@ def compute_mergekit_gates(params: GateParams, plan: Plan, base: Checkpoint) -> 
     """
     mode = params.mode
     experts = params.experts
-    num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
+    num_experts, hidden = len(experts), plan.base_config.hidden_size
     group_size = params.group_size
     if mode not in MERGEKIT_MODES:
         raise ConfigError(f"gate_mode: {mode} has no mergekit-moe counterpart; use gate_source: native, or one of "

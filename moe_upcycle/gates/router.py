@@ -7,7 +7,8 @@ Modes handled here need at most one tensor of the base (the embedding matrix):
 - ``uniform_random``: what ``nn.Linear`` does by default, U(-1/sqrt(H), 1/sqrt(H)).
 - ``uniform``: zeros, so every expert gets exactly the same score (uniform routing).
 - ``cheap_embed``: masked mean of each prompt's token embeddings, averaged over the expert's
-  positive prompts, minus the mean of its negative prompts; normalised and scaled.
+  positive prompts, minus the mean of its negative prompts; centred over experts with
+  ``gate_center``; normalised and scaled.
 
 With ``expert_init: split`` the rows are tied within each virtual group of G experts
 (`inits.tie_router_rows`), which is what keeps a split model function-preserving at init.
@@ -69,7 +70,7 @@ def _every_layer(params: GateParams, plan: Plan, base: Checkpoint,
                  device: Optional[torch.device]) -> dict[int, torch.Tensor]:
     """`compute_gates` for all `plan.num_layers` layers."""
     experts = params.experts
-    num_experts, hidden = len(experts), int(plan.base_config["hidden_size"])
+    num_experts, hidden = len(experts), plan.base_config.hidden_size
     mode = params.mode
     check_prompts(params)
     gen = torch.Generator(device=device or "cpu").manual_seed(params.seed)
@@ -80,7 +81,9 @@ def _every_layer(params: GateParams, plan: Plan, base: Checkpoint,
         return compute_mergekit_gates(params, plan, base)
     gates: dict[int, torch.Tensor] = {}
     if mode == "cheap_embed":
-        rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
+        rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")  # (E, H)
+        if params.center:  # remove what every expert's prompts share, as `hidden_gates.gate_rows` does
+            rows = rows - rows.mean(dim=0, keepdim=True)
         shared = normalise_rows(rows, params.scale or default_gate_scale(hidden))
         return {layer: shared.clone() for layer in range(plan.num_layers)}
     if mode in HIDDEN_MODES:
@@ -174,7 +177,7 @@ def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[i
         from moe_upcycle.gates.mergekit_gates import shared_gate_rows as mergekit_rows
 
         return mergekit_rows(params, plan, base)
-    hidden = int(plan.base_config["hidden_size"])
+    hidden = plan.base_config.hidden_size
     rows = cheap_embed_rows(params.shared_experts, base, "shared_experts")  # (n, H)
     row = normalise_rows(rows.mean(dim=0, keepdim=True), params.scale or default_gate_scale(hidden))
     return {layer: row.clone() for layer in plan.moe_layers}

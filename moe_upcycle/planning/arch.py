@@ -260,7 +260,7 @@ def config_fields(plan: "Plan") -> dict:
     gate0 = leaves.get(names.fill(layout.expert["gate_proj"], layer=first_moe, expert=0))
     fields = dict(layout.config)
     fields[layout.experts_key] = len(plan.expert_names)
-    fields[layout.expert_size_key] = gate0.shape[0] if gate0 else base["intermediate_size"]
+    fields[layout.expert_size_key] = gate0.shape[0] if gate0 else base.intermediate_size
     if layout.shared_expert:
         top = {s.name: s for s in plan.steps}  # several shared experts are one step made of parts
         shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=first_moe))
@@ -274,7 +274,7 @@ def config_fields(plan: "Plan") -> dict:
     fields.update({k: base[k] for k in layout.inherit if k in base})
     per_layer = windows.dense_windows(base)
     if not any(per_layer):  # a sliding_window the dense model does not apply is not copied
-        fields.update(windows.no_window_fields(layout, base["num_hidden_layers"]))
+        fields.update(windows.no_window_fields(layout, base.num_hidden_layers))
     elif "layer_types" in layout.inherit and "layer_types" not in base:
         # Mistral slides every layer, a Qwen base the layers from max_window_layers on: Qwen MoE configs say which
         # (transformers 5 reads layer_types; 4.x's flash-attention 2 path, max_window_layers: the first that slides)

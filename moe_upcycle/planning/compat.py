@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
+from moe_upcycle.checkpoint.dense_config import DenseConfig
 from moe_upcycle.checkpoint.source import Checkpoint
 
 # fields an FFN must share with the base to sit in its MoE layers
@@ -101,7 +102,7 @@ def _ffn_problems(path: str, expert: ExpertConfig, src: Checkpoint, base: Checkp
         out.append(f"{label}: vocab_size is {vocab} but base_model {base_ref} has {base_vocab}: {gap}; it is a "
                    f"model from another pretraining, whose FFN expects that model's hidden states; use experts "
                    f"fine-tuned from the same base")
-    n_base, n_src = int(base.config["num_hidden_layers"]), int(src.config["num_hidden_layers"])
+    n_base, n_src = base.fields.num_hidden_layers, src.fields.num_hidden_layers
     if expert.layers is not None:
         start, end = expert.layers
         if end - start != n_base:
@@ -181,7 +182,7 @@ def _adapter_notes(used: list, sources: dict[str, Checkpoint], base: Checkpoint)
 def _attention_problems(label: str, src: Checkpoint, base: Checkpoint, base_ref: str) -> list[str]:
     out = []
     for key in ("num_hidden_layers",) + ATTENTION_FIELDS:
-        mine, theirs = _field(src.config, key), _field(base.config, key)
+        mine, theirs = _field(src.fields, key), _field(base.fields, key)
         if mine != theirs:
             out.append(f"{label}: {key} is {mine} but base_model {base_ref} has {theirs}; attention_from: average "
                        f"needs every source to match the base (or use attention_from: base)")
@@ -206,11 +207,8 @@ def _attention_problems(label: str, src: Checkpoint, base: Checkpoint, base_ref:
     return out
 
 
-def _field(config: dict, key: str):
-    if key == "head_dim":
-        return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if key == "num_key_value_heads":
-        return config.get(key) or config.get("num_attention_heads")
-    if key == "tie_word_embeddings":
-        return bool(config.get(key, False))
+def _field(config: DenseConfig, key: str):
+    """A field as the model uses it: head_dim, key-value heads and tying as transformers derives them."""
+    if key in ("head_dim", "num_key_value_heads", "tie_word_embeddings"):
+        return getattr(config, key)
     return config.get(key)

@@ -162,7 +162,7 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                 f"this config says norm_topk_prob: false (transformers does not); exact with norm_topk_prob: true "
                 f"or experts_per_token: {experts}")
     if plan.ties_decide:
-        k, dense = plan.experts_per_token, plan.base_config.get("intermediate_size")
+        k, dense = plan.experts_per_token, plan.base_config.intermediate_size
         g = dense // plan.expert_intermediate_size if plan.expert_intermediate_size and dense else 1
         if g > 1 and k % g == 0 and experts % g == 0:  # split: experts 0..k-1 are k/G whole virtual groups
             return ("runs, not exact", f"gate_mode uniform ties every expert's score; llama.cpp breaks the tie with the "

@@ -125,7 +125,7 @@ def staging_bytes(plan: Plan, writing: WriteParams) -> int:
 
 def router_bytes(plan: Plan) -> int:
     """The router matrices held (fp32) from gate computation until they are written."""
-    return len(plan.moe_layers) * len(plan.expert_names) * int(plan.base_config["hidden_size"]) * 4
+    return len(plan.moe_layers) * len(plan.expert_names) * plan.base_config.hidden_size * 4
 
 
 def mapped_input_bytes(plan: Plan, sources: dict[str, Checkpoint]) -> int:
@@ -188,7 +188,7 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
                      f"({acts // MB} MB; tokens ≤ UTF-8 bytes of the longest prompt)")
         return private + cast + merge + states + acts, files, 0, notes
     # the layer running and the one arriving, on the GPU and in pinned host memory; one router input reduced
-    held = 3 * batch * tokens * int(plan.base_config["hidden_size"]) * itemsize
+    held = 3 * batch * tokens * plan.base_config.hidden_size * itemsize
     device = 2 * cast + states + acts + held
     notes.append(f"hidden gates on the GPU stream the base one layer at a time{read}: {device // MB} MB of GPU memory "
                  f"(two layers, the prompts' hidden states, one batch; not measured); host memory is the runtime "
@@ -293,7 +293,7 @@ def activation_bytes(plan: Plan, gating: GateParams) -> int:
     measured runs (a SmolLM2-135M shape in fp32; Llama-3-70B-shaped layers in fp32 and bf16,
     scripts/bench_stream_70b.py). k-means also keeps its sampled tokens."""
     cfg = plan.base_config
-    hidden, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), plan.num_layers
+    hidden, inter, layers = cfg.hidden_size, cfg.intermediate_size, plan.num_layers
     batch, tokens = batch_shape(gating)
     acts = batch * tokens * (3 * inter + 6 * hidden) * DTYPES[gate_dtype(gating)].itemsize
     if gating.mode == "kmeans":  # the sampled calibration tokens, fp32 per layer (hidden_gates' budget)
@@ -402,8 +402,8 @@ def drift_phase(plan: Plan, checking: CheckParams, base: Checkpoint) -> Optional
     dense = sum(math.prod(t.shape) for t in base.tensors.values())
     moe = sum(math.prod(s.shape) for s in plan.steps if not (plan.tied_embeddings and s.name == "lm_head.weight"))
     experts = sum(math.prod(s.shape) for s in plan.steps if s.kind == "expert")
-    tokens, vocab = len(checking.drift_text.encode()), int(cfg["vocab_size"])  # UTF-8 bytes: at least its tokens
-    acts = tokens * (4 * int(cfg["intermediate_size"]) + 6 * int(cfg["hidden_size"])) * 4 + 4 * tokens * vocab * 4
+    tokens, vocab = len(checking.drift_text.encode()), cfg.vocab_size  # UTF-8 bytes: at least its tokens
+    acts = tokens * (4 * cfg.intermediate_size + 6 * cfg.hidden_size) * 4 + 4 * tokens * vocab * 4
     private = RUNTIME_BYTES + TRANSFORMERS_BYTES + 4 * (dense + moe + experts) + acts
     files = RUNTIME_FILE_BYTES + TRANSFORMERS_FILE_BYTES + sum(t.nbytes for t in base.tensors.values()) + plan.total_bytes
     return private, files

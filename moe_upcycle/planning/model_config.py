@@ -15,6 +15,7 @@ device (transformers 4.x ignores the field).
 
 from __future__ import annotations
 
+from collections import ChainMap
 from typing import Optional, Union
 
 import torch
@@ -41,6 +42,16 @@ FAMILY_DEFAULTS = {
 }
 FAMILY_DEFAULTS["mistral"]["sliding_window"] = windows.MISTRAL_WINDOW  # `windows.dense_windows` reads it so
 GROUPED_MM_ALIGN_BYTES = 16  # torch grouped_mm: strides must be multiples of 16 bytes
+# config.json fields that switch training behaviour on in every forward pass, inference included, and so break
+# a published model; a build writes each as false, `verify` fails a folder that carries one on. transformers 5.24
+# and 4.57 measured (tests/test_verify.py, tests/test_tf4_cli.py).
+TRAINING_SWITCHES = {
+    "output_router_logits": (
+        "transformers then adds the router aux loss in every forward pass, generate included, and a batch of "
+        "prompts of different lengths fails to generate (transformers 5: \"The size of tensor a (2) must match the "
+        "size of tensor b (...)\"; 4.57 fails on any prompt); a training loop asks for router logits in its forward "
+        "calls instead: model(**batch, output_router_logits=True)"),
+}
 
 
 def experts_implementation(hidden: int, intermediate: int, dtype: torch.dtype) -> Optional[str]:
@@ -75,15 +86,13 @@ def head_dim_differs(config: dict) -> bool:
     return bool(head_dim) and head_dim * config["num_attention_heads"] != config["hidden_size"]
 
 
-def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0,
-               output_router_logits: bool = False) -> dict:
+def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_jitter_noise: float = 0.0) -> dict:
     """The output config.json as a dict.
 
     Args:
         plan: the build plan (expert sizes are read from its planned tensors, so split experts are described as written).
         router_aux_loss_coef: load-balancing loss weight (None: 0.001, Mixtral's default).
         router_jitter_noise: multiplicative jitter on router inputs during training (0: off).
-        output_router_logits: return router logits (and add the aux loss) in training forward passes.
 
     Example:
         >>> cfg = moe_config(plan)  # doctest: +SKIP
@@ -92,13 +101,13 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
     """
     # a field the base leaves out is its family's default, which the output class may not share (Mixtral:
     # rms_norm_eps 1e-5, rope_theta 1e6, max_position_embeddings 131072): write the dense model's value
-    base = {**FAMILY_DEFAULTS.get(plan.base_config.get("model_type"), {}), **plan.base_config}
+    # (a lookup, not a copy: only the fields read here are read, each checked by `dense_config`)
+    base = ChainMap(plan.base_config, FAMILY_DEFAULTS.get(plan.base_config.model_type, {}))
     layout = output_layout(plan.architecture)
     cfg = {k: base[k] for k in INHERITED if k in base}
     # null is "the family default" in the base (Mistral configs may say "head_dim": null; 4.x's MistralConfig
     # holds None in memory), but Qwen-MoE classes multiply it: write the value the dense model uses
-    defaults = {"head_dim": base["hidden_size"] // base["num_attention_heads"],
-                "num_key_value_heads": base["num_attention_heads"]}
+    defaults = {"head_dim": plan.base_config.head_dim, "num_key_value_heads": plan.base_config.num_key_value_heads}
     cfg.update({k: v for k, v in defaults.items() if cfg.get(k) is None})
     cfg["tie_word_embeddings"] = plan.tied_embeddings
     # transformers 5 keeps rope settings in rope_parameters; 4.x reads rope_theta / rope_scaling; llama.cpp's
@@ -111,7 +120,8 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
         model_type=layout.model_type,
         num_experts_per_tok=plan.experts_per_token,
         router_aux_loss_coef=0.001 if router_aux_loss_coef is None else router_aux_loss_coef,
-        output_router_logits=output_router_logits,
+        # a training switch, always false in a published config (`TRAINING_SWITCHES`)
+        output_router_logits=False,
         dtype=dtype,
         torch_dtype=dtype,
     )

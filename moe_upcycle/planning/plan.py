@@ -57,17 +57,17 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         problems += source_checks.shape_problems(ckpt, f"{_where(config, ref)} ({ref})")
     if problems:  # per-tensor checks of sources that do not fit would only repeat these
         raise PlanError(*problems)
-    bcfg = base.config
+    bcfg = base.fields  # the checked, typed config.json
 
     g = inits.granularity(config)
     init_of = expert_inits(config)
-    dense_i = int(bcfg["intermediate_size"])
+    dense_i = bcfg.intermediate_size
     if dense_i % g:
         problems.append(f"expert_init.granularity: {g} does not divide intermediate_size {dense_i} of "
                         f"{config.base_model}; use a divisor of {dense_i}")
     dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base, problems)
-    tied = bool(bcfg.get("tie_word_embeddings", False))
-    n_layers = int(bcfg["num_hidden_layers"])
+    tied = bcfg.tie_word_embeddings
+    n_layers = bcfg.num_hidden_layers
     chosen = moe_layers(config)
     problems += chosen.problems(n_layers, f"base_model ({config.base_model})")
     dense_layers = set(chosen.dense_layers(n_layers))
@@ -78,7 +78,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         info = model.tensors.get(key)
         if info is None:
             # transformers would initialise a missing lm_head at random unless the config ties it
-            tie = (f" (config.json has tie_word_embeddings: {str(bool(model.config.get('tie_word_embeddings'))).lower()}"
+            tie = (f" (config.json has tie_word_embeddings: {str(model.fields.tie_word_embeddings).lower()}"
                    f"; if the model's output head is its embedding, set it to true)" if key == names.LM_HEAD else "")
             problems.append(f"{label}: tensor {key!r} is missing from {model.path or model.ref}{tie}")
         return info
@@ -124,7 +124,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     if extra:
         shown = ", ".join(map(names.shown, extra[:5])) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         dropped.append(f"base_model: {len(extra)} tensor(s) outside the decoder layers, which transformers does not "
-                       f"load into a {bcfg.get('model_type')} model either, are not copied: {shown}")
+                       f"load into a {bcfg.model_type} model either, are not copied: {shown}")
     has_bias = any(f"model.layers.{layer}.{b}" in base.tensors for layer in per_layer for b in layout.bias_tensors)
     copy(names.EMBED)
     for layer in range(n_layers):
@@ -146,7 +146,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                     steps.append(Step(names.fill(layout.dense_mlp[proj], layer=layer), info.shape, dtype, "copy",
                                       (config.base_model, key), layer))
             continue
-        hidden = int(bcfg["hidden_size"])
+        hidden = bcfg.hidden_size
         steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), hidden), dtype, "router",
                           layer=layer))
         for proj in names.PROJS:
@@ -200,7 +200,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         raise PlanError(*_dedupe(problems))
     inexact = ((split_inexact,) if split_inexact else ()) + tuple(renorm_inexact)
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
-                dict(bcfg), tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
+                bcfg, tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
                 layout=config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
                 not_copied=tuple(extra), inexact=inexact, dense_layers=tuple(sorted(dense_layers)),
                 norm_topk_prob=config.norm_topk_prob is not False)
@@ -219,13 +219,13 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
 def _base_dtype(base: Checkpoint, problems: list[str]) -> torch.dtype:
     """The output's default dtype: the base's config.json (``torch_dtype``, which transformers 4 reads, or ``dtype``,
     which 5 reads), else its embedding's; when the two names give two dtypes, a problem asking for ``dtype:``."""
-    spelled = {k: base.config.get(k) for k in ("torch_dtype", "dtype") if base.config.get(k) in STR_DTYPES}
-    if len({STR_DTYPES[v] for v in spelled.values()}) > 1:
-        problems.append(f"base_model: config.json gives torch_dtype {spelled['torch_dtype']} and dtype "
-                        f"{spelled['dtype']}, so the output's dtype (the base's, by default) is ambiguous; set "
-                        f"dtype: in the recipe (e.g. dtype: {spelled['dtype']})")
+    spelled = base.fields.stated_dtypes  # torch_dtype / dtype -> the dtype it names
+    if len(set(spelled.values())) > 1:
+        problems.append(f"base_model: config.json gives torch_dtype {base.fields['torch_dtype']} and dtype "
+                        f"{base.fields['dtype']}, so the output's dtype (the base's, by default) is ambiguous; set "
+                        f"dtype: in the recipe (e.g. dtype: {base.fields['dtype']})")
     info = base.tensors.get(names.EMBED)
-    dtype = (STR_DTYPES[next(iter(spelled.values()))] if spelled else
+    dtype = (next(iter(spelled.values())) if spelled else
              info.dtype if info and info.dtype.is_floating_point else torch.float32)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float64: no MoE output takes it
         problems.append(f"base_model: the base is {str(dtype).removeprefix('torch.')}, which moe-upcycle does not "

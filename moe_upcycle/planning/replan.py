@@ -42,16 +42,19 @@ def recorded_build(config: dict) -> RecordedBuild:
     Raises:
         UpcycleError: the recorded config no longer validates.
     """
-    validated = load_config(config)
+    # earlier builds could record output_router_logits: true, which recipes now refuse; verify checks the flag in
+    # config.json itself, so the recorded recipe is read without it
+    validated = load_config({k: v for k, v in config.items() if k != "output_router_logits"})
     return RecordedBuild(check_params(validated), validated)
 
 
 def recorded_config(manifest: dict, folder: Path) -> Optional[dict]:
-    """The recipe a manifest records, its relative local paths read from the folder the build ran in.
+    """The recipe a manifest records, its relative local paths read from the folder they are relative to.
 
-    A recipe's relative paths (``base_model: ./base``, ``positive_prompts_from: story.txt``) are
-    relative to the build's working folder; ``paths_relative_to`` locates that folder from the
-    output. A path that exists there, or is written ``./x`` or ``../x``, is given as that path; anything
+    Builds record every local path relative to the output and ``paths_relative_to: "."``
+    (`publish.manifest`); earlier builds recorded the recipe's relative paths (``base_model: ./base``,
+    ``positive_prompts_from: story.txt``) as written, relative to the build's working folder, and
+    ``paths_relative_to`` locates that folder from the output. A path that exists there, or is written ``./x`` or ``../x``, is given as that path; anything
     else (a hub id, a shipped prompt set) is kept as written. None when the manifest records no config.
 
     A build run in ``proj/`` with ``-o out`` and ``base_model: ./base`` records ``..``; verify run
@@ -66,36 +69,29 @@ def recorded_config(manifest: dict, folder: Path) -> Optional[dict]:
     # both ends were real paths (getcwd, the resolved output), so undoing the relpath lexically is exact
     root_dir = Path(os.path.normpath(Path(folder).resolve() / root))
     # a path written ./x or ../x is the build folder's even when it is gone: the message then names where it looked
-    return map_paths(config, lambda ref: str(root_dir / ref) if (root_dir / ref).exists()
+    return map_paths(config, lambda ref: os.path.normpath(root_dir / ref) if (root_dir / ref).exists()
                      or ref.startswith(("./", "../")) else ref)
 
 
-def relative_local_paths(config: dict) -> list[str]:
-    """The recipe's relative paths that name something from the current folder (what `paths_relative_to` is for)."""
-    found: list[str] = []
-
-    def note(ref: str) -> str:
-        if Path(ref).exists():
-            found.append(ref)
-        return ref
-    map_paths(config, note)
-    return found
-
-
-def map_paths(config: dict, rebase: Callable[[str], str]) -> dict:
+def map_paths(config: dict, rebase: Callable[[str], str], every_path: bool = False) -> dict:
     """`config` with `rebase` applied to every relative local path it may hold: ``base_model``, each routed and
     shared expert's ``source_model`` and ``*_prompts_from``, ``calibration_text`` (both parts of a
-    ``MODEL+ADAPTER``; never an absolute or ``~`` path, a shipped prompt-set name, or a value that is not text)."""
+    ``MODEL+ADAPTER``; never a shipped prompt-set name or a value that is not text, nor, unless `every_path`, an
+    absolute or ``~`` path)."""
     sets = set(set_names())
 
     def one(ref, prompts=False):
-        if not isinstance(ref, str) or not ref or os.path.isabs(os.path.expanduser(ref)) or ref.startswith("~"):
+        if not isinstance(ref, str) or not ref:
+            return ref
+        if not every_path and (os.path.isabs(os.path.expanduser(ref)) or ref.startswith("~")):
             return ref
         if prompts and ref in sets:  # a shipped set wins over a file of that name, as in the build
             return ref
-        if "+" in ref and rebase(ref) == ref:  # mergekit's MODEL+ADAPTER: each part on its own
-            model, _, adapter = ref.partition("+")
-            return f"{one(model)}+{one(adapter)}"
+        if "+" in ref:  # mergekit's MODEL+ADAPTER: each part on its own (a folder named a+b, whose parts are no paths,
+            model, _, adapter = ref.partition("+")  # as a whole)
+            parts = one(model), one(adapter)
+            if parts != (model, adapter):
+                return "+".join(parts)
         return rebase(ref)
 
     out = dict(config, base_model=one(config.get("base_model")))

@@ -66,7 +66,7 @@ def plan_steps(config: UpcycleConfig, sources: dict[str, Checkpoint], layout: na
     """
     if not layout.shared_expert:
         return []
-    hidden = int(sources[config.base_model].config["hidden_size"])
+    hidden = sources[config.base_model].fields.hidden_size
     steps = []
     for proj in names.PROJS:
         name = names.fill(layout.shared_expert[proj], layer=layer)

@@ -19,16 +19,15 @@ from typing import Any, Sequence
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.config_checks import is_number
+from moe_upcycle.checkpoint.dense_config import DenseConfig
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning import rope
 
 
-def _expected_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+def _expected_shapes(config: DenseConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Layer-template (or top-level key) -> (shape config.json implies, the fields it comes from)."""
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    heads = config.get("num_attention_heads") or 0
-    head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
-    kv = config.get("num_key_value_heads") or heads
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads, head_dim, kv = config.num_attention_heads, config.head_dim, config.num_key_value_heads
     attn, kv_dim = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
     shapes = {
         names.EMBED: ((vocab, hidden), "vocab_size, hidden_size"),
@@ -40,13 +39,12 @@ def _expected_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         "model.layers.{layer}.input_layernorm.weight": ((hidden,), "hidden_size"),
         "model.layers.{layer}.post_attention_layernorm.weight": ((hidden,), "hidden_size"),
     }
-    if heads:
-        shapes.update({
-            "model.layers.{layer}.self_attn.q_proj.weight": ((heads * head_dim, hidden), f"{attn}, hidden_size"),
-            "model.layers.{layer}.self_attn.k_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
-            "model.layers.{layer}.self_attn.v_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
-            "model.layers.{layer}.self_attn.o_proj.weight": ((hidden, heads * head_dim), f"hidden_size, {attn}"),
-        })
+    shapes.update({
+        "model.layers.{layer}.self_attn.q_proj.weight": ((heads * head_dim, hidden), f"{attn}, hidden_size"),
+        "model.layers.{layer}.self_attn.k_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
+        "model.layers.{layer}.self_attn.v_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
+        "model.layers.{layer}.self_attn.o_proj.weight": ((hidden, heads * head_dim), f"hidden_size, {attn}"),
+    })
     return shapes
 
 
@@ -55,7 +53,7 @@ def shape_problems(ckpt: Checkpoint, label: str) -> list[str]:
     in-memory model (no folder), its ``model.config``."""
     if ckpt.from_config:  # meta checkpoints are made from config.json: nothing to contradict
         return []
-    expected = _expected_shapes(ckpt.config)
+    expected = _expected_shapes(ckpt.fields)
     wrong: dict[str, list[str]] = {}
     for key, info in ckpt.tensors.items():
         template = names.split_layer(key)[0]
@@ -131,18 +129,17 @@ def _differences(base_ref: str, used: Sequence[tuple[str, str]], sources: dict[s
         if src is base:
             continue
         label = f"{path} ({ref})"
-        act = ("hidden_act", _act(src.config), _act(base.config))
+        act = ("hidden_act", _act(src.fields), _act(base.fields))
         for key, mine, theirs in (act,
-                                  ("rms_norm_eps", src.config.get("rms_norm_eps"), base.config.get("rms_norm_eps")),
+                                  ("rms_norm_eps", src.fields.rms_norm_eps, base.fields.rms_norm_eps),
                                   ("rope settings", _rope(src.config), _rope(base.config))):
             if mine != theirs:
                 yield label, key, mine, theirs
 
 
-def _act(config: dict) -> Any:
+def _act(config: DenseConfig) -> str:
     """The activation's name, with transformers' aliases of one function made one (swish is silu)."""
-    act = config.get("hidden_act", "silu")
-    return "silu" if act == "swish" else act
+    return "silu" if config.hidden_act == "swish" else config.hidden_act
 
 
 def _show(value: Any) -> str:

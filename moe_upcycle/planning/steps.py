@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from moe_upcycle.checkpoint.dense_config import DenseConfig
 from moe_upcycle.checkpoint.headers import tensor_nbytes
 from moe_upcycle.checkpoint.names import LM_HEAD
 from moe_upcycle.recipe.schema import ExpertConfig
@@ -70,7 +71,7 @@ class Plan:
     expert_names: tuple[str, ...]
     experts_per_token: int
     dtype: torch.dtype
-    base_config: dict
+    base_config: DenseConfig  # the base's config.json, checked and typed
     tied_embeddings: bool
     notes: tuple[str, ...] = field(default=())
     expert_intermediate_size: Optional[int] = None  # set when experts are narrower than the dense FFN (split)
@@ -99,7 +100,7 @@ class Plan:
 
     @property
     def num_layers(self) -> int:
-        return int(self.base_config["num_hidden_layers"])
+        return self.base_config.num_hidden_layers
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -111,8 +112,10 @@ class Plan:
         """Where the experts are, for the plan and the card: ``layers 1, 3 of 4`` or ``all 4 layers``.
 
         Example:
-            >>> Plan("qwen3_moe", (), (), 2, torch.float32, {"num_hidden_layers": 4}, False,
-            ...      dense_layers=(0, 2)).moe_layers_text()
+            >>> from moe_upcycle.checkpoint.dense_config import dense_config
+            >>> base = dense_config({"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 16, "vocab_size": 10,
+            ...                      "num_hidden_layers": 4, "num_attention_heads": 2}, "config.json")
+            >>> Plan("qwen3_moe", (), (), 2, torch.float32, base, False, dense_layers=(0, 2)).moe_layers_text()
             'layers 1, 3 of 4'
         """
         if not self.dense_layers:

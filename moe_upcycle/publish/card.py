@@ -20,6 +20,8 @@ from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.schema import UpcycleConfig
 from moe_upcycle.planning.runtimes import runtime_section
 from moe_upcycle.publish.card_facts import Sources, cell, making_of
+from moe_upcycle.publish.card_recipe import recipe_block
+from moe_upcycle.recipe.mergekit_names import semantics_note
 
 LICENSE_KEYS = ("license", "license_name", "license_link")
 # the hub's license ids (https://huggingface.co/docs/hub/repositories-licenses): a card's `license:` is one of them
@@ -174,7 +176,9 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
                   f"{'only the hub models' if bases else 'none'}; add their hub ids before publishing if they are "
                   f"published.\n" if local else "")
     how = "\n".join(making_of(config))
-    recipe = yaml.safe_dump(_public_recipe(config, named), sort_keys=False, allow_unicode=True)
+    recipe = recipe_block(config, plan, named.shown)
+    notes = "\n".join(f"- {named.without_paths(n, sources or {})}" for n in build_notes(config, plan))
+    notes = f"\n## Notes from the build\n\n{notes}\n" if notes else ""
     verify = "\n".join(named.without_paths(line, sources or {}) for line in verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
     stored = "stored twice: llama.cpp requires output.weight" if plan.tied_head_written else "stored once"
     tied = f"\nThe input and output embeddings are tied ({stored}).\n" if plan.tied_embeddings else ""
@@ -202,11 +206,15 @@ Built with moe-upcycle {__version__}: {len(experts)} experts,
 ## How the experts were made
 
 {how}
-
+{notes}
 ## Recipe
 
+Every key, with the value this build used (`# default`: not set in the recipe). Local models and files are
+named by folder or file name only; `moe_upcycle.json` beside this card records their paths relative to this
+folder, for `moe-upcycle verify` on the machine that built it. The same recipe and seed give the same files.
+
 ```yaml
-{recipe.strip()}
+{recipe}
 ```
 
 ## Verification
@@ -228,17 +236,11 @@ print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))
 """
 
 
-def _public_recipe(config: UpcycleConfig, named: Sources) -> dict:
-    """The recipe for the card: local folders shown by name only (the full paths are in moe_upcycle.json)."""
-    data = config.model_dump(mode="json", exclude_defaults=True)
-    shown = {ref: named.shown(ref) for ref in named.refs}
-    data["base_model"] = shown.get(data["base_model"], data["base_model"])
-    for key in ("experts", "shared_experts"):
-        for e in data.get(key, []):
-            e["source_model"] = shown.get(e["source_model"], e["source_model"])
-    if data.get("output"):
-        data["output"] = Path(data["output"]).name
-    return data
+def build_notes(config: UpcycleConfig, plan: Plan) -> list[str]:
+    """What the build said about the model (the plan's notes and cautions, and the note for a mergekit config built
+    with moe-upcycle's router semantics), each once."""
+    note = semantics_note(config)
+    return list(dict.fromkeys([*plan.notes, *([note] if note else [])]))
 
 
 def _layers(plan: Plan) -> str:

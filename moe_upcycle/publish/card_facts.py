@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from moe_upcycle.planning import shared_experts
+from moe_upcycle.recipe.resolve import expert_inits
 from moe_upcycle.planning.plan_report import readable_count  # noqa: F401  (re-exported)
 from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
 from moe_upcycle.checkpoint.lora import split_ref
@@ -165,6 +166,9 @@ def _prompt_source(expert: ExpertConfig) -> str:
 def gate_text(config: UpcycleConfig) -> str:
     """Where the router rows came from, in one sentence."""
     mode = config.gate_mode
+    center = ", centred over experts" if config.gate_center else ""
+    if config.gate_source == "mergekit" and mode != "uniform_random":
+        return _mergekit_gate_text(config)
     if mode == "random":
         return f"random rows, normal(0, {config.router_init_std:g}) (seed {config.seed})"
     if mode == "uniform_random":
@@ -172,21 +176,51 @@ def gate_text(config: UpcycleConfig) -> str:
     if mode == "uniform":
         return "zeros: every expert gets the same score, routing starts uniform"
     if mode == "cheap_embed":
-        return "the mean token embedding of each expert's positive prompts (minus its negative prompts), no forward pass"
+        scale = f"rows of length {config.gate_scale:g}" if config.gate_scale else "rows of length 16/sqrt(hidden)"
+        return (f"the mean token embedding of each expert's positive prompts (minus its negative prompts), no forward "
+                f"pass{center}, {scale}")
     if mode == "kmeans":
         name = Path(str(config.calibration_text)).name
         return (f"spherical k-means (seed {config.seed}) of the base model's router inputs "
                 f"(post_attention_layernorm outputs) on the calibration text {code_span(name)}; each centroid is a row")
     reduce = "last real token" if mode == "hidden_last" else "mean over real tokens"
-    center = ", centred over experts" if config.gate_center else ""
     scale = f", rows of length {config.gate_scale:g}" if config.gate_scale else ", length set per layer"
     return (f"the base model's router inputs (post_attention_layernorm outputs, {reduce}) on each expert's "
             f"prompts, positive minus negative{center}{scale}")
 
 
+def _mergekit_gate_text(config: UpcycleConfig) -> str:
+    """The router rows of ``gate_source: mergekit``: mergekit-moe 0.1.5's computation, in words."""
+    mode = config.gate_mode
+    scale = f", scaled to length {config.gate_scale:g}" if config.gate_scale else ""
+    if mode == "random":
+        return f"standard normal rows (std 1.0), as mergekit-moe 0.1.5 draws them (seed {config.seed})"
+    if mode == "cheap_embed":
+        return ("mergekit-moe 0.1.5's computation: the summed token embeddings (BOS included) of each expert's "
+                f"positive prompts, unit length, minus its negative prompts', unit rows{scale}")
+    where = "mean over all positions, padding included" if mode == "hidden_avg" else "last position"
+    return ("mergekit-moe 0.1.5's computation: the base model's residual stream before each layer (bf16, "
+            f"{where}) on each expert's prompts, positive minus negative, unit rows{scale}")
+
+
+def _same_ffn(config: UpcycleConfig) -> list[str]:
+    """The fact a copy upcycle's build states: every expert is one and the same FFN until the MoE is trained."""
+    experts = config.expert_list()
+    first = experts[0]
+    if len(experts) < 2 or config.shared_experts or any(init.method != "copy" for init in expert_inits(config)) or any(
+            (e.source_model, e.layers) != (first.source_model, first.layers) or e.noise_scale
+            or e.residual_scale not in (None, 1.0) for e in experts):
+        return []
+    if first.source_model == config.base_model and first.layers is None:
+        return [f"- All {len(experts)} experts are the same FFN, the dense model's, so whichever experts the router "
+                f"picks the MoE computes what the dense model computes, until it is trained."]
+    return [f"- All {len(experts)} experts are the same FFN, so the router's choice changes nothing until the MoE is "
+            f"trained."]
+
+
 def making_of(config: UpcycleConfig) -> list[str]:
     """Markdown bullets: how the experts and their routers were made."""
-    lines = [f"- Experts: {init_text(config.expert_init)}.",
+    lines = [f"- Experts: {init_text(config.expert_init)}.", *_same_ffn(config),
              f"- Router (gate mode `{config.gate_mode}`): {gate_text(config)}."]
     if config.gate_mode in ("hidden", "hidden_avg", "hidden_last", "cheap_embed"):
         for e in config.expert_list():

@@ -173,7 +173,6 @@ class RouterFields:
 
     aux_loss_coef: Optional[float] = None
     jitter_noise: float = 0.0
-    output_router_logits: bool = False
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def write_params(config: UpcycleConfig) -> WriteParams:
 
 def router_fields(config: UpcycleConfig) -> RouterFields:
     """The router settings that go into config.json."""
-    return RouterFields(config.router_aux_loss_coef, config.router_jitter_noise, config.output_router_logits)
+    return RouterFields(config.router_aux_loss_coef, config.router_jitter_noise)
 
 
 def is_function_preserving(config: UpcycleConfig) -> bool:

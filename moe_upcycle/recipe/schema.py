@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
+from moe_upcycle.recipe.gate_keys import unread_gate_keys
 from moe_upcycle.recipe.layer_choice import LayerChoice, check_value
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.params import PROMPT_MODES
@@ -61,6 +62,16 @@ MIN_SHARD_BYTES = 1000  # a bare "5" meant 5GB, not 5 bytes
 # float32, noise scale 1e6 Inf experts in float16) or every router logit saturates; no recipe needs more.
 MAX_NOISE = 10.0  # noise std, relative to a matrix's std (10x the weights themselves) or absolute
 MAX_SCALE = 100.0  # router_init_std, gate_scale (default 16/sqrt(hidden)), |residual_scale|
+# output_router_logits: true would be written into config.json, which transformers reads at inference too
+# (`planning.model_config.TRAINING_SWITCHES`): a published model must carry false
+ROUTER_LOGITS_REFUSAL = (
+    "output_router_logits: true would be written into the output's config.json, which transformers reads at "
+    "inference too: it then adds the router aux loss in every forward pass, and generate fails on a batch of "
+    "prompts of different lengths (in transformers 4.57 on any prompt), so the model could not be published as "
+    "built. It is a training switch: remove the key (the output says false) and ask for router logits where you "
+    "train: model(**batch, labels=..., output_router_logits=True), or "
+    "AutoModelForCausalLM.from_pretrained(OUT, output_router_logits=True) for a training run (set "
+    "model.config.output_router_logits = False before save_pretrained)")
 
 
 def parse_size(value: Union[int, str]) -> int:
@@ -379,6 +390,9 @@ class UpcycleConfig(_Strict):
             problems.append(f"gate_source: mergekit reproduces mergekit-moe's gate modes, and gate_mode "
                             f"{self.gate_mode} is not one of them; use gate_source: native, or gate_mode hidden, "
                             f"hidden_avg, hidden_last, cheap_embed, random or uniform_random")
+        if self.output_router_logits:
+            problems.append(ROUTER_LOGITS_REFUSAL)
+        problems += unread_gate_keys(self)
         if self.gate_mode == "kmeans" and self.calibration_text is None:
             problems.append("gate_mode kmeans needs calibration_text: a .txt/.jsonl file or a folder of them")
         if problems:
@@ -645,8 +659,11 @@ def _format_errors(exc: ValidationError, unknown_option: Optional[str] = "--allo
                    else "a value, or delete the line")
             lines.append(f"{path}: empty text; write {fix}")
         elif kind == "finite_number":
-            lines.append(f"{path}: {'.nan' if err['input'] != err['input'] else '.inf' if err['input'] > 0 else '-.inf'} "
-                         f"(not a number, or infinity) is not a finite number; write an ordinary number")
+            given = err["input"]  # a float, or text pydantic read as one ("NaN", "inf")
+            shown = (repr(given) if isinstance(given, str) else '.nan' if given != given
+                     else '.inf' if given > 0 else '-.inf')
+            lines.append(f"{path}: {shown} (not a number, or infinity) is not a finite number; write an ordinary "
+                         f"number")
         elif kind == "string_type":
             lines.append(f"{path}: {_not_text(err['input'], str(loc[-1]) if loc else path)}")
         elif kind == "missing":
