@@ -283,12 +283,16 @@ def test_piped_a_parent_stage_speaks_only_when_it_changes():
                 for _ in range(10):
                     time.sleep(0.1)
                     st.advance(10)
+            after = time.monotonic()
             time.sleep(0.35)  # the child is done: the parent, now innermost, has a heartbeat again
+            after = time.monotonic() - after
             gates.advance(30)
     parent = [line for line in lines if line.startswith("gates:")]
-    assert sum(line.startswith("gates: 0 of 30 layers") for line in parent) <= 3, lines  # after the child only
     first_child = next(i for i, line in enumerate(lines) if line.startswith("router inputs:"))
     child_done = next(i for i, line in enumerate(lines) if line.startswith("router inputs: done"))
-    assert not any(line.startswith("gates:") for line in lines[first_child:child_done]), lines
+    assert sum(line.startswith("gates:") for line in lines[:first_child]) <= 1, lines  # before its child began
+    assert not any(line.startswith("gates:") for line in lines[first_child:child_done]), lines  # silent beneath it
+    # after the child: a heartbeat at most once an interval (the wait, timed, however slow a loaded machine makes it)
+    assert sum(line.startswith("gates: 0 of 30 layers") for line in lines[child_done:]) <= after / 0.1 + 1, lines
     assert parent[-1].startswith("gates: done 30 layers in ")
     assert len([line for line in lines if line.startswith("router inputs:")]) >= 5

@@ -33,10 +33,14 @@ _SET_DIRS = (_PACKAGE_DIR / "data" / "prompts", _PACKAGE_DIR.parent / "gate_conf
 
 
 def set_dir() -> Optional[Path]:
-    """The folder holding the shipped prompt sets (package data first, then the source tree)."""
+    """The folder holding the shipped prompt sets (package data first, then the source tree); one the user may not
+    enter (a clone in another user's private folder) is passed over, as if the package shipped no sets there."""
     for folder in _SET_DIRS:
-        if folder.is_dir() and any(folder.glob("*.yaml")):
-            return folder
+        try:
+            if folder.is_dir() and any(folder.glob("*.yaml")):
+                return folder
+        except OSError:
+            continue
     return None
 
 
