@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from moe_upcycle.checkpoint.source import open_checkpoint
-from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import batches, capture as cap
 from moe_upcycle.gates.skeleton import layer_keys
 from moe_upcycle.gates.stream import open_streamed
 from moe_upcycle.recipe.prompt_sets import load_prompts, set_names
@@ -67,20 +67,20 @@ def read_all(streamed) -> None:
         del tensors
 
 
-def plain_pass(loaded: cap.LoadedModel, encoded: list[cap.Encoded], batch_size: int, full: bool) -> None:
+def plain_pass(loaded: cap.LoadedModel, encoded: list[batches.Encoded], batch_size: int, full: bool) -> None:
     """The same batches as `run_batches` (length-sorted, same padding), without hooks, sent to the device as
     capture sends them (one copy per batch, from pinned memory on a GPU): the ratio is the cost of the hooks and
     sums alone. (A pageable ``.to(device)`` per tensor would make the host wait for the GPU at every batch and
     flatter the capture at small batches.)"""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
     module = loaded.model if full else loaded.model.base_model
-    pad = cap.padding_id(loaded.tokenizer, loaded.model.get_input_embeddings().num_embeddings)
+    pad = batches.padding_id(loaded.tokenizer, loaded.model.get_input_embeddings().num_embeddings)
     dev = torch.device(loaded.input_device)
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
-            ids, attn, real = cap.pad_batch([encoded[i] for i in rows], pad, "right")
-            on = cap.on_device(rows, ids, attn, real, None, dev)
+            ids, attn, real = batches.pad_batch([encoded[i] for i in rows], pad, "right")
+            on = batches.on_device(rows, ids, attn, real, None, dev)
             module(input_ids=on.ids, attention_mask=on.attn, position_ids=on.positions, use_cache=False)
 
 
@@ -116,7 +116,7 @@ def bench(folder: Path, device: str, batch_size: int, repeats: int, per_expert: 
     for e, prompts in enumerate(expert_prompts(per_expert)):
         texts += prompts
         groups += [e] * len(prompts)
-    encoded = cap.encode(loaded.tokenizer, texts, loaded.max_length)
+    encoded = batches.encode(loaded.tokenizer, texts, loaded.max_length)
     tokens = sum(len(x.ids) for x in encoded)
     captured = {}
 

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from bench_gates import plain_pass  # the same hook-free batches as the CPU benchmark
-from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import batches, capture as cap
 from moe_upcycle import upcycle_model
 from moe_upcycle.recipe.prompt_sets import load_prompts, set_names
 
@@ -111,7 +111,7 @@ def bench_capture(shapes, batch_sizes, device, repeats, tokenizer, per_expert: i
     pool = [p for name in set_names() for p in load_prompts(name, "bench")]
     texts = [pool[i % len(pool)] for i in range(EXPERTS * per_expert)]
     groups = [i // per_expert for i in range(len(texts))]
-    encoded = cap.encode(tokenizer, texts, 2048)
+    encoded = batches.encode(tokenizer, texts, 2048)
     tokens = sum(len(e.ids) for e in encoded)
     rows = []
     for hidden, layers in shapes:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PROMPT_TEXT
-from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import batches, capture as cap
 from moe_upcycle import upcycle_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -140,7 +140,7 @@ def test_gate_capture_on_cuda_matches_cpu(stories):
     groups = [0, 0, 1, 1]
     cpu = cap.load_base(stories, device="cpu", dtype="float32")
     gpu = cap.load_base(stories, device="cuda", dtype="float32")
-    enc = cap.encode(cpu.tokenizer, texts, cpu.max_length)
+    enc = batches.encode(cpu.tokenizer, texts, cpu.max_length)
     ref = cap.capture_router_inputs(cpu, enc, groups, 2, "mean", batch_size=3)
     got = cap.capture_router_inputs(gpu, enc, groups, 2, "mean", batch_size=3)
     assert got.sums.device.type == "cpu" and got.sums.shape == ref.sums.shape
@@ -197,7 +197,7 @@ def test_streamed_gates_on_cuda_match_the_whole_model_on_cuda(stories, tmp_path)
     ckpt = open_checkpoint(str(stories), "base_model")
     for dtype in ("float32", "bfloat16"):
         whole = cap.load_base(stories, device="cuda", dtype=dtype)
-        enc = cap.encode(whole.tokenizer, texts, whole.max_length)
+        enc = batches.encode(whole.tokenizer, texts, whole.max_length)
         for reduce in ("mean", "last", "tokens"):
             want = cap.capture_router_inputs(whole, enc, groups, 2, reduce, batch_size=2)
             got = {prefetch: cap.capture_router_inputs(open_streamed(ckpt, "cuda", dtype, prefetch=prefetch), enc,
@@ -250,7 +250,7 @@ def test_streamed_gates_hold_two_layers_on_the_gpu(tmp_path):
     layer = sum(t.nbytes for k, t in ckpt.tensors.items() if k.startswith("model.layers.0.")) // 2  # fp32 -> bf16
     whole = sum(t.nbytes for t in ckpt.tensors.values()) // 2
     streamed = open_streamed(ckpt, "cuda", "bfloat16")
-    enc = cap.encode(streamed.tokenizer, ["def add(a, b): return a + b"] * 4, 256)
+    enc = batches.encode(streamed.tokenizer, ["def add(a, b): return a + b"] * 4, 256)
     cap.capture_router_inputs(streamed, enc, [0, 1, 0, 1], 2, "mean", batch_size=2)  # cuBLAS workspaces, once
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

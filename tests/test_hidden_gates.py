@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import batches, capture as cap
 from moe_upcycle.gates import hidden_gates as hg
 from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError, DependencyError, UpcycleWarning
@@ -74,8 +74,8 @@ def test_captured_router_input_equals_norm_of_residual(loaded, stories):
 def test_padding_does_not_change_the_vector(loaded, side, reduce):
     short = "The cat sat."
     batch = [short, STORY[2], CODE[6], STORY[5] + " " + STORY[6]]
-    enc_alone = cap.encode(loaded.tokenizer, [short], loaded.max_length)
-    enc_batch = cap.encode(loaded.tokenizer, batch, loaded.max_length)
+    enc_alone = batches.encode(loaded.tokenizer, [short], loaded.max_length)
+    enc_batch = batches.encode(loaded.tokenizer, batch, loaded.max_length)
     alone = cap.capture_router_inputs(loaded, enc_alone, [0], 1, reduce, batch_size=1).sums[:, 0]
     padded = cap.capture_router_inputs(loaded, enc_batch, [0, 1, 1, 1], 2, reduce, batch_size=4,
                                       padding_side=side).sums[:, 0]
@@ -90,7 +90,7 @@ def test_layers_reduced_together_as_on_a_gpu_give_the_per_layer_results(loaded, 
     CPU, whatever the number of layers held at once, the sums, norms and token points are those of one layer at a
     time, and nothing is left held between batches."""
     texts = [STORY[2], CODE[6], "The cat sat.", STORY[5], CODE[1]]
-    enc = cap.encode(loaded.tokenizer, texts, loaded.max_length)
+    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
     ref = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
     # one layer's router input is 2 texts x 38..43 tokens x 64 x 4 bytes (19-22 KB): 40 KB holds 2 or 3 of the 5
     budget = {"all layers": 64 << 20, "a few layers": 40_000, "one layer": 1}[held]
@@ -127,8 +127,8 @@ def test_on_a_gpu_the_capture_adds_operations_per_batch_not_per_layer(loaded, mo
         return Count.ops
 
     texts = [STORY[2], CODE[6], "The cat sat.", STORY[5], CODE[1], STORY[3]]
-    enc = cap.encode(loaded.tokenizer, texts, loaded.max_length)
-    batches = 3  # batch_size 2
+    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
+    n_batches = 3  # batch_size 2
     monkeypatch.setattr(cap, "_EACH_LAYER_ON", frozenset())  # as on a GPU
     extra = {}
     for layers in (2, 8):
@@ -142,7 +142,7 @@ def test_on_a_gpu_the_capture_adds_operations_per_batch_not_per_layer(loaded, mo
             order = sorted(range(len(enc)), key=lambda i: len(enc[i].ids))
             with torch.inference_mode():
                 for start in range(0, len(order), 2):
-                    ids, attn, _ = cap.pad_batch([enc[i] for i in order[start:start + 2]], 0, "right")
+                    ids, attn, _ = batches.pad_batch([enc[i] for i in order[start:start + 2]], 0, "right")
                     model.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0),
                                 use_cache=False)
 
@@ -151,7 +151,7 @@ def test_on_a_gpu_the_capture_adds_operations_per_batch_not_per_layer(loaded, mo
         monkeypatch.setattr(cap, "_PENDING_BYTES", 0)
         alone = ops(lambda: cap.capture_router_inputs(tiny, enc, [0, 1, 0, 1, 1, 0], 2, "mean", batch_size=2))
         monkeypatch.setattr(cap, "_PENDING_BYTES", 64 << 20)
-        extra[layers] = ((held - base) / batches, (alone - base) / batches)
+        extra[layers] = ((held - base) / n_batches, (alone - base) / n_batches)
     assert extra[8][0] == extra[2][0] <= 8, extra  # held: ~6 per batch (mask, sums, index), none per layer
     assert extra[8][1] >= extra[2][1] + 6 * 7, extra  # alone: ~8 more for each of the 6 more layers
 
@@ -161,10 +161,10 @@ def test_each_batch_goes_to_the_device_in_one_copy(loaded, monkeypatch, reduce):
     """A host-to-device copy costs the host as much as a launch (pinning, queueing, an event): a batch's ids, mask,
     positions, real-token mask and group indices go in one buffer, whatever is reduced."""
     copies = []
-    real_to_device = cap.to_device
-    monkeypatch.setattr(cap, "to_device", lambda t, d: copies.append(tuple(t.shape)) or real_to_device(t, d))
+    real_to_device = batches.to_device
+    monkeypatch.setattr(batches, "to_device", lambda t, d: copies.append(tuple(t.shape)) or real_to_device(t, d))
     texts = [STORY[2], CODE[6], "The cat sat.", STORY[5], CODE[1]]
-    enc = cap.encode(loaded.tokenizer, texts, loaded.max_length)
+    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
     got = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
     assert len(copies) == 3, copies  # 5 texts in batches of 2
     order = sorted(range(5), key=lambda i: len(enc[i].ids))
@@ -203,7 +203,7 @@ def test_hidden_last_differs_from_hidden(loaded, stories):
     cos = F.cosine_similarity(mean, last, dim=-1)  # (L, E)
     assert cos.max() < 0.98
     # hidden_last of one prompt is exactly its last real token's router input
-    enc = cap.encode(loaded.tokenizer, [CODE[0]], loaded.max_length)
+    enc = batches.encode(loaded.tokenizer, [CODE[0]], loaded.max_length)
     ref = {}
     handles = [n.register_forward_hook(lambda m, a, out, i=i: ref.__setitem__(i, out[0, -1].clone()))
                for i, n in enumerate(loaded.norms)]
@@ -275,7 +275,7 @@ def test_cuda_requested_without_gpu_is_a_clear_error(stories, monkeypatch):
 
 def test_prompt_with_only_special_tokens_is_named(loaded):
     with pytest.raises(ConfigError, match="'<s>' has no tokens besides special tokens"):
-        cap.encode(loaded.tokenizer, ["<s>"], loaded.max_length)
+        batches.encode(loaded.tokenizer, ["<s>"], loaded.max_length)
 
 
 @pytest.mark.parametrize("mode", ["hidden", "hidden_last", "hidden_avg"])
@@ -341,7 +341,7 @@ def test_a_prompt_cut_at_the_models_context_is_said(loaded):
     recipe field and both lengths); a prompt that fits says nothing."""
     long = "once upon a time there was a little cat " * 200
     with pytest.warns(UpcycleWarning) as said:
-        encoded = cap.encode(loaded.tokenizer, [long, "a short one"], loaded.max_length,
+        encoded = batches.encode(loaded.tokenizer, [long, "a short one"], loaded.max_length,
                              fields=["experts[0].positive_prompts", "experts[1].positive_prompts"])
     assert len(encoded[0].ids) == loaded.max_length and len(said) == 1
     text = str(said[0].message)

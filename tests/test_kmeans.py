@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import batches, capture as cap
 from moe_upcycle.gates import hidden_gates as hg
 from moe_upcycle.recipe.calibration import read_documents
 from moe_upcycle.recipe.schema import load_config
@@ -80,7 +80,7 @@ def test_kmeans_gates_deterministic_and_every_expert_routed(stories, corpus):
         assert torch.equal(first[layer], again[layer])
     # route the calibration tokens with the gate rows: every expert is top-1 for some tokens
     loaded = cap.load_base(stories, device="cpu")
-    encoded = cap.encode_windows(loaded.tokenizer, read_documents(corpus))
+    encoded = batches.encode_windows(loaded.tokenizer, read_documents(corpus))
     counts = torch.zeros(5, 4, dtype=torch.long)
 
     def on_output(layer, x, batch):

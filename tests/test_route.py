@@ -205,7 +205,7 @@ def test_route_counts_equal_the_routers_own_logits(moe, routed):
     tokens (not the BOS) are route's counts, which were made in padded batches of 5 on the router's device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from moe_upcycle.gates.capture import encode
+    from moe_upcycle.gates.batches import encode
 
     model = AutoModelForCausalLM.from_pretrained(moe.output, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(moe.output)
@@ -233,7 +233,7 @@ def test_route_adds_no_host_synchronisation_per_layer(moe, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moe_upcycle.check import route as route_module
-    from moe_upcycle.gates.capture import encode, pad_batch, padding_id
+    from moe_upcycle.gates.batches import encode, pad_batch, padding_id
     from moe_upcycle.inputs.text import check_token_ids
 
     waits = {"aten.nonzero", "aten.bincount", "aten._local_scalar_dense", "aten.masked_select", "aten.item"}

@@ -42,7 +42,7 @@ runpy.run_module("moe_upcycle", run_name="__main__", alter_sys=True)
 # libraries a build with random routers never needs (each costs 0.1-2 s to import)
 NOT_FOR_RANDOM_GATES = ("transformers", "sentence_transformers", "matplotlib", "sklearn", "scipy",
                         "moe_upcycle.prompts.lint", "moe_upcycle.prompts.embed", "moe_upcycle.check.verify",
-                        "moe_upcycle.gates.capture")
+                        "moe_upcycle.gates.capture", "moe_upcycle.gates.batches")
 
 
 def _recorded(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -19,11 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from moe_upcycle import upcycle
-from moe_upcycle.checkpoint.lora import merge_into_model
 from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from moe_upcycle.errors import SourceError, UpcycleWarning
-from moe_upcycle.gates import capture as cap
+from moe_upcycle.gates import batches, capture as cap
 from moe_upcycle.gates import hidden_gates as hg
 from moe_upcycle.gates import layer_reader
 from moe_upcycle.gates import mergekit_gates as mk
@@ -105,7 +104,7 @@ def test_streamed_router_inputs_are_the_whole_models(base):
     groups = [0, 1, 0, 1, 1]
     loaded = cap.load_base(base, device="cpu")
     streamed = open_streamed(open_checkpoint(str(base), "base_model"), device="cpu")
-    enc = cap.encode(loaded.tokenizer, texts, loaded.max_length)
+    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
     assert min(len(e.ids) for e in enc) > 4  # longer than the sliding windows
     for reduce, side in [(r, s) for r in ("mean", "last", "tokens") for s in ("right", "left")]:
         want = cap.capture_router_inputs(loaded, enc, groups, 2, reduce, batch_size=2, padding_side=side)
@@ -136,7 +135,7 @@ def test_the_sliding_window_is_applied_as_the_model_applies_it(windowed):
         sums = {}
         for which, path in (("window", folder), ("plain", plain)):
             streamed = open_streamed(open_checkpoint(str(path), "base_model"), device="cpu")
-            enc = cap.encode(streamed.tokenizer, [CODE[0] + " " + STORY[1]], streamed.max_length)
+            enc = batches.encode(streamed.tokenizer, [CODE[0] + " " + STORY[1]], streamed.max_length)
             sums[which] = cap.capture_router_inputs(streamed, enc, [0], 1, "mean").sums
         if name == "qwen2":  # layer 0 attends to everything in both; layer 1 slides
             assert torch.equal(sums["window"][0], sums["plain"][0])
@@ -228,7 +227,7 @@ def test_each_layer_is_read_once_the_head_and_final_norm_never(tiny_qwen3, monke
     monkeypatch.setattr(layer_reader.LayerReader, "release",
                         lambda self: log(("release", self.taken - 1)) or real_release(self))
     streamed = open_streamed(ckpt, device="cpu")
-    enc = cap.encode(streamed.tokenizer, [CODE[0], STORY[0], STORY[3]], streamed.max_length)
+    enc = batches.encode(streamed.tokenizer, [CODE[0], STORY[0], STORY[3]], streamed.max_length)
     cap.capture_router_inputs(streamed, enc, [0, 1, 1], 2, "mean", batch_size=2)
     first = {k for k in ckpt.tensors if k.startswith("model.layers.0.")}
     last = {k for k in ckpt.tensors if k.startswith("model.layers.1.") and ".mlp." not in k}
@@ -239,7 +238,7 @@ def test_each_layer_is_read_once_the_head_and_final_norm_never(tiny_qwen3, monke
     deep = make_dense_model(tiny_qwen3.parent / "qwen3-deep", family="qwen3", seed=9, num_hidden_layers=5)
     events.clear()
     streamed = open_streamed(open_checkpoint(str(deep), "base_model"), device="cpu")
-    cap.capture_router_inputs(streamed, cap.encode(streamed.tokenizer, [CODE[0]], 64), [0], 1, "mean")
+    cap.capture_router_inputs(streamed, batches.encode(streamed.tokenizer, [CODE[0]], 64), [0], 1, "mean")
     order = {e: k for k, e in enumerate(events)}
     for n in range(2, 5):
         assert order[("prepare", str(n))] > order[("release", n - 2)], events
@@ -252,7 +251,7 @@ def test_more_texts_than_the_states_bound_run_in_passes(stories, monkeypatch):
     texts = [CODE[i % 8] + " " + STORY[i % 7] for i in range(9)]
     groups = [i % 3 for i in range(9)]
     one = open_streamed(ckpt, device="cpu")
-    enc = cap.encode(one.tokenizer, texts, one.max_length)
+    enc = batches.encode(one.tokenizer, texts, one.max_length)
     want = cap.capture_router_inputs(one, enc, groups, 3, "mean", batch_size=2)
     reads = []
     real_read = type(ckpt).read
@@ -266,7 +265,7 @@ def test_more_texts_than_the_states_bound_run_in_passes(stories, monkeypatch):
 
 def test_prefetch_changes_nothing_but_the_time(stories):
     ckpt = open_checkpoint(str(stories), "base_model")
-    enc = cap.encode(cap.load_tokenizer(stories), [CODE[1], STORY[2], CODE[4]], 512)
+    enc = batches.encode(batches.load_tokenizer(stories), [CODE[1], STORY[2], CODE[4]], 512)
     got = {prefetch: cap.capture_router_inputs(open_streamed(ckpt, device="cpu", prefetch=prefetch), enc, [0, 1, 0],
                                                2, "last", batch_size=2).sums for prefetch in (True, False)}
     assert torch.equal(got[True], got[False])
@@ -368,7 +367,7 @@ import sys, torch
 from pathlib import Path
 from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.tiny import make_dense_model
-from moe_upcycle.gates import capture as cap, mergekit_gates as mk
+from moe_upcycle.gates import batches, capture as cap, mergekit_gates as mk
 from moe_upcycle.gates.stream import open_streamed
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 root = Path(sys.argv[1])
@@ -382,7 +381,7 @@ experts = (ExpertPrompts("a", tuple(texts[:2]), (texts[4],)), ExpertPrompts("b",
 for name, path in bases.items():
     ckpt = open_checkpoint(str(path), "base_model")
     loaded, streamed = cap.load_base(path, device="cpu"), open_streamed(ckpt, device="cpu")
-    enc = cap.encode(loaded.tokenizer, texts, loaded.max_length)
+    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
     for reduce in ("mean", "last", "tokens"):
         want = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
         got = cap.capture_router_inputs(streamed, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)

@@ -44,8 +44,8 @@ import torch
 
 from moe_upcycle.recipe.calibration import kmeans_sample_budget, read_documents
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
-from moe_upcycle.gates.capture import (Encoded, LoadedModel, Reduce, RouterInputs, capture_router_inputs,
-                                       context_length, encode, encode_windows, load_tokenizer)
+from moe_upcycle.gates.batches import Encoded, context_length, encode, encode_windows, load_tokenizer
+from moe_upcycle.gates.capture import LoadedModel, Reduce, RouterInputs, capture_router_inputs
 from moe_upcycle.checkpoint.source import Checkpoint, open_checkpoint
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans

@@ -44,11 +44,11 @@ import torch
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.planning import inits
-from moe_upcycle.gates.capture import Batch
-from moe_upcycle.gates.stream import BatchInputs, open_streamed, to_device
+from moe_upcycle.gates.batches import Batch, open_tokenizer, to_device
+from moe_upcycle.gates.stream import BatchInputs, open_streamed
 from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
-from moe_upcycle.errors import ConfigError, reraise_if_out_of_memory
+from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.checkpoint.source import Checkpoint
 
@@ -57,14 +57,9 @@ MERGEKIT_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed", "random"
 
 def mergekit_tokenizer(path: Path):
     """The base tokenizer set up as mergekit-moe does: left padding, BOS as the pad token."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:
-        reraise_if_out_of_memory(exc)  # a file that did not fit is not a damaged file
-        raise ConfigError(f"gate_source: mergekit needs the base model's tokenizer, which failed to load from {path} "
-                          f"({exc}); add tokenizer files or use gate_mode: random") from None
+    tokenizer = open_tokenizer(path, lambda exc: ConfigError(
+        f"gate_source: mergekit needs the base model's tokenizer, which failed to load from {path} ({exc}); add "
+        f"tokenizer files or use gate_mode: random"))
     tokenizer.padding_side = "left"
     tokenizer.pad_token_id = tokenizer.bos_token_id
     if tokenizer.pad_token_id is None:

@@ -30,8 +30,8 @@ import torch
 
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import SourceError, UpcycleWarning
-from moe_upcycle.gates.capture import (Batch, Encoded, context_length, on_device, pad_batch, padding_id,
-                                       resolve_device, to_device)
+from moe_upcycle.gates.batches import Batch, Encoded, context_length, on_device, pad_batch, padding_id, to_device
+from moe_upcycle.gates.capture import resolve_device
 from moe_upcycle.gates.layer_reader import LayerReader
 from moe_upcycle.gates.skeleton import Skeleton, build_skeleton, layer_keys, move_buffers, record_layer_kwargs
 from moe_upcycle.inputs.text import check_token_ids
@@ -238,7 +238,7 @@ def open_streamed(checkpoint: Checkpoint, device: str = "auto", dtype: Optional[
         checkpoint: the opened base checkpoint (with its adapter, for a ``model+lora`` base).
         device: ``auto``, ``cpu``, ``cuda`` (GPU 0) or ``cuda:N``.
         dtype: compute dtype name; default bfloat16 on a GPU, float32 on the CPU (as `capture.load_base`).
-        tokenizer: the tokenizer to batch with; default the base's (`capture.load_tokenizer`).
+        tokenizer: the tokenizer to batch with; default the base's (`batches.load_tokenizer`).
         prefetch: read each next layer in a thread while one runs.
         quantize: the recipe's ``quantize:``, said to be unneeded and not applied (`QUANTIZE_NOTE`).
 
@@ -246,7 +246,7 @@ def open_streamed(checkpoint: Checkpoint, device: str = "auto", dtype: Optional[
         DependencyError: the device is not available.
         SourceError: the model cannot be built from config.json, or its tokenizer does not load.
     """
-    from moe_upcycle.gates.capture import load_tokenizer
+    from moe_upcycle.gates.batches import load_tokenizer
 
     dev = torch.device(resolve_device(device))
     if dev.type == "cuda" and dev.index is None:
