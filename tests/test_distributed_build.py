@@ -293,3 +293,30 @@ def test_world_size_without_torchrun_is_refused_before_any_work(tiny_llama, tmp_
     code, output = cli("build", recipe, tmp_path / "moe")
     assert_clean_failure(code, output, tmp_path / "moe", ["rank error: WORLD_SIZE is 2, but this process could not "
                                                           "join the job", "MASTER_ADDR", "start the build with torchrun"])
+
+
+@pytest.mark.parametrize("cpus, workers", [(2, 100_000), (2, 5), (1, 3)])
+def test_more_workers_than_twice_the_cpus_is_refused_before_any_process_starts(cpus, workers, tiny_llama, tmp_path,
+                                                                                  monkeypatch):
+    """Before: ``--workers 100000`` started processes until the machine stalled (load 200 on 2 cores). Now refused
+    in the command's own process, naming the count, the CPUs and what to give; no worker starts, nothing written."""
+    from failure_checks import assert_clean_failure, cli
+    from moe_upcycle.distributed import local_launch
+
+    started = []
+    monkeypatch.setattr(local_launch, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr("torch.distributed.run.run", lambda args: started.append(args))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\n")
+    code, output = cli("build", recipe, tmp_path / "moe", "--workers", str(workers))
+    assert_clean_failure(code, output, tmp_path / "moe", [
+        f"--workers {workers}: this machine has {cpus} CPU{'s' if cpus > 1 else ''} for this process; more than "
+        f"{2 * cpus} workers (two to a CPU) only share them", f"give --workers {cpus} (one to a CPU) or at most "
+        f"{2 * cpus}", "run torchrun on several machines"])
+    assert started == []
+
+
+def test_usable_cpus_is_this_process_affinity():
+    from moe_upcycle.distributed.local_launch import usable_cpus
+
+    assert usable_cpus() == len(os.sched_getaffinity(0)) >= 1

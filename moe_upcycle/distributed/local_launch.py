@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Iterator
+
+from moe_upcycle.errors import ConfigError
 
 LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
 
@@ -25,7 +28,11 @@ def run_workers(workers: int, command: list[str]) -> int:
     Args:
         workers: how many processes (ranks).
         command: the command line's arguments after the program name (``build CFG OUT ... --workers N``).
+
+    Raises:
+        ConfigError: more workers than this machine has CPUs (`check_workers`).
     """
+    check_workers(workers)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -40,6 +47,30 @@ def run_workers(workers: int, command: list[str]) -> int:
         except SignalException as exc:  # the workers were sent the signal; the lead said what it stopped
             return 128 + int(exc.sigval)
     return 0
+
+
+def check_workers(workers: int) -> None:
+    """Refuse more local workers than twice the CPUs this process may run on. A worker is a process of its own that
+    imports torch and writes with three threads, half of its time waiting on the disk: two to a core may still
+    overlap, more only share them (and ``--workers 100000`` would start processes until the machine stalled).
+
+    Raises:
+        ConfigError: `workers` is above twice the CPU count.
+    """
+    cpus = usable_cpus()
+    if workers > 2 * cpus:
+        raise ConfigError(f"--workers {workers}: this machine has {cpus} CPU{'s' if cpus != 1 else ''} for this "
+                          f"process; more than {2 * cpus} workers (two to a CPU) only share them, each a process "
+                          f"importing torch — give --workers {cpus} (one to a CPU) or at most {2 * cpus}; for more "
+                          f"processes, run torchrun on several machines sharing the output's filesystem")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system says it, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager
