@@ -114,6 +114,30 @@ def test_build_workers_starts_the_ranks_itself(tiny_llama, tmp_path):
     _assert_same_folder(tmp_path / "ranked", upcycle(str(recipe), tmp_path / "alone").output)
 
 
+def test_two_nodes_write_the_bytes_one_process_writes(tiny_llama, tmp_path):
+    """Several nodes as users start them: one torchrun agent per node (``--nnodes 2``, c10d rendezvous, each node
+    its own LOCAL_RANK 0), here two agents on this machine sharing its filesystem. One "Built" line (node 0's rank
+    0), every file the one-process build's bytes."""
+    import socket
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\nseed: 5\nmax_shard_size: 30KB\n")
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+            "-m", "moe_upcycle", "build", str(recipe), str(tmp_path / "ranked")]
+    agents = [subprocess.Popen(node, cwd=REPO, env=module_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    said = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], said
+    assert sum(out.count("Built") for out, _ in said) == 1 and not any("Traceback" in err for _, err in said)
+    _assert_same_folder(tmp_path / "ranked", upcycle(str(recipe), tmp_path / "alone").output)
+    assert len(list((tmp_path / "ranked").glob("model-*.safetensors"))) >= 3
+    assert leftovers(tmp_path / "ranked") == ["ranked"]
+
+
 # ---- said once, by rank 0 ---------------------------------------------------------------------------------
 
 
