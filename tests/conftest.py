@@ -44,6 +44,20 @@ def pytest_configure(config) -> None:
 PROMPT_TEXT = "Once upon a time, there was a little girl named Lily."
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torchrun_logs(tmp_path_factory):
+    """torch's launcher (the tests' torchrun jobs, ``build --workers`` in a test) keeps its log folders under pytest's
+    own temporary folder, not as ``/tmp/torchelastic_*`` left behind by every job (``PET_LOG_DIR`` is its
+    ``--log-dir``, read from the environment each job inherits)."""
+    before = os.environ.get("PET_LOG_DIR")
+    os.environ["PET_LOG_DIR"] = str(tmp_path_factory.mktemp("torchelastic"))
+    yield
+    if before is None:
+        os.environ.pop("PET_LOG_DIR", None)
+    else:
+        os.environ["PET_LOG_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

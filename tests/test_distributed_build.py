@@ -104,11 +104,17 @@ def test_two_ranks_write_the_bytes_one_process_writes(tiny_mistral, tiny_llama, 
 
 
 def test_build_workers_starts_the_ranks_itself(tiny_llama, tmp_path):
-    """``build --workers 2``: torch's launcher in the command itself; one "Built" line, the one-process bytes."""
+    """``build --workers 2``: torch's launcher in the command itself; one "Built" line, the one-process bytes, and
+    nothing left in the temporary folder (left to itself the launcher leaves a ``torchelastic_*`` folder per run)."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\nmax_shard_size: 30KB\n")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {**module_env(), "TMPDIR": str(temporary)}
+    env.pop("PET_LOG_DIR", None)  # the suite's own log folder for torchrun (conftest), not a user's
     proc = subprocess.run([sys.executable, "-m", "moe_upcycle", "build", str(recipe), str(tmp_path / "ranked"),
-                           "--workers", "2"], cwd=REPO, env=module_env(), capture_output=True, text=True, timeout=300)
+                           "--workers", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert list(temporary.iterdir()) == []
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("Built") == 1 and "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr
     _assert_same_folder(tmp_path / "ranked", upcycle(str(recipe), tmp_path / "alone").output)

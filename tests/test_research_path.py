@@ -236,9 +236,9 @@ for arch in ("mixtral", "qwen2_moe"):
         moe = upcycle_model(dense, num_experts=2, expert_init=init, architecture=arch).eval()
         with torch.no_grad():
             got = moe(ids).logits
-        folder = tempfile.mkdtemp()
-        moe.save_pretrained(folder)
-        back = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
+        with tempfile.TemporaryDirectory() as folder:  # the child's own: removed, not left in /tmp
+            moe.save_pretrained(folder)
+            back = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
         with torch.no_grad():
             again = back(ids).logits
             new = back.generate(ids, max_new_tokens=4, do_sample=False).shape[1] - ids.shape[1]

@@ -23,10 +23,12 @@ def lfs_pointer_problem(file: Path) -> Optional[str]:
 
     Example:
         >>> import tempfile
-        >>> p = Path(tempfile.mkdtemp()) / "model.safetensors"
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> p = Path(folder.name) / "model.safetensors"
         >>> _ = p.write_bytes(b"version https://git-lfs.github.com/spec/v1\\noid sha256:4d7a\\nsize 647424\\n")
         >>> lfs_pointer_problem(p).split(";")[0].split("/")[-1]
         'model.safetensors: is a Git LFS pointer (71 bytes) to a 647,424-byte file, not the file itself'
+        >>> folder.cleanup()
     """
     try:
         with open(file, "rb") as fh:

@@ -43,10 +43,11 @@ class ShardFile:
 
     Example:
         >>> import tempfile
-        >>> f = ShardFile(Path(tempfile.mkdtemp()) / "x.bin", checksum=True)
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> f = ShardFile(Path(folder.name) / "x.bin", checksum=True)
         >>> f.write(torch.arange(5, dtype=torch.uint8)); f.finish()[:12]
         '08bb5e5d6eaa'
-        >>> f.sync_and_close()
+        >>> f.sync_and_close(); folder.cleanup()
     """
 
     def __init__(self, path: Path, checksum: bool, buffer_bytes: Optional[int] = None, depth: Optional[int] = None):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 from typing import Iterator
 
 from moe_upcycle.errors import ConfigError
@@ -30,15 +31,15 @@ def run_workers(workers: int, command: list[str]) -> int:
         command: the command line's arguments after the program name (``build CFG OUT ... --workers N``).
 
     Raises:
-        ConfigError: more workers than this machine has CPUs (`check_workers`).
+        ConfigError: more than twice as many workers as this machine has CPUs (`check_workers`).
     """
     check_workers(workers)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(["--standalone", f"--nproc-per-node={workers}", "--module", "moe_upcycle", *command])
-    with _launcher_quiet():
+    with _launcher_quiet(), _log_dir() as logs:
+        args = parse_args(["--standalone", f"--nproc-per-node={workers}", *logs, "--module", "moe_upcycle", *command])
         try:
             run(args)
         except ChildFailedError as exc:
@@ -71,6 +72,17 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _log_dir() -> Iterator[list[str]]:
+    """The launcher's ``--log-dir``: a temporary folder removed at the end (left to itself, torch's launcher makes a
+    ``/tmp/torchelastic_*`` folder per run and leaves it), or none where the user set ``PET_LOG_DIR`` (theirs)."""
+    if os.environ.get("PET_LOG_DIR"):
+        yield []
+        return
+    with tempfile.TemporaryDirectory(prefix="moe-upcycle-workers-") as folder:
+        yield ["--log-dir", folder]
 
 
 @contextlib.contextmanager

@@ -63,11 +63,13 @@ def read_pool_file(path: Union[str, Path], fmt: PoolFormat = "auto") -> Pool:
             unusable (every one named, file:line).
 
     Example:
-        >>> import tempfile, os
-        >>> p = Path(tempfile.mkdtemp()) / "pool.txt"
+        >>> import tempfile
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> p = Path(folder.name) / "pool.txt"
         >>> _ = p.write_text("def f():\\n    return 1\\n\\nWhat is 2 + 2?\\n")
         >>> read_pool_file(p)
         Pool(prompts=['def f():\\n    return 1', 'What is 2 + 2?'], format='paragraphs')
+        >>> folder.cleanup()
     """
     path = Path(path)
     text = read_utf8(path, f"--pool {path}", fix="; give a text file (prompts separated by blank lines, or one per "
