@@ -49,7 +49,7 @@ def _assert_same_folder(ranked: Path, alone: Path) -> None:
 def _torchrun(*args: str, log_dir: Path | None = None, **popen) -> subprocess.Popen:
     """torchrun with 2 ranks; with `log_dir`, each rank's stdout and stderr go to its own files there."""
     logs = ["--log-dir", str(log_dir), "--redirects", "3"] if log_dir else []
-    return subprocess.Popen([*TORCHRUN, *logs, *args], cwd=REPO, env=popen.pop("env", module_env()),
+    return subprocess.Popen([*TORCHRUN, *logs, *args], cwd=popen.pop("cwd", REPO), env=popen.pop("env", module_env()),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -350,3 +350,34 @@ def test_usable_cpus_is_this_process_affinity():
     from moe_upcycle.distributed.local_launch import usable_cpus
 
     assert usable_cpus() == len(os.sched_getaffinity(0)) >= 1
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_a_world_size_that_is_no_number_of_processes_is_named(value, tiny_llama, tmp_path, monkeypatch):
+    """Before: ``WORLD_SIZE=abc`` ended in ``ValueError: invalid literal for int()`` (a traceback)."""
+    from failure_checks import assert_clean_failure, cli
+
+    monkeypatch.setenv("WORLD_SIZE", value)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\n")
+    code, output = cli("build", recipe, tmp_path / "moe")
+    assert_clean_failure(code, output, tmp_path / "moe", [f"rank error: WORLD_SIZE is {value!r}, not a number of "
+                                                          "processes", "unset it to build in one process"])
+
+
+def test_other_commands_under_torchrun_run_once_on_rank_0(tiny_llama, tmp_path):
+    """``plan``, ``lint`` and ``demo`` are not distributed: under torchrun rank 0 runs them alone (its builds, the
+    demo's and plan's dry run, as one process) and the other ranks end at once. Before: every rank printed its own
+    report, and `demo` on two ranks wrote one folder twice over."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\n")
+    said = {}
+    for name, args in {"plan": ["plan", str(recipe)], "lint": ["lint", str(recipe)], "demo": ["demo"]}.items():
+        proc = _torchrun("-m", "moe_upcycle", *args, cwd=tmp_path)  # the demo writes ./demo_out
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out + err
+        said[name] = out + err
+    assert said["plan"].count("moe-upcycle plan") == 1 and said["plan"].count("expert_0, expert_1") == 1
+    assert said["lint"].count("Nothing to lint") == 1
+    assert said["demo"].count("MoE reproduces the dense model") == 1 and "Traceback" not in said["demo"]
+    assert sorted(p.name for p in (tmp_path / "demo_out").iterdir()) == ["dense", "moe", "moe_upcycle.json"]

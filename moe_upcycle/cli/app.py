@@ -23,7 +23,7 @@ from moe_upcycle.terminal.markup import escape
 from moe_upcycle.cli.mergekit_flags import explain, translate
 from moe_upcycle.cli.out_of_memory import out_of_memory
 from moe_upcycle.checkpoint.output_dir import forget_published, previous_kept, published
-from moe_upcycle.distributed.world import World, joined_world
+from moe_upcycle.distributed.world import World, alone, joined_world, torchrun_follower
 from moe_upcycle.errors import UpcycleError, UpcycleWarning
 from moe_upcycle.inputs.paths import denied, symlink_loop
 from moe_upcycle.terminal import import_gc
@@ -191,9 +191,14 @@ def _print_error(exc: UpcycleError) -> None:
 @contextlib.contextmanager
 def _command_world(command: str) -> Iterator[World]:
     """The ranks of a distributed build (`build` under torchrun joins them for the whole command, so the lead
-    leaves the job only after its message); a process alone for every other command."""
+    leaves the job only after its message); a process alone for every other command, which under torchrun runs
+    once, on rank 0: the other ranks end at once, with nothing said (N copies of a report, N demos or `prompts
+    grow` writing one file, helped no one)."""
     if command not in _DISTRIBUTED:
-        yield World()
+        if torchrun_follower():
+            raise typer.Exit(0)
+        with alone() as world:  # `demo`'s build, `plan`'s dry run: this process's, not the job's
+            yield world
         return
     with contextlib.ExitStack() as stack:
         try:

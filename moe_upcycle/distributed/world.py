@@ -309,11 +309,53 @@ def joined_world() -> Iterator[World]:
             teardown()
 
 
+@contextlib.contextmanager
+def alone() -> Iterator[World]:
+    """This process by itself for the block, even under torchrun: a `joined_world` inside it joins no job (a
+    command that runs once, on rank 0, builds as one process)."""
+    world = World()
+    _CURRENT.append(world)
+    try:
+        yield world
+    finally:
+        _CURRENT.pop()
+
+
+def job_size() -> int:
+    """How many processes the job has, from ``WORLD_SIZE`` as torchrun sets it (1 when it is unset or empty).
+
+    Raises:
+        RankError: it is not a whole number of 1 or more (set by hand, or by a launcher of another kind).
+    """
+    value = os.environ.get("WORLD_SIZE", "").strip()
+    if not value:
+        return 1
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise RankError(f"WORLD_SIZE is {value!r}, not a number of processes (torchrun sets a whole number, 1 or "
+                        f"more); unset it to build in one process, or start the build with torchrun")
+    return size
+
+
+def torchrun_follower() -> bool:
+    """Whether this process is a rank other than 0 of a job torchrun started (its agent sets
+    ``TORCHELASTIC_RUN_ID`` and ``RANK``); a ``RANK`` that is no number counts as not."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+    try:
+        return int(os.environ.get("RANK", "0")) > 0
+    except ValueError:
+        return False
+
+
 def _join() -> tuple[World, Callable[[], None]]:
     import torch.distributed as dist
 
     joined = dist.is_available() and dist.is_initialized()
-    size = dist.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    size = dist.get_world_size() if joined else job_size()
     if size == 1:
         return World(), lambda: None
     _RUNS[0] += 1
