@@ -373,3 +373,18 @@ def test_python_callers_may_pass_ranges_tuples_and_arrays():
     assert moe_layers(load_config({**base, "moe_layers": {"every": 2}})).layers(8) == (1, 3, 5, 7)
     assert moe_layers(load_config({**base, "moe_layers": {"every": 2, "start": 0}})).layers(8) == (0, 2, 4, 6)
     assert moe_layers(load_config(base)).layers(3) == (0, 1, 2)
+
+
+def test_whole_numbers_written_with_a_point_are_layers_as_everywhere_in_the_recipe():
+    """``num_experts: 4.0`` builds; so do ``moe_layers: [1.0, 3.0]`` and ``{every: 2.0}`` (before: the list was
+    refused while the mapping was taken). A fraction stays refused."""
+    from moe_upcycle.recipe.resolve import moe_layers
+    from moe_upcycle.recipe.schema import load_config
+
+    base = {"base_model": "m", "num_experts": 4, "gate_mode": "random"}
+    assert moe_layers(load_config({**base, "moe_layers": [1.0, 3.0, 5, 7.0]})).layers(8) == (1, 3, 5, 7)
+    assert moe_layers(load_config({**base, "moe_layers": {"every": 2.0}})).layers(8) == (1, 3, 5, 7)
+    with pytest.raises(ConfigError, match=r"item 1 is 3.5, not a whole number"):
+        load_config({**base, "moe_layers": [1.0, 3.5]})
+    with pytest.raises(ConfigError, match=r"layer 1 is listed 2 times"):
+        load_config({**base, "moe_layers": [1.0, 1]})

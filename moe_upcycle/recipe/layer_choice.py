@@ -89,8 +89,9 @@ def check_value(value: Any) -> Any:
         raise ValueError(_text_fix(value))
     if isinstance(value, (range, set, frozenset)):  # from Python: upcycle_model(moe_layers=range(1, 8, 2))
         value = sorted(value) if not isinstance(value, range) else list(value)
-    if isinstance(value, (list, tuple)):  # numpy / torch integers are layer indices too
-        value = [int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x for x in value]
+    if isinstance(value, (list, tuple)):  # numpy / torch integers, and 3.0 (as num_experts: 4.0), are indices too
+        value = [int(x) if (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+                 or (isinstance(x, float) and x.is_integer()) else x for x in value]
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{short_repr(value)} is not layers; write {EXAMPLES}")
     if not value:
@@ -112,8 +113,7 @@ def _item_problem(i: int, item: Any) -> Optional[str]:
         return (f"item {i} is {item}: layer indices count from 0 up (Python's negative indices are not taken); "
                 f"write the layer's own index" if item < 0 else None)
     if isinstance(item, float):
-        return (f"item {i} is {item!r}; write {int(item)}" if item.is_integer() else
-                f"item {i} is {item!r}, not a whole number; a layer index is 0, 1, 2, ...")
+        return f"item {i} is {item!r}, not a whole number; a layer index is 0, 1, 2, ..."
     if item is None:
         return f"item {i} is empty (a bare '-' line, which YAML reads as null); write a layer index or remove it"
     if isinstance(item, str) and re.fullmatch(r"\s*\d+\s*", item):
