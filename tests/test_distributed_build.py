@@ -347,7 +347,7 @@ def test_more_workers_than_twice_the_cpus_is_refused_before_any_process_starts(c
 
 
 def test_usable_cpus_is_this_process_affinity():
-    from moe_upcycle.distributed.local_launch import usable_cpus
+    from moe_upcycle.terminal.cpus import usable_cpus
 
     assert usable_cpus() == len(os.sched_getaffinity(0)) >= 1
 

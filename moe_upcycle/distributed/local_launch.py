@@ -19,6 +19,7 @@ import tempfile
 from typing import Iterator
 
 from moe_upcycle.errors import ConfigError
+from moe_upcycle.terminal.cpus import usable_cpus
 
 LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
 
@@ -64,14 +65,6 @@ def check_workers(workers: int) -> None:
                           f"process; more than {2 * cpus} workers (two to a CPU) only share them, each a process "
                           f"importing torch — give --workers {cpus} (one to a CPU) or at most {2 * cpus}; for more "
                           f"processes, run torchrun on several machines sharing the output's filesystem")
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the system says it, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

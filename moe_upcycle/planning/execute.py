@@ -21,7 +21,6 @@ experts' down_proj columns) are built with ``torch.cat``. "zeros" steps are zero
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator, Literal, Optional, Union
@@ -35,6 +34,7 @@ from moe_upcycle.planning.shared_experts import shared_gate
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorParts
 from moe_upcycle.planning.llamacpp import half_gate
+from moe_upcycle.terminal.cpus import usable_cpus
 
 
 @contextmanager
@@ -47,7 +47,7 @@ def threads_beside_writer(workers: int = 2) -> Iterator[None]:
     0.49 s with 2 threads and 0.7 ms with 1. Restored on exit (a library caller keeps its setting).
     """
     before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpus()
     torch.set_num_threads(max(1, min(before, cores - workers)))
     try:
         yield
