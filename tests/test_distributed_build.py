@@ -381,3 +381,23 @@ def test_other_commands_under_torchrun_run_once_on_rank_0(tiny_llama, tmp_path):
     assert said["lint"].count("Nothing to lint") == 1
     assert said["demo"].count("MoE reproduces the dense model") == 1 and "Traceback" not in said["demo"]
     assert sorted(p.name for p in (tmp_path / "demo_out").iterdir()) == ["dense", "moe", "moe_upcycle.json"]
+
+
+def test_workers_repeat_the_global_options_and_start_after_the_usage_checks(tiny_llama, tmp_path, monkeypatch):
+    """The workers run the command as it was given, `-v` included (before: `-q` and `--debug` only, so `-v build
+    --workers 2` printed the short sharing line); a usage error is said before any worker starts."""
+    import importlib
+
+    from failure_checks import assert_clean_failure, cli
+
+    app = importlib.import_module("moe_upcycle.cli.app")  # the module (the package's `app` is the Typer app)
+    monkeypatch.setitem(app.VERBOSE, "on", True)
+    monkeypatch.setitem(app.ARGS, "command", ["build", "r.yaml", "--workers", "2"])
+    assert app.command_line()[:2] == ["-v", "build"]
+    started = []
+    monkeypatch.setattr("torch.distributed.run.run", lambda args: started.append(args))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base_model: {tiny_llama}\nnum_experts: 4\ngate_mode: random\n")
+    code, output = cli("build", recipe, tmp_path / "moe", "-o", tmp_path / "other", "--workers", "2")
+    assert_clean_failure(code, output, tmp_path / "moe", ["give the output folder once"])
+    assert started == []

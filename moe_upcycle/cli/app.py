@@ -93,7 +93,8 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show Python traceba
 def command_line() -> list[str]:
     """The arguments of the running command (global options first), as ``moe-upcycle`` was given them: to run the
     same command in other processes (``build --workers``)."""
-    return [*(["--debug"] if DEBUG["on"] else []), *(["-q"] if QUIET["on"] else []), *ARGS["command"]]
+    return [*(["--debug"] if DEBUG["on"] else []), *(["-q"] if QUIET["on"] else []),
+            *(["-v"] if VERBOSE["on"] else []), *ARGS["command"]]
 
 
 def note(text: str) -> None:

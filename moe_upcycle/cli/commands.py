@@ -63,6 +63,10 @@ def build(
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
 
+    if out_dir is not None and output is not None and out_dir != output:
+        raise ConfigError(f"OUT is {out_dir} and -o/--output is {output}; give the output folder once")
+    if dry_run and verify:
+        raise ConfigError("--dry-run writes nothing, so there is nothing for --verify to check; drop one of them")
     world = current_world()  # the ranks of a torchrun job (or of --workers), or this process alone
     if workers is not None and workers != world.size and not dry_run:
         if world.size > 1:
@@ -71,11 +75,6 @@ def build(
         from moe_upcycle.distributed.local_launch import run_workers
 
         raise typer.Exit(run_workers(workers, command_line()))
-
-    if out_dir is not None and output is not None and out_dir != output:
-        raise ConfigError(f"OUT is {out_dir} and -o/--output is {output}; give the output folder once")
-    if dry_run and verify:
-        raise ConfigError("--dry-run writes nothing, so there is nothing for --verify to check; drop one of them")
     if device is not None:  # named as the option, as verify and route do; a GPU asked for must exist to build
         from moe_upcycle.gates.capture import resolve_device
         from moe_upcycle.recipe.values import device_problem
