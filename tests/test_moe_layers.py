@@ -388,3 +388,17 @@ def test_whole_numbers_written_with_a_point_are_layers_as_everywhere_in_the_reci
         load_config({**base, "moe_layers": [1.0, 3.5]})
     with pytest.raises(ConfigError, match=r"layer 1 is listed 2 times"):
         load_config({**base, "moe_layers": [1.0, 1]})
+
+
+def test_a_boolean_is_no_second_listing_of_layer_0_or_1_and_ordinals_read_right():
+    """Before: ``[1, true]`` also said "layer 1 is listed 2 times" (True == 1); "every 21th layer"."""
+    from moe_upcycle.recipe.layer_choice import _ordinal
+    from moe_upcycle.recipe.schema import load_config
+
+    base = {"base_model": "m", "num_experts": 4, "gate_mode": "random"}
+    for value in ([1, True], [0, False]):
+        with pytest.raises(ConfigError) as info:
+            load_config({**base, "moe_layers": value})
+        assert "item 1 is" in str(info.value) and "listed" not in str(info.value)
+    assert [_ordinal(n) for n in (2, 3, 4, 11, 21, 22, 23, 112)] == ["second", "third", "4th", "11th", "21st", "22nd",
+                                                                     "23rd", "112th"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numbers
 import re
+from collections import Counter
 from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
@@ -98,8 +99,8 @@ def check_value(value: Any) -> Any:
         raise ValueError(f"the empty list makes no layer an MoE layer; list at least one (e.g. [1, 3]), or "
                          f"{ALL_LAYERS}")
     problems = [p for i, item in enumerate(value) if (p := _item_problem(i, item))]
-    repeated = sorted({x for x in value if isinstance(x, int) and value.count(x) > 1})
-    problems += [f"layer {x} is listed {value.count(x)} times; list each layer once" for x in repeated]
+    counts = Counter(x for x in value if type(x) is int)  # not a boolean: true would count as a second 1
+    problems += [f"layer {x} is listed {n} times; list each layer once" for x, n in sorted(counts.items()) if n > 1]
     if problems:
         raise ValueError("\n".join(problems))
     return list(value)
@@ -141,4 +142,7 @@ def _text_fix(text: str) -> str:
 
 def _ordinal(n: int) -> str:
     """"second" for 2, "5th" for 5: the words of a message."""
-    return {2: "second", 3: "third"}.get(n, f"{n}th")
+    if n in (2, 3):
+        return {2: "second", 3: "third"}[n]
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
