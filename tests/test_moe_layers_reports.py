@@ -91,7 +91,7 @@ def test_verify_fails_a_config_that_says_other_layers(interleaved, tmp_path):
     (copy / "config.json").write_text(json.dumps(cfg))
     result = verify(copy, hashes=False, max_new_tokens=1)
     assert not result.ok
-    assert any("transformers built MoE blocks in layers [0, 1, 2, 3], but the recipe makes layers 1, 3 of 4 MoE "
+    assert any("transformers built MoE blocks in layers 0, 1, 2, 3, but the recipe makes layers 1, 3 of 4 MoE "
                "layers" in p for p in result.problems), result.problems
 
 

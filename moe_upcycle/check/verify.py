@@ -438,7 +438,8 @@ def _check_moe_layers(model: torch.nn.Module, plan: Optional[Plan], result: Veri
     result.moe_layers = [i for i, layer in enumerate(layers)
                          if hasattr(layer, "block_sparse_moe") or hasattr(getattr(layer, "mlp", None), "experts")]
     if plan is not None and tuple(result.moe_layers) != plan.moe_layers:
-        result.problems.append(f"transformers built MoE blocks in layers {result.moe_layers or 'none'}, but the "
+        built = f"in layers {', '.join(map(str, result.moe_layers))}" if result.moe_layers else "in no layer"
+        result.problems.append(f"transformers built MoE blocks {built}, but the "
                                f"recipe makes {plan.moe_layers_text()} MoE layers; config.json's mlp_only_layers / "
                                f"decoder_sparse_step do not say what the build wrote — rebuild it")
 
