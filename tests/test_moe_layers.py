@@ -338,7 +338,12 @@ def test_bad_values_are_refused_naming_moe_layers_with_the_fix(value, said, deep
 
 @pytest.mark.parametrize("value, said", [
     ([1, 4, 7], "moe_layers: layers 4, 7 do not exist: base_model"),
-    ({"every": 5}, "moe_layers: {every: 5, start: 4} makes layers 4, 9, ... MoE layers, none of which exists"),
+    ({"every": 5}, "moe_layers: {every: 5} makes layers 4, 9, ... MoE layers, none of which exists"),
+    ({"every": 5}, "use every: 2 to 4 (every: 1 is every layer)"),
+    # start written by the user: kept in the message, and the fix is the start (before: "use every: 2 to 4")
+    ({"every": 5, "start": 4}, "moe_layers: {every: 5, start: 4} makes layers 4, 9, ... MoE layers, none of which "
+                               "exists: base_model"),
+    ({"every": 5, "start": 4}, "use start: 0 to 3"),
     ({"every": 2, "start": 4}, "use start: 0 to 3"),
 ])
 def test_layers_the_base_does_not_have_are_refused_at_plan_time(value, said, deep):

@@ -61,7 +61,7 @@ def test_plan_names_the_moe_layers_and_the_runtimes(interleaved):
     text = " ".join(result.output.split())
     assert result.exit_code == 0
     assert "MoE layers │ layers 1, 3 of 4 (dense MLP in 0, 2)" in text
-    assert "moe_layers: {every: 2, start: 1}: MoE in layers 1, 3 of 4; layers 0, 2 keep the dense MLP" in text
+    assert "moe_layers: {every: 2}: MoE in layers 1, 3 of 4; layers 0, 2 keep the dense MLP" in text
     data = json.loads(runner.invoke(app, ["plan", str(recipe), "--json"]).output)
     assert (data["moe_layers"], data["num_layers"], data["moe_layers_text"]) == ([1, 3], 4, "layers 1, 3 of 4")
     verdicts = {v["runtime"]: v["status"] for v in data["runtimes"]}

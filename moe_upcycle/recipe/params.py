@@ -101,12 +101,14 @@ class MoeLayers:
     Attributes:
         indices: the layers listed (``moe_layers: [1, 3, 5]``), else None.
         every, start: ``{every: k, start: s}``; `start` is already s, or k - 1 when the recipe gave none.
+        start_given: the recipe wrote ``start:`` (its messages repeat what it wrote, and fix what it chose).
         Neither (the default): every layer.
     """
 
     indices: Optional[tuple[int, ...]] = None
     every: Optional[int] = None
     start: int = 0
+    start_given: bool = False
 
     @property
     def given(self) -> bool:
@@ -141,19 +143,20 @@ class MoeLayers:
                 return [f"moe_layers: layer{'s' if len(beyond) > 1 else ''} {shown} do{'es' if len(beyond) == 1 else ''} "
                         f"not exist: {last}; list layers from 0 to {num_layers - 1}"]
         elif self.every is not None and self.start >= num_layers:
-            given = f"{{every: {self.every}, start: {self.start}}}"
-            fix = (f"use start: 0 to {num_layers - 1}" if self.every <= num_layers or self.start != self.every - 1
+            given = self.text()
+            fix = (f"use start: 0 to {num_layers - 1}" if self.every <= num_layers or self.start_given
                    else f"use every: 2 to {num_layers} (every: 1 is every layer)")
             return [f"moe_layers: {given} makes layers {self.start}, {self.start + self.every}, ... MoE layers, none of "
                     f"which exists: {last}; {fix}"]
         return []
 
     def text(self) -> str:
-        """The choice as the recipe writes it: ``[1, 3, 5]``, ``{every: 2, start: 1}``, or ``all layers``."""
+        """The choice as the recipe writes it: ``[1, 3, 5]``, ``{every: 2}``, ``{every: 2, start: 0}``, or ``all
+        layers``."""
         if self.indices is not None:
             return f"[{', '.join(map(str, self.indices))}]"
         if self.every is not None:
-            return f"{{every: {self.every}, start: {self.start}}}"
+            return f"{{every: {self.every}, start: {self.start}}}" if self.start_given else f"{{every: {self.every}}}"
         return "all layers"
 
 

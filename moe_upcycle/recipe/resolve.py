@@ -59,7 +59,7 @@ def moe_layers(config: UpcycleConfig) -> MoeLayers:
     if chosen is None:
         return MoeLayers()
     if isinstance(chosen, LayerEvery):
-        return MoeLayers(every=chosen.every, start=chosen.first)
+        return MoeLayers(every=chosen.every, start=chosen.first, start_given=chosen.start is not None)
     return MoeLayers(indices=tuple(chosen))
 
 
