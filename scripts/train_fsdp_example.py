@@ -109,6 +109,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"world_size": dist.get_world_size(), "losses": losses, "checkpoint_round_trip": bool(same),
                           "published": str(folder)}))
+    dist.barrier()  # leave together: a rank that tears its group down while rank 0 still writes may abort at exit
     dist.destroy_process_group()
 
 
