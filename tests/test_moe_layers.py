@@ -314,18 +314,16 @@ BAD = [
     ([], "the empty list makes no layer an MoE layer"),
     ([1, 1, 3], "layer 1 is listed 2 times; list each layer once"),
     ([-1], "layer indices count from 0 up"),
-    (["1"], "item 0 is the text '1'; write 1 without quotes"),
-    ([1.5], "item 0 is 1.5, not a whole number"),
+    ([1.5], "item 0: 1.5 is not a whole number; write an integer such as 1"),
     ([True], "item 0 is true, a boolean"),
     ([[1, 2]], "write the layers as one flat list"),
     ([None], "item 0 is empty"),
     ({"every": 0}, "moe_layers.every: 0 is too small; write at least 1"),
-    ({"every": "2"}, "moe_layers.every: '2' is text; write every: 2 without quotes"),
     ({"every": True}, "moe_layers.every: true is a boolean"),
     ({"every": 2, "start": -1}, "moe_layers.start: -1 is too small"),
     ({"evry": 2}, "moe_layers.evry: unknown key — did you mean every?"),
-    ({"every": 2.5}, "moe_layers.every: 2.5 is not a whole number"),
-    ({"every": float("inf")}, "moe_layers.every: inf is not a whole number"),
+    ({"every": 2.5}, "moe_layers.every: 2.5 is not a whole number; write an integer such as 2"),
+    ({"every": float("inf")}, "moe_layers.every: .inf (not a number, or infinity) is not a finite number"),
 ]
 
 
