@@ -14,16 +14,17 @@ from typing import Optional
 import torch
 
 from moe_upcycle.checkpoint import names
-from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint
+from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import PlanError
 from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks, sparsity
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import MoeLayers, unused_prompts_note
-from moe_upcycle.recipe.resolve import expert_inits, moe_layers
+from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import ExpertConfig, ExpertInit, UpcycleConfig
 
-__all__ = ["Plan", "Step", "make_plan", "STR_DTYPES"]
+__all__ = ["Plan", "Step", "make_plan"]
 
 # buffers some old .bin checkpoints carry; transformers recomputes them
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -72,7 +73,7 @@ class _Draft:
     dtype: torch.dtype
     chosen: MoeLayers
     granularity: int
-    init_of: list[ExpertInit]
+    init_of: tuple[ExpertInit, ...]
     problems: list[str]
     steps: list[Step] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -152,10 +153,11 @@ def _draft(config: UpcycleConfig, sources: dict[str, Checkpoint], layout: names.
     if dense_i % g:
         problems.append(f"expert_init.granularity: {g} does not divide intermediate_size {dense_i} of "
                         f"{config.base_model}; use a divisor of {dense_i}")
-    dtype = STR_DTYPES[config.dtype] if config.dtype else _base_dtype(base, problems)
-    chosen = moe_layers(config)
+    recipe = resolved(config)
+    dtype = recipe.dtype or _base_dtype(base, problems)
+    chosen = recipe.moe_layers
     problems += chosen.problems(base.fields.num_hidden_layers, f"base_model ({config.base_model})")
-    return _Draft(config, sources, layout, dtype, chosen, g, expert_inits(config), problems)
+    return _Draft(config, sources, layout, dtype, chosen, g, recipe.inits, problems)
 
 
 def _sort_base_tensors(draft: _Draft) -> dict[int, list[str]]:
@@ -332,7 +334,7 @@ def _base_dtype(base: Checkpoint, problems: list[str]) -> torch.dtype:
     dtype = (next(iter(spelled.values())) if spelled else
              info.dtype if info and info.dtype.is_floating_point else torch.float32)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float64: no MoE output takes it
-        problems.append(f"base_model: the base is {str(dtype).removeprefix('torch.')}, which moe-upcycle does not "
+        problems.append(f"base_model: the base is {dtype_name(dtype)}, which moe-upcycle does not "
                         f"write (float32, float16 or bfloat16); set the output's dtype in the recipe, e.g. dtype: "
                         f"float32")
         return torch.float32

@@ -29,7 +29,7 @@ from moe_upcycle.recipe.gate_keys import unread_gate_keys
 from moe_upcycle.recipe.layer_choice import LayerChoice, check_value
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
 from moe_upcycle.recipe.strict_model import StrictModel
-from moe_upcycle.recipe.params import PROMPT_MODES
+from moe_upcycle.recipe.params import PROMPT_MODES, mode_said
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_repeated_keys, drop_unknown_keys, intended_key, key_elsewhere, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
@@ -411,9 +411,8 @@ class UpcycleConfig(_Strict):
         if all(e.source_model == first.source_model for e in self.experts):
             fix += (f"; for {len(self.experts)} copies of one model to train, write num_experts: {len(self.experts)} "
                     f"with gate_mode: random instead of the experts list")
-        mode = f"{self.gate_mode} ({self.gate_mode_default})" if self.gate_mode_default else self.gate_mode
         return (f"experts: every expert has the same prompts (positive_prompts: {shown}), so gate_mode "
-                f"{mode} gives every expert the same router row and the router scores them all alike "
+                f"{self.gate_mode_said} gives every expert the same router row and the router scores them all alike "
                 f"for every token: it cannot choose between them (mergekit-moe refuses this too); {fix}")
 
     @property
@@ -429,6 +428,11 @@ class UpcycleConfig(_Strict):
         return ("the default when experts have prompts" if self.gate_mode == "hidden" else
                 "the default for copies without prompts" if self.num_experts is not None else
                 "the default when no expert has prompts")
+
+    @property
+    def gate_mode_said(self) -> str:
+        """`gate_mode` as messages name it: ``hidden (the default when experts have prompts)`` when left out."""
+        return mode_said(self.gate_mode, self.gate_mode_default)
 
     @property
     def expert_count(self) -> int:
