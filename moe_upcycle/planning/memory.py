@@ -83,7 +83,7 @@ def estimate_memory(plan: Plan, gating: GateParams, writing: WriteParams, checki
     """Predict the peak memory of a build of `plan` and of its gate computation.
 
     Example:
-        >>> m = estimate_memory(plan, gate_params(cfg), write_params(cfg), check_params(cfg), sources, cfg.base_model)  # doctest: +SKIP
+        >>> r = resolved(cfg); m = estimate_memory(plan, r.gates, r.writing, r.checking, sources, cfg.base_model)  # doctest: +SKIP
         >>> m.build_private_bytes, m.build_phase  # doctest: +SKIP
         (165722112, 'writing')
     """
