@@ -397,7 +397,7 @@ def test_whole_numbers_written_with_a_point_are_layers_as_everywhere_in_the_reci
     base = {"base_model": "m", "num_experts": 4, "gate_mode": "random"}
     assert moe_layers(load_config({**base, "moe_layers": [1.0, 3.0, 5, 7.0]})).layers(8) == (1, 3, 5, 7)
     assert moe_layers(load_config({**base, "moe_layers": {"every": 2.0}})).layers(8) == (1, 3, 5, 7)
-    with pytest.raises(ConfigError, match=r"item 1 is 3.5, not a whole number"):
+    with pytest.raises(ConfigError, match=r"item 1: 3.5 is not a whole number; write an integer such as 3"):
         load_config({**base, "moe_layers": [1.0, 3.5]})
     with pytest.raises(ConfigError, match=r"layer 1 is listed 2 times"):
         load_config({**base, "moe_layers": [1.0, 1]})
