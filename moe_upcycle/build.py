@@ -45,7 +45,8 @@ from moe_upcycle.publish.model_files import copy_tokenizer_files, missing_tokeni
 from moe_upcycle.recipe.mergekit_names import semantics_note
 from moe_upcycle.recipe.calibration import read_documents
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, CheckParams, GateParams
-from moe_upcycle.recipe.resolve import check_params, gate_params, router_fields, source_refs, write_params
+from moe_upcycle.recipe.resolve import source_refs
+from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 from moe_upcycle.checkpoint.ownership import input_paths
 from moe_upcycle.inputs.paths import resolve_or_raise
@@ -159,7 +160,7 @@ def prepare(config: Union[UpcycleConfig, str, Path, dict], from_config: bool = F
         same = config.same_prompts_problem()
         if same:
             raise ConfigError(same)
-        check_prompts(gate_params(config))
+        check_prompts(resolved(config).gates)
     except ConfigError as exc:
         raise ConfigError(*[f"{where}{p}" for p in exc.problems]) from None
     if config.gate_mode == "kmeans" and config.calibration_text is not None:
@@ -255,7 +256,8 @@ def upcycle(
         with world.lead_context(made_parent, target):  # the parent folders it makes are removed again if it fails
             world.from_lead(check_output, target, force, source_folders(sources),
                             input_paths(recipe_source, config, ()), summary, sources[config.base_model])
-            gating, writing, checking = gate_params(config), write_params(config), check_params(config)
+            recipe = resolved(config)
+            gating, writing, checking = recipe.gates, recipe.writing, recipe.checking
             gates, shared_gates = world.from_lead(make_gates, gating, plan, sources[config.base_model])
             gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
                                              from_prompts=gating.mode in PROMPT_MODES,
@@ -313,7 +315,7 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
         The verification result (or None), the init drift (or None) and the manifest's notes.
     """
     writer.write_index()
-    router = router_fields(config)
+    router = resolved(config).router
     write_config(stage, moe_config(plan, router.aux_loss_coef, router.jitter_noise))
     base = sources[config.base_model]
     copy_tokenizer_files(base.path, stage)

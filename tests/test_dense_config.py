@@ -64,7 +64,13 @@ def _plan_and_write(view: DenseConfig) -> None:
 
     kwargs = {k: v for k, v in written.items() if k not in ("model_type", "architectures")}
     assert AutoConfig.for_model(written["model_type"], **kwargs).num_local_experts == 2
-    assert compatibility(plan)
+    # every runtime judged, in the report's order, each verdict one of the three words and explained unless exact;
+    # transformers 5 (which just read the config above) computes what the plan wrote
+    verdicts = compatibility(plan)
+    assert [v.runtime for v in verdicts] == ["transformers 5", "transformers 4.x", "vLLM", "llama.cpp", "ExLlamaV2"]
+    assert all(v.status in ("exact", "runs, not exact", "will not load") for v in verdicts), verdicts
+    assert all(v.why for v in verdicts if v.status != "exact"), verdicts
+    assert verdicts[0].status == "exact", verdicts[0]
 
 
 def test_the_reported_examples_are_named_through_the_cli(tiny_llama, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import PROMPT_TEXT, model_logits
 from moe_upcycle import upcycle
 from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError, PlanError
+from moe_upcycle.checkpoint.tiny import make_dense_model
 from moe_upcycle.planning.inits import drop_count, drop_indices
 from moe_upcycle.planning.plan import make_plan
 from moe_upcycle.checkpoint.source import meta_checkpoint
@@ -104,6 +106,41 @@ def test_per_expert_override(tiny_llama, tmp_path):
     rows_changed = (expert(out, 0, 1, "gate_proj") != src).any(dim=1).sum()
     assert int(rows_changed) == drop_count(128, 0.25) == 32  # its own drop
     assert torch.equal(expert(out, 0, 2, "gate_proj"), src)  # its own copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_noise_and_drop_statistics_in_every_output_dtype(dtype, tmp_path):
+    """Noise: out = round_dtype(W + N(0, (s · std W)^2)), so out - W has std s · std(W), widened only by the
+    rounding (at most eps · |out| / 2 per value: its variance bound is added). Drop: round(r · I) neurons re-drawn
+    from N(mean W, std(W)^2), the same ones in gate/up/down, every other value byte-identical. I = 128, H = 64."""
+    base = make_dense_model(tmp_path / "base", dtype=dtype, seed=11)
+    scale, ratio = 0.1, 0.25
+    noisy = build(base, tmp_path / "noise", {"method": "noise", "scale": scale}, dtype=str(dtype)[6:]).output
+    dropped = build(base, tmp_path / "drop", {"method": "drop", "ratio": ratio}, dtype=str(dtype)[6:]).output
+    eps = torch.finfo(dtype).eps
+    for layer, e, proj in [(layer, e, proj) for layer in range(2) for e in range(4) for proj in W]:
+        src = dense(base, layer, proj).double()
+        got = expert(noisy, layer, e, proj)
+        assert got.dtype == dtype
+        diff = got.double() - src
+        sigma = scale * float(src.std())
+        rounding = eps * float(got.double().pow(2).mean().sqrt()) / 2  # bound on the rounding's std
+        n = src.numel()
+        assert abs(float(diff.std()) / sigma - 1) < 5 / math.sqrt(2 * n) + (rounding / sigma) ** 2, (layer, e, proj)
+        assert abs(float(diff.mean())) < 5 * sigma / math.sqrt(n) + rounding
+        got = expert(dropped, layer, e, proj).double()
+        neuron_axis, other = (1, 0) if proj == "down_proj" else (0, 1)
+        changed = (got != src).any(dim=other)
+        assert int(changed.sum()) == round(ratio * 128) == 32, (layer, e, proj)
+        if proj == "gate_proj":
+            neurons = changed
+        assert torch.equal(changed, neurons)  # the same neurons in gate, up and down
+        kept, fresh = got.index_select(neuron_axis, (~changed).nonzero().flatten()), \
+            got.index_select(neuron_axis, changed.nonzero().flatten())
+        assert torch.equal(kept, src.index_select(neuron_axis, (~changed).nonzero().flatten()))
+        m = fresh.numel()  # 32 · 64 values drawn from N(mean W, std(W)^2), then rounded
+        assert abs(float(fresh.std() / src.std()) - 1) < 5 / math.sqrt(2 * m) + eps
+        assert abs(float(fresh.mean() - src.mean())) < (5 / math.sqrt(m) + eps) * float(src.std())
 
 
 # ------------------------------------------------------------------------------------- drop

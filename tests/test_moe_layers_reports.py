@@ -76,7 +76,7 @@ def test_verify_passes_and_reports_the_layers_transformers_built(interleaved):
     result = verify(out, max_new_tokens=1)
     assert result.ok, result.problems
     assert (result.moe_layers, result.num_layers) == ([1, 3], 4)
-    assert ("MoE layers", "1, 3 of 4 (dense MLP in 0, 2)") in result.rows()
+    assert ("MoE layers", "layers 1, 3 of 4 (dense MLP in 0, 2)") in result.rows()
     assert result.comparison.top1_agreement == 1.0 and result.comparison.mean_kl < 1e-9  # copies: the dense model
 
 
@@ -120,7 +120,7 @@ def _prompt_file(folder: Path, prompts: list[str]) -> Path:
 def test_model_card_says_where_the_experts_are(interleaved):
     _, out = interleaved
     card = (out / "README.md").read_text(encoding="utf-8")
-    assert "MoE in layers 1, 3 of 4; layers 0, 2 keep the dense base model's MLP." in card
+    assert "MoE in layers 1, 3 of 4; layers 0, 2 keep the dense MLP." in card
     assert "| llama.cpp | will not load | dense layers between MoE layers (moe_layers)" in card
     assert "moe_layers:\n  every: 2" in card  # the recipe as used
 

@@ -85,13 +85,23 @@ def test_start_up_imports_make_no_collection_and_are_frozen(random_gate_build):
     assert record["frozen"] > 10_000  # torch's objects, at least
 
 
-def test_importing_torch_unpaused_makes_full_collections(tmp_path):
-    """The comparison that gives the test above its meaning: the same import with the collector on."""
-    code = ("import gc, sys; full = []\n"
-            "gc.callbacks.append(lambda phase, info: phase == 'start' and info['generation'] == 2 and full.append(1))\n"
-            "import torch\nprint(len(full))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert int(proc.stdout.split()[-1]) >= 1
+def test_without_the_pause_start_up_collects_torch_s_objects(random_gate_build, tmp_path):
+    """The comparison that gives the test above its meaning: the same command with `import_gc.pause` made a no-op
+    (the product's guarantee broken in the subprocess) collects while torch's objects are not frozen."""
+    _, _, built = random_gate_build
+    cfg = built.parent / "experts.yaml"
+    broken = RECORDER.replace("import moe_upcycle.terminal.exit as exit_module",
+                              "import moe_upcycle.terminal.import_gc as import_gc\n"
+                              "import_gc.pause = lambda: None\n"
+                              "import moe_upcycle.terminal.exit as exit_module")
+    record_path = tmp_path / "record.json"
+    proc = subprocess.run([sys.executable, "-c", broken, str(record_path), "plan", str(cfg)], cwd=REPO,
+                          env=module_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads(record_path.read_text())
+    assert record["frozen"] == 0  # nothing paused, so `resume` froze nothing
+    full_during = [c for c in record["collections"] if c[2] and c[1] == 0 and c[0] == 2]
+    assert len(full_during) >= 1  # full passes over torch's objects: what the pause spares
 
 
 @pytest.fixture

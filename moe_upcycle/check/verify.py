@@ -60,10 +60,12 @@ from moe_upcycle.checkpoint.model_refs import resolve_model
 from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.checkpoint.weight_files import index_files
 from moe_upcycle.checkpoint.writer import INDEX_NAME
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError, reraise_if_out_of_memory
 from moe_upcycle.planning.model_config import TRAINING_SWITCHES
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build, recorded_config
 from moe_upcycle.planning.steps import Plan
+from moe_upcycle.recipe.layer_words import layers_said
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.values import device_problem
 from moe_upcycle.inputs.text import decode_utf8, read_utf8
@@ -341,7 +343,7 @@ def _checked(folder: Path, base, base_given: Optional[tuple[Path, Optional[Adapt
         return result
     result.loaded_class = moe.class_name
     dtype = moe.model.dtype
-    result.loaded_dtype = str(dtype).removeprefix("torch.")
+    result.loaded_dtype = dtype_name(dtype)
     result.experts_implementation = getattr(moe.model.config, "_experts_implementation", None)
     for kind, keys in (("missing", moe.missing_keys), ("unexpected", moe.unexpected_keys),
                        ("mismatched", moe.mismatched_keys)):
@@ -438,8 +440,7 @@ def _check_moe_layers(model: torch.nn.Module, plan: Optional[Plan], result: Veri
     result.moe_layers = [i for i, layer in enumerate(layers)
                          if hasattr(layer, "block_sparse_moe") or hasattr(getattr(layer, "mlp", None), "experts")]
     if plan is not None and tuple(result.moe_layers) != plan.moe_layers:
-        built = f"in layers {', '.join(map(str, result.moe_layers))}" if result.moe_layers else "in no layer"
-        result.problems.append(f"transformers built MoE blocks {built}, but the "
+        result.problems.append(f"transformers built MoE blocks in {layers_said(result.moe_layers)}, but the "
                                f"recipe makes {plan.moe_layers_text()} MoE layers; config.json's mlp_only_layers / "
                                f"decoder_sparse_step do not say what the build wrote — rebuild it")
 

@@ -14,6 +14,7 @@ from rich.table import Table
 from moe_upcycle.terminal.markup import escape
 from moe_upcycle import __version__
 from moe_upcycle.check.compare import LogitComparison
+from moe_upcycle.recipe.layer_words import moe_layers_row
 
 
 @dataclass
@@ -57,9 +58,7 @@ class VerifyResult:
         rows.append(("tensors", f"{self.num_tensors} on disk; {plan_note}"))
         rows.append(("experts / top-k", f"{self.num_experts} / {self.experts_per_token}"))
         if self.moe_layers is not None and self.num_layers is not None and len(self.moe_layers) < self.num_layers:
-            dense = [i for i in range(self.num_layers) if i not in set(self.moe_layers)]
-            rows.append(("MoE layers", f"{', '.join(map(str, self.moe_layers))} of {self.num_layers} (dense MLP in "
-                                       f"{', '.join(map(str, dense))})"))
+            rows.append(("MoE layers", moe_layers_row(self.moe_layers, self.num_layers)))
         rows.append(("dense base", self.base or "not compared"))
         c = self.comparison
         if c is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moe_upcycle.checkpoint.lfs_pointers import lfs_pointer_problem
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import SourceError, reraise_if_out_of_memory
 
 
@@ -69,7 +70,7 @@ def _not_plain(t: torch.Tensor) -> str:
     if t.device.type != "cpu":  # map_location="cpu" moves every real device; a meta tensor has no values at all
         return f"has no values in the file (a tensor on the {t.device.type} device)"
     if t.is_quantized:
-        return f"is a quantized tensor ({str(t.dtype).removeprefix('torch.')})"
+        return f"is a quantized tensor ({dtype_name(t.dtype)})"
     return ""
 
 

@@ -23,11 +23,10 @@ from typing import Any, Iterator, Optional
 import torch
 
 from moe_upcycle.checkpoint.config_checks import value_problems
+from moe_upcycle.dtypes import DTYPES
 from moe_upcycle.errors import SourceError
 
 REQUIRED_INT_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
-# config.json dtype names the tool writes (a base in another dtype is read by its tensors' dtype)
-STR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NESTED_CONFIGS = ("text_config", "language_config", "llm_config")  # a multimodal model's language model
 
 
@@ -129,7 +128,7 @@ def _typed(raw: dict, where: str) -> DenseConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings")), attention_bias=bool(raw.get("attention_bias")),
         mlp_bias=bool(raw.get("mlp_bias")), hidden_act=raw.get("hidden_act", "silu"),
         rms_norm_eps=raw.get("rms_norm_eps"), max_position_embeddings=raw.get("max_position_embeddings"),
-        stated_dtypes={k: STR_DTYPES[raw[k]] for k in ("torch_dtype", "dtype") if raw.get(k) in STR_DTYPES},
+        stated_dtypes={k: DTYPES[raw[k]] for k in ("torch_dtype", "dtype") if raw.get(k) in DTYPES},
         architectures=tuple(raw.get("architectures") or ()),
     )
 

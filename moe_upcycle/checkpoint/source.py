@@ -29,7 +29,7 @@ from moe_upcycle.terminal.progress import stage
 from moe_upcycle.checkpoint.quantized import foreign_folder_hint, quantized_problem
 from moe_upcycle.inputs.paths import broken_link, symlink_loop
 from moe_upcycle.checkpoint.config_checks import side_file_problems
-from moe_upcycle.checkpoint.dense_config import STR_DTYPES, DenseConfig, dense_config  # noqa: F401 (STR_DTYPES: public)
+from moe_upcycle.checkpoint.dense_config import DenseConfig, dense_config
 from moe_upcycle.checkpoint.bin_files import load_bin, shared_storage
 from moe_upcycle.checkpoint.file_stamp import FileStamp
 from moe_upcycle.checkpoint.headers import TensorInfo, read_safetensors_header

@@ -56,8 +56,7 @@ def lint(
     pair_threshold = PAIR_THRESHOLD if threshold is None else threshold
     duplicate_threshold = DUPLICATE_THRESHOLD if duplicate_threshold is None else duplicate_threshold
     if cfg.gate_mode in PROMPTLESS_GATE_MODES and not any(e.positive_prompts for e in cfg.expert_list()):
-        mode = f"{cfg.gate_mode} ({cfg.gate_mode_default})" if cfg.gate_mode_default else cfg.gate_mode
-        why = f"gate_mode {mode} makes routers without prompts ({PROMPTLESS_GATE_MODES[cfg.gate_mode]})"
+        why = f"gate_mode {cfg.gate_mode_said} makes routers without prompts ({PROMPTLESS_GATE_MODES[cfg.gate_mode]})"
         if as_json:  # one JSON document on stdout, as every --json promises: an empty report, the same keys
             empty = LintReport([], [], [], pair_threshold, duplicate_threshold, embedder="")
             out.out(json_text({**empty.to_dict(), "nothing_to_lint": why}), highlight=False)

@@ -19,7 +19,7 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
 from moe_upcycle.planning import windows
 from moe_upcycle.planning.steps import Plan
-from moe_upcycle.recipe.resolve import moe_layers
+from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 # mergekit-moe's names for outputs, mapped onto ours
@@ -76,7 +76,7 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
     if config.shared_experts and not layout.shared_expert:
         out.append((f"{layout.label} has no shared expert, but shared_experts lists {len(config.shared_experts)}",
                     "shared_experts"))
-    chosen, depth = moe_layers(config), int(base.config.get("num_hidden_layers") or 0)
+    chosen, depth = resolved(config).moe_layers, int(base.config.get("num_hidden_layers") or 0)
     dense = chosen.dense_layers(depth) if depth and not chosen.problems(depth, "") else ()
     if dense and not layout.dense_mlp:
         out.append((f"{layout.label} makes every layer an MoE layer (it has no dense-MLP layers), but moe_layers: "

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import PlanError, UpcycleWarning
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.checkpoint.names import EMBED, LM_HEAD
@@ -76,7 +77,7 @@ def refuse_non_float(plan: Plan, sources: dict[str, Checkpoint]) -> None:
     for ref, key in dict.fromkeys(s.source for s in plan.steps if s.source is not None):
         info = sources[ref].tensors[key]
         if not info.dtype.is_floating_point:
-            dtype = str(info.dtype).removeprefix("torch.")
+            dtype = dtype_name(info.dtype)
             if sources[ref].path is None:  # upcycle_model's in-memory model
                 problems.append(f"dense_model: parameter {key!r} is {dtype}, but weights must be floating point; "
                                 f"upcycle the model before quantizing it, or give the parameter a float dtype")
@@ -225,4 +226,4 @@ def _where(source: Checkpoint, file: str) -> str:
 
 
 def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return dtype_name(dtype)

@@ -39,6 +39,7 @@ from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning.steps import Plan, Step
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, CheckParams, GateParams, WriteParams
+from moe_upcycle.dtypes import DTYPES
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.calibration import (CALIBRATION_WINDOW, KMEANS_MAX_POINTS, STREAMED_STATES_BYTES,
                                             kmeans_sample_budget, read_documents, streamed_batch_bytes)
@@ -49,7 +50,6 @@ LINT_BYTES = 70 * 10**6  # the prompt lint's all-MiniLM-L6-v2 and sentence-trans
 RUNTIME_FILE_BYTES = 90 * 10**6  # mapped libraries (RssFile) of the CLI runtime
 TRANSFORMERS_FILE_BYTES = 40 * 10**6  # ... and what transformers/tokenizers add
 MB = 10**6
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def estimate_memory(plan: Plan, gating: GateParams, writing: WriteParams, checki
     """Predict the peak memory of a build of `plan` and of its gate computation.
 
     Example:
-        >>> m = estimate_memory(plan, gate_params(cfg), write_params(cfg), check_params(cfg), sources, cfg.base_model)  # doctest: +SKIP
+        >>> r = resolved(cfg); m = estimate_memory(plan, r.gates, r.writing, r.checking, sources, cfg.base_model)  # doctest: +SKIP
         >>> m.build_private_bytes, m.build_phase  # doctest: +SKIP
         (165722112, 'writing')
     """

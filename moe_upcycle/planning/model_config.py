@@ -21,12 +21,12 @@ from typing import Optional, Union
 import torch
 
 from moe_upcycle.checkpoint.names import output_layout
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.planning import windows
 from moe_upcycle.planning.arch import config_fields
 from moe_upcycle.planning.rope import rope_fields
 from moe_upcycle.planning.steps import Plan
 
-DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # config.json fields the MoE inherits unchanged from the dense base
 INHERITED = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -114,7 +114,7 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
     # converter, vLLM and ExLlamaV2 read fewer spellings: one that all of them read
     cfg.update(rope_fields(base))
     cfg.setdefault("sliding_window", None)
-    dtype = DTYPE_STR[plan.dtype]
+    dtype = dtype_name(plan.dtype)
     cfg.update(
         architectures=[layout.class_name],
         model_type=layout.model_type,

@@ -27,7 +27,10 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorSpec, assign_shards
 from moe_upcycle.planning.memory import MemoryEstimate, estimate_memory
 from moe_upcycle.planning.runtimes import Verdict, compatibility, fused_scope
-from moe_upcycle.recipe.resolve import check_params, gate_params, write_params
+from moe_upcycle.dtypes import dtype_name
+from moe_upcycle.recipe.params import mode_said
+from moe_upcycle.recipe.resolved import resolved
+from moe_upcycle.recipe.layer_words import moe_layers_row
 from moe_upcycle.terminal.tables import fit
 
 SMALL_FILES_BYTES = 2**20  # config.json, README.md, moe_upcycle.json: far below 1 MiB
@@ -176,17 +179,18 @@ def summarize(config: UpcycleConfig, plan: Plan, sources: dict[str, Checkpoint],
     """Everything ``moe-upcycle plan`` reports, computed from the plan and headers only."""
     specs = [TensorSpec(s.name, s.shape, s.dtype) for s in plan.steps]
     total, active = parameter_counts(plan)
+    recipe = resolved(config)
     base = sources[config.base_model]
     needed = disk_needed(plan, base)
     free = free_bytes(output) if output is not None else None
     return PlanSummary(
         architecture=plan.architecture, experts=plan.expert_names, experts_per_token=plan.experts_per_token,
-        gate_mode=config.gate_mode, dtype=str(plan.dtype).removeprefix("torch."),
+        gate_mode=config.gate_mode, dtype=dtype_name(plan.dtype),
         tensor_policy=config.tensor_policy, num_tensors=len(plan.steps), total_params=total,
         active_params=active, tied_embeddings=plan.tied_embeddings, output_bytes=plan.total_bytes,
         tied_head_written=plan.tied_head_written,
         num_shards=len(assign_shards(specs, config.max_shard_size)), max_shard_bytes=config.max_shard_size,
-        memory=estimate_memory(plan, gate_params(config), write_params(config), check_params(config), sources,
+        memory=estimate_memory(plan, recipe.gates, recipe.writing, recipe.checking, sources,
                                config.base_model), components=tuple(components(plan)),
         sharing=tuple(sharing), notes=plan.notes, output=str(output) if output is not None else None,
         disk_needed_bytes=needed, disk_free_bytes=free, runtimes=tuple(compatibility(plan)),
@@ -228,9 +232,8 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
     table.add_row("architecture", s.architecture)
     table.add_row("experts", escape(f"{len(s.experts)} ({', '.join(s.experts)}), top-{s.experts_per_token}"))
     if s.moe_layers_text:
-        dense = [i for i in range(s.num_layers) if i not in set(s.moe_layers)]
-        table.add_row("MoE layers", s.moe_layers_text + (f" (dense MLP in {', '.join(map(str, dense))})" if dense else ""))
-    table.add_row("gate mode", s.gate_mode + (f" ({s.gate_mode_default})" if s.gate_mode_default else ""))
+        table.add_row("MoE layers", moe_layers_row(s.moe_layers, s.num_layers))
+    table.add_row("gate mode", mode_said(s.gate_mode, s.gate_mode_default))
     table.add_row("dtype", s.dtype)
     table.add_row("parameters", f"{readable_count(s.total_params)} total, {readable_count(s.active_params)} "
                                 f"active per token"

@@ -16,7 +16,8 @@ from moe_upcycle.planning.plan import make_plan
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import CheckParams
 from moe_upcycle.recipe.prompt_sets import set_names
-from moe_upcycle.recipe.resolve import check_params, source_refs
+from moe_upcycle.recipe.resolve import source_refs
+from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import UpcycleConfig, load_config
 
 
@@ -45,7 +46,7 @@ def recorded_build(config: dict) -> RecordedBuild:
     # earlier builds could record output_router_logits: true, which recipes now refuse; verify checks the flag in
     # config.json itself, so the recorded recipe is read without it
     validated = load_config({k: v for k, v in config.items() if k != "output_router_logits"})
-    return RecordedBuild(check_params(validated), validated)
+    return RecordedBuild(resolved(validated).checking, validated)
 
 
 def recorded_config(manifest: dict, folder: Path) -> Optional[dict]:

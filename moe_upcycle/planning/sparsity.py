@@ -17,6 +17,7 @@ MoE will not start as the dense model). The plan itself places the tensors; noth
 from __future__ import annotations
 
 from moe_upcycle.checkpoint import names
+from moe_upcycle.recipe.layer_words import moe_and_dense_said
 from moe_upcycle.recipe.params import MoeLayers
 from moe_upcycle.recipe.schema import UpcycleConfig
 
@@ -30,12 +31,7 @@ def layer_notes(config: UpcycleConfig, chosen: MoeLayers, num_layers: int) -> li
         return [f"moe_layers: {chosen.text()} is every one of the {num_layers} layers: the same as leaving it out"]
     where = "from base_model, not averaged" if config.attention_from == "average" else "from base_model"
     shared = "; the shared expert is in the MoE layers only" if config.shared_experts else ""
-    return [f"moe_layers: {chosen.text()}: MoE in {_layers(moe)} of {num_layers}; {_layers(dense)} "
-            f"keep{'s' if len(dense) == 1 else ''} the dense MLP ({where}, copied unchanged){shared}"]
-
-
-def _layers(layers: tuple[int, ...]) -> str:
-    return f"layer{'s' if len(layers) != 1 else ''} {', '.join(map(str, layers))}"
+    return [f"moe_layers: {chosen.text()}: {moe_and_dense_said(moe, num_layers)} ({where}, copied unchanged){shared}"]
 
 
 def renormalisation_notes(config: UpcycleConfig, layout: names.OutputLayout, num_experts: int) -> tuple[list[str],

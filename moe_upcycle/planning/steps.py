@@ -18,6 +18,7 @@ import torch
 from moe_upcycle.checkpoint.dense_config import DenseConfig
 from moe_upcycle.checkpoint.headers import tensor_nbytes
 from moe_upcycle.checkpoint.names import LM_HEAD
+from moe_upcycle.recipe.layer_words import moe_layers_said
 from moe_upcycle.recipe.schema import ExpertConfig
 
 
@@ -118,10 +119,7 @@ class Plan:
             >>> Plan("qwen3_moe", (), (), 2, torch.float32, base, False, dense_layers=(0, 2)).moe_layers_text()
             'layers 1, 3 of 4'
         """
-        if not self.dense_layers:
-            return f"all {self.num_layers} layers"
-        moe = self.moe_layers
-        return f"layer{'s' if len(moe) > 1 else ''} {', '.join(map(str, moe))} of {self.num_layers}"
+        return moe_layers_said(self.moe_layers, self.num_layers)
 
     def leaf_steps(self) -> list[Step]:
         """Every step that reads a source or is computed, with fused/averaged steps expanded into their parts."""

@@ -15,8 +15,10 @@ from typing import Mapping, Optional, Sequence
 import yaml
 
 from moe_upcycle import __version__
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.planning.plan_report import parameter_counts, readable_count
 from moe_upcycle.planning.steps import Plan
+from moe_upcycle.recipe.layer_words import moe_and_dense_said
 from moe_upcycle.recipe.schema import UpcycleConfig
 from moe_upcycle.planning.runtimes import runtime_section
 from moe_upcycle.publish.card_facts import Sources, cell, making_of
@@ -190,7 +192,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
 # {plan.architecture} MoE upcycled from {named.plain(config.base_model)}
 {note}{local_note}
 Built with moe-upcycle {__version__}: {len(experts)} experts,
-{plan.experts_per_token} active per token, gate mode `{config.gate_mode}`, dtype `{str(plan.dtype).removeprefix("torch.")}`.{_layers(plan)}
+{plan.experts_per_token} active per token, gate mode `{config.gate_mode}`, dtype `{dtype_name(plan.dtype)}`.{_layers(plan)}
 
 | parameters | count |
 |---|---|
@@ -247,8 +249,7 @@ def _layers(plan: Plan) -> str:
     """Where the experts are, when some layers keep the dense MLP (``moe_layers:``)."""
     if not plan.dense_layers:
         return ""
-    return (f"\nMoE in {plan.moe_layers_text()}; layers {', '.join(map(str, plan.dense_layers))} keep the dense "
-            f"base model's MLP.")
+    return f"\n{moe_and_dense_said(plan.moe_layers, plan.num_layers)}."
 
 
 def _changes(expert) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from moe_upcycle.planning import shared_experts
-from moe_upcycle.recipe.resolve import expert_inits
+from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.planning.plan_report import readable_count  # noqa: F401  (re-exported)
 from moe_upcycle.recipe.schema import ExpertConfig, UpcycleConfig
 from moe_upcycle.checkpoint.lora import split_ref
@@ -207,7 +207,7 @@ def _same_ffn(config: UpcycleConfig) -> list[str]:
     """The fact a copy upcycle's build states: every expert is one and the same FFN until the MoE is trained."""
     experts = config.expert_list()
     first = experts[0]
-    if len(experts) < 2 or config.shared_experts or any(init.method != "copy" for init in expert_inits(config)) or any(
+    if len(experts) < 2 or config.shared_experts or any(init.method != "copy" for init in resolved(config).inits) or any(
             (e.source_model, e.layers) != (first.source_model, first.layers) or e.noise_scale
             or e.residual_scale not in (None, 1.0) for e in experts):
         return []

@@ -22,9 +22,10 @@ import yaml
 from moe_upcycle.gates.router import default_gate_scale
 from moe_upcycle.planning import shared_experts
 from moe_upcycle.planning.steps import Plan
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.recipe.gate_keys import READERS
 from moe_upcycle.recipe.params import HIDDEN_MODES
-from moe_upcycle.recipe.resolve import check_params
+from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 SHOWN_BY_NAME = ("positive_prompts_from", "negative_prompts_from", "calibration_text")
@@ -70,11 +71,11 @@ def _resolved(key: str, value: Any, config: UpcycleConfig, plan: Plan, shown_ref
     if key == "architecture":
         return plan.architecture, "default: the output family for this base"
     if key == "dtype":
-        return str(plan.dtype).removeprefix("torch."), "default: the base's"
+        return dtype_name(plan.dtype), "default: the base's"
     if key == "router_aux_loss_coef" and value is None:
         return 0.001, "default: Mixtral's"
     if key == "report_init_drift" and value is None:
-        measured = check_params(config).measures_drift(plan.total_bytes)
+        measured = resolved(config).checking.measures_drift(plan.total_bytes)
         return measured, "default: measured for non-copy inits of outputs up to 2 GB"
     if key == "shared_expert_gate" and value is None and config.shared_experts:
         return shared_experts.gate_init(config), "default: prompts when every shared expert has prompts"

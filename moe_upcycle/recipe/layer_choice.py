@@ -16,36 +16,31 @@ It reads no checkpoint.
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections import Counter
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import Discriminator, Field, Tag
 
-from moe_upcycle.recipe.values import short_repr, strict_bools_and_numbers
+from moe_upcycle.recipe.strict_model import StrictModel
+from moe_upcycle.recipe.values import not_whole, short_repr
 
 EXAMPLES = "a list of layer indices such as [1, 3, 5], or {every: 2} for every second layer (1, 3, 5, ...)"
 ALL_LAYERS = "leave moe_layers out for every layer (the default)"
+WHOLE = re.compile(r"\s*\d+\s*")  # a whole number in quotes: read as the number, as pydantic reads num_experts: "4"
 
 
-class LayerEvery(BaseModel):
-    """``moe_layers: {every: k, start: s}``: layers s, s+k, s+2k, ... (s defaults to k - 1)."""
+class LayerEvery(StrictModel):
+    """``moe_layers: {every: k, start: s}``: layers s, s+k, s+2k, ... (s defaults to k - 1).
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    On the recipe's strict base, so ``every: "2"``, ``every: 2.5`` or ``every: yes`` are read and worded as
+    ``num_experts: "4"``, ``2.5`` or ``yes`` are.
+    """
 
     every: int = Field(ge=1)
     start: Optional[int] = Field(default=None, ge=0)
-
-    @field_validator("every", "start", mode="before")
-    @classmethod
-    def _whole_number(cls, value: Any, info: ValidationInfo) -> Any:
-        strict_bools_and_numbers(value, int)  # YAML's yes/no are booleans, and pydantic would read true as 1
-        if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*", value):
-            raise ValueError(f"{short_repr(value)} is text; write {info.field_name}: {int(value)} without quotes")
-        if isinstance(value, str) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"{short_repr(value)} is not a whole number; write e.g. {info.field_name}: 2")
-        return value
 
     @property
     def first(self) -> int:
@@ -90,9 +85,10 @@ def check_value(value: Any) -> Any:
         raise ValueError(_text_fix(value))
     if isinstance(value, (range, set, frozenset)):  # from Python: upcycle_model(moe_layers=range(1, 8, 2))
         value = sorted(value) if not isinstance(value, range) else list(value)
-    if isinstance(value, (list, tuple)):  # numpy / torch integers, and 3.0 (as num_experts: 4.0), are indices too
+    if isinstance(value, (list, tuple)):  # numpy / torch integers, 3.0 and "3" (as num_experts: 4.0 or "4") are indices
         value = [int(x) if (isinstance(x, numbers.Integral) and not isinstance(x, bool))
-                 or (isinstance(x, float) and x.is_integer()) else x for x in value]
+                 or (isinstance(x, float) and x.is_integer()) or (isinstance(x, str) and WHOLE.fullmatch(x))
+                 else x for x in value]
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{short_repr(value)} is not layers; write {EXAMPLES}")
     if not value:
@@ -114,11 +110,9 @@ def _item_problem(i: int, item: Any) -> Optional[str]:
         return (f"item {i} is {item}: layer indices count from 0 up (Python's negative indices are not taken); "
                 f"write the layer's own index" if item < 0 else None)
     if isinstance(item, float):
-        return f"item {i} is {item!r}, not a whole number; a layer index is 0, 1, 2, ..."
+        return f"item {i}: {not_whole(item)}" if math.isfinite(item) else f"item {i} is {item!r}, not a layer index"
     if item is None:
         return f"item {i} is empty (a bare '-' line, which YAML reads as null); write a layer index or remove it"
-    if isinstance(item, str) and re.fullmatch(r"\s*\d+\s*", item):
-        return f"item {i} is the text {item!r}; write {int(item)} without quotes"
     if isinstance(item, (list, tuple, dict)):
         return f"item {i} is {short_repr(item)}, not a layer index; write the layers as one flat list, e.g. [1, 3, 5]"
     return f"item {i} is {short_repr(item)}, not a layer index; write a number such as 1"

@@ -31,6 +31,16 @@ def unused_prompts_note(config: Any) -> list[str]:
             f"routers (they stay in the recipe); for routers from the prompts use gate_mode: hidden or cheap_embed"]
 
 
+def mode_said(mode: str, default_reason: str) -> str:
+    """A gate mode as messages name it: with why it was chosen when the recipe left ``gate_mode`` out.
+
+    Example:
+        >>> mode_said("hidden", "the default when experts have prompts"), mode_said("random", "")
+        ('hidden (the default when experts have prompts)', 'random')
+    """
+    return f"{mode} ({default_reason})" if default_reason else mode
+
+
 # gate modes that run the base model (see gates/hidden_gates.py)
 HIDDEN_MODES = ("hidden", "hidden_avg", "hidden_last", "kmeans")
 # init drift is measured by default only up to this output size: it loads the dense and the MoE in fp32
@@ -90,7 +100,7 @@ class GateParams:
     @property
     def mode_said(self) -> str:
         """The mode as messages name it: ``hidden (the default when experts have prompts)`` when the recipe left it out."""
-        return f"{self.mode} ({self.mode_default})" if self.mode_default else self.mode
+        return mode_said(self.mode, self.mode_default)
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,18 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from moe_upcycle.recipe import prompt_sets
 from moe_upcycle.recipe.gate_keys import unread_gate_keys
 from moe_upcycle.recipe.layer_choice import LayerChoice, check_value
 from moe_upcycle.recipe.mergekit_names import MERGE_CONFIG_KEYS, drop_base_tokenizer
-from moe_upcycle.recipe.params import PROMPT_MODES
+from moe_upcycle.recipe.strict_model import StrictModel
+from moe_upcycle.recipe.params import PROMPT_MODES, mode_said
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.recipe.unknown_keys import drop_repeated_keys, drop_unknown_keys, intended_key, key_elsewhere, model_in
 from moe_upcycle.recipe.yaml_load import load_recipe_yaml
-from moe_upcycle.recipe.values import device_problem, strict_bools_and_numbers, short_repr
+from moe_upcycle.recipe.values import device_problem, not_whole, short_repr
 from moe_upcycle.inputs.paths import denied
 from moe_upcycle.inputs.text import unicode_problem
 
@@ -113,17 +114,7 @@ def parse_size(value: Union[int, str]) -> int:
     return size
 
 
-class _Strict(BaseModel):
-    # inf/nan in a scale or std would silently fill the output with inf/nan
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, os.PathLike):  # a pathlib.Path from Python (a model folder, a prompt file): its text
-            value = os.fspath(value)
-        # YAML reads yes/no/on/off as booleans, and pydantic would turn them into 1/0
-        return strict_bools_and_numbers(value, cls.model_fields[info.field_name].annotation)
+_Strict = StrictModel  # the base of every mapping below (`strict_model`)
 
 
 class ExpertInit(_Strict):
@@ -420,9 +411,8 @@ class UpcycleConfig(_Strict):
         if all(e.source_model == first.source_model for e in self.experts):
             fix += (f"; for {len(self.experts)} copies of one model to train, write num_experts: {len(self.experts)} "
                     f"with gate_mode: random instead of the experts list")
-        mode = f"{self.gate_mode} ({self.gate_mode_default})" if self.gate_mode_default else self.gate_mode
         return (f"experts: every expert has the same prompts (positive_prompts: {shown}), so gate_mode "
-                f"{mode} gives every expert the same router row and the router scores them all alike "
+                f"{self.gate_mode_said} gives every expert the same router row and the router scores them all alike "
                 f"for every token: it cannot choose between them (mergekit-moe refuses this too); {fix}")
 
     @property
@@ -438,6 +428,11 @@ class UpcycleConfig(_Strict):
         return ("the default when experts have prompts" if self.gate_mode == "hidden" else
                 "the default for copies without prompts" if self.num_experts is not None else
                 "the default when no expert has prompts")
+
+    @property
+    def gate_mode_said(self) -> str:
+        """`gate_mode` as messages name it: ``hidden (the default when experts have prompts)`` when left out."""
+        return mode_said(self.gate_mode, self.gate_mode_default)
 
     @property
     def expert_count(self) -> int:
@@ -701,7 +696,7 @@ def _not_a_number(value: Any, kind: str) -> str:
                  f"{mantissa}{'' if '.' in mantissa else '.0'}e{exponent}")
         return f"{short_repr(value)} is text to YAML, which reads an exponent only with a dot (1.0e3); write {shown}"
     if isinstance(value, float) and whole:
-        return f"{value!r} is not a whole number; write an integer such as {max(int(value), 1)}"
+        return not_whole(value)
     return f"{short_repr(value)} is not a number; write {'an integer such as 2' if whole else 'a number such as 0.5'}"
 
 

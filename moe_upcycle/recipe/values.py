@@ -6,6 +6,7 @@
   is anything but true/false where it wants a boolean (pydantic would read ``1`` or ``"off"``).
 - `device_problem`: a device name is auto, cpu, cuda or cuda:N (torch would read "gpu" or
   "cuda:x" only when the model is loaded, with a message that names no option).
+- `not_whole`: the one wording of a fraction given for a whole number.
 - `short_repr`: quote a user's value in a message without printing megabytes of it.
 
 It does not know the recipe's fields; `config` applies these to every field.
@@ -57,6 +58,17 @@ def strict_bools_and_numbers(value: Any, annotation: Any) -> Any:
             raise ValueError(f"{str(item).lower()} is a boolean, not a number; write a number (YAML reads "
                              f"yes/no/on/off as true/false)")
     return value
+
+
+def not_whole(value: float) -> str:
+    """The message for a fraction where a whole number goes (every integer field and ``moe_layers`` item says it
+    so).
+
+    Example:
+        >>> not_whole(2.5)
+        '2.5 is not a whole number; write an integer such as 2'
+    """
+    return f"{value!r} is not a whole number; write an integer such as {max(int(value), 1)}"
 
 
 def device_problem(value: Any) -> Optional[str]:
