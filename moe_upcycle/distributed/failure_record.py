@@ -5,8 +5,8 @@ through the job's c10d store, whoever sends it (`world` for a build, `rank_failu
 kind (an `UpcycleError`, a signal, a bug, or a rank gone without a word), the exception class, its messages, the
 rank and host. `Failure.exception` gives the error to raise on another rank: the same class with
 ``rank R of N (host H): `` before each message; a `Terminated` with the signal's number for a signal (so the exit
-code is 128 + it there too); a `RankError` for a bug, whose traceback is in that rank's own output; a `RankGone`
-for a rank whose process ended without recording anything (killed by a signal, out of memory, a crash).
+code is 128 + it there too); a `RankError` for a bug, whose traceback is in that rank's own output, and for a
+rank whose process ended without recording anything (killed by a signal, out of memory, a crash).
 
 It does not talk to other ranks (see `world`).
 """
@@ -25,18 +25,9 @@ from typing import Any, Optional
 from moe_upcycle.errors import RankError, UpcycleError
 from moe_upcycle.terminal.signals import Terminated
 
-
-LAUNCHER_ENV = "MOE_UPCYCLE_WORKERS"  # set by ``build --workers`` for its ranks: it names a dead rank and its signal
-
-
-class RankGone(RankError):
-    """A rank's process ended without saying why (a signal such as SIGKILL, the out-of-memory killer, a crash).
-
-    ``said_by_launcher``: ``build --workers`` started the ranks and will name the rank and how it ended (it alone
-    knows the signal), so the lead prints nothing of its own.
-    """
-
-    said_by_launcher = False
+# set by ``build --workers`` for its ranks: it names a dead rank and its signal (it alone knows how the rank
+# ended), so the `RankError` of a rank gone carries ``said_by_launcher`` and the lead prints nothing of its own
+LAUNCHER_ENV = "MOE_UPCYCLE_WORKERS"
 
 
 @dataclass(frozen=True)
@@ -60,7 +51,7 @@ class Failure:
         """The error to raise on another rank: the same class and messages with the rank in front, a
         `Terminated` for a signal, a `RankError` for a bug (its traceback is in that rank's output)."""
         if self.kind == "gone":  # recorded by the rank that found it gone: its process ended without a word
-            exc = RankGone(f"{self.where} left the job without a word ({' '.join(self.problems)}): it was killed "
+            exc = RankError(f"{self.where} left the job without a word ({' '.join(self.problems)}): it was killed "
                            f"(by a signal, or the out-of-memory killer: see dmesg) or crashed, see its output; "
                            f"every rank stopped and nothing was published")
             exc.said_by_launcher = bool(os.environ.get(LAUNCHER_ENV))

@@ -18,7 +18,7 @@ immediate and does nothing: the one-process build is the world-size-1 case of th
 - A rank that dies without a word (SIGKILL, the out-of-memory killer, a crash) is found gone: on its own machine
   by its process id (at once), elsewhere by its heartbeat (a store key each rank bumps every `BEAT_S` from a
   thread, silent for `SILENT_S`). The rank that finds it records a ``gone`` failure for it, so every rank raises
-  it (a `failure_record.RankGone`), and the lead stops waiting for it at the end instead of its `STOP_WAIT_S`.
+  it (a `RankError` naming that rank), and the lead stops waiting for it at the end instead of its `STOP_WAIT_S`.
 - The end is ordered: before the lead's staging folder is removed it waits (`STOP_WAIT_S`) until every peer has
   stopped writing into it, and a failed peer leaves only after the lead has left (`LEAVE_WAIT_S`). torchrun stops
   every worker with SIGTERM as soon as one exits non-zero; so it never interrupts the lead's clean-up or message.
