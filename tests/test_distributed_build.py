@@ -346,10 +346,19 @@ def test_more_workers_than_twice_the_cpus_is_refused_before_any_process_starts(c
     assert started == []
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a process allowed on 2 CPUs or more, to pin a child to fewer")
 def test_usable_cpus_is_this_process_affinity():
-    from moe_upcycle.terminal.cpus import usable_cpus
-
-    assert usable_cpus() == len(os.sched_getaffinity(0)) >= 1
+    """A child pinned to one CPU (as ``taskset -c N`` does) counts 1, on a machine with more: the affinity, not
+    ``os.cpu_count()`` (a container's or a job's CPU set is the affinity)."""
+    cpu = min(os.sched_getaffinity(0))
+    child = ("import os; os.sched_setaffinity(0, {%d}); from moe_upcycle.terminal.cpus import usable_cpus; "
+             "print(usable_cpus(), os.cpu_count())" % cpu)
+    done = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=module_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    counted, machine = map(int, done.stdout.split())
+    assert counted == 1 and machine >= 2
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
