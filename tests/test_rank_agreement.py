@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -195,3 +196,85 @@ def test_all_or_none_raises_a_ranks_failure_on_every_rank_without_pickles(tmp_pa
     assert got[1] == [None, ["OutputError", "disk full on rank 1"],
                       ["OutputError", f"rank 0 of 2 (host {host}): step 2 failed, so every rank stops: disk full on "
                                       f"rank 0"]]
+
+
+# ---- in-process: a rank found gone, a difference named --------------------------------------------------------
+
+
+def test_a_rank_is_gone_when_its_process_ended_or_its_heartbeat_stood_still(monkeypatch):
+    """Rank 1 on this machine: gone once its process has ended (a zombie counts as ended), not while it runs. Rank 2
+    on another machine: gone after its heartbeat stood still for SILENT_S, not while it beats; a rank that said it
+    stopped is never gone. The first rank to find one records it for every rank, as a RankError naming it."""
+    import torch.distributed as dist
+
+    from moe_upcycle.distributed import world as world_module
+    from moe_upcycle.errors import RankError
+
+    monkeypatch.setattr(world_module, "SILENT_S", 0.3)
+    store = dist.HashStore()
+    here = world_module._machine()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        world = world_module.World(rank=0, size=4, store=store)
+        world._procs = {0: {"machine": here, "host": "a", "pid": 1}, 1: {"machine": here, "host": "a", "pid": child.pid},
+                        2: {"machine": "elsewhere", "host": "b", "pid": 1}, 3: {"machine": "elsewhere", "host": "c",
+                                                                                 "pid": 1}}
+        store.set("stopped/3", "1")
+        assert [world._gone(r) for r in range(4)] == [False, False, False, False]
+        store.add("beat/2", 1)
+        time.sleep(0.2)
+        assert not world._gone(2)  # it beat since the last look
+        time.sleep(0.4)
+        assert world._gone(2) and not world._gone(3)  # silent for 0.4 s > 0.3 s; rank 3 stopped, no heartbeat needed
+        os.kill(child.pid, signal.SIGKILL)  # not reaped: a zombie, as a killed rank is until torchrun polls it
+        deadline = time.monotonic() + 30
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert world._gone(1)
+        child.wait()
+        assert world._gone(1)
+        with pytest.raises(RankError) as raised:
+            world._raise_peer_failure()
+        assert str(raised.value).startswith("rank 1 of 4 (host a) left the job without a word (its process ended)")
+        assert raised.value.failed_rank == 1 and store.add("failures", 0) == 1
+        world._record_gone(1)  # found again (by another rank): recorded once
+        assert store.add("failures", 0) == 1
+    finally:
+        child.kill()
+
+
+def test_the_first_difference_is_named_with_every_disagreeing_rank(stories, tmp_path):
+    """Three ranks: one shares rank 0's facts, one has another seed and max_shard_size: the seed comes first in the
+    order facts are compared. Two ranks reading one path whose file differs (the same tensors, a longer header):
+    the sources differ, and nothing else."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_upcycle.build import prepare
+    from moe_upcycle.distributed.agreement import build_facts, disagreement
+
+    base = {"base_model": str(stories), "num_experts": 2, "gate_mode": "random"}
+    target = tmp_path / "moe"
+    ranks = []
+    for recipe in (base, base, {**base, "seed": 5, "max_shard_size": "1MB"}):
+        config, sources, plan = prepare(recipe)
+        ranks.append({"host": f"h{len(ranks)}", "facts": build_facts(config, sources, plan, target, 10**6)})
+    message = disagreement(ranks).problems
+    assert message == ["ranks disagree on the recipe: rank 2 (host h2) has seed 5, rank 0 (host h0) has seed 0 (and "
+                       "1 more difference); nothing was written — give every node the same recipe and sources"]
+    copy = tmp_path / "copy"  # one path, as every node names it; rank 1's node holds other bytes there
+    shutil.copytree(stories, copy)
+    config, sources, plan = prepare({**base, "base_model": str(copy)})
+    first = {"host": "h0", "facts": build_facts(config, sources, plan, target, 10**6)}
+    (weights,) = copy.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    save_file(tensors, str(weights), metadata={"format": "pt", "saved_by": "another node"})  # same values, longer
+    config, sources, plan = prepare({**base, "base_model": str(copy)})
+    facts = build_facts(config, sources, plan, target, 10**6)
+    error = disagreement([first, {"host": "h1", "facts": facts}])
+    assert type(error).__name__ == "SourceError", error
+    (said,) = error.problems
+    assert said.startswith(f"ranks disagree on the sources: rank 1 (host h1) has {copy}: ")
+    assert "(and" not in said  # the same plan from the same shapes: only the headers differ
+    assert said.endswith("give every node the same copy of each model (same files, same sizes)")

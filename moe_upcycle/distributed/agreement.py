@@ -92,6 +92,8 @@ def disagreement(ranks: list[dict[str, Any]]) -> UpcycleError:
     order = [tuple(f[:2]) for f in ranks[0]["facts"]]
     order += [key for facts in by_rank[1:] for key in facts if key not in by_rank[0] and key not in order]
     differing = [key for key in order if any(facts.get(key) != by_rank[0].get(key) for facts in by_rank[1:])]
+    if not differing:  # the same facts under another digest: a rank computes it otherwise (another version)
+        differing = [("tool", "moe-upcycle")]
     group, name = differing[0]
     said = [f"rank {r} (host {ranks[r]['host']}) has {by_rank[r].get((group, name)) or f'no {name}'}"
             for r in range(1, len(ranks)) if by_rank[r].get((group, name)) != by_rank[0].get((group, name))]
