@@ -175,7 +175,7 @@ def test_a_refusal_is_said_once_by_rank_0(case, tiny_llama, tmp_path):
 def test_a_write_failure_on_rank_1_stops_both_and_publishes_nothing(tiny_llama, tmp_path):
     """A real failure on one rank only: rank 1 runs under a file-size limit (RLIMIT_FSIZE, set for it alone by a
     sitecustomize), so writing its first shard fails with EFBIG. Rank 0 says it once, naming rank 1; nothing is
-    published, the staging folder (made by rank 0) and the lock are gone."""
+    published, the staging folder (made by rank 0) and the lock are gone; the rebuild writes the one-process bytes."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
@@ -196,6 +196,10 @@ def test_a_write_failure_on_rank_1_stops_both_and_publishes_nothing(tiny_llama, 
     assert flat.count("output error: rank 1 of 2 (host ") == 1 and "File too large" in flat, said[0]
     assert "Traceback" not in said[0] and said[1] == ""
     assert leftovers(target) == []
+    rebuilt = _torchrun("-m", "moe_upcycle", "build", str(recipe), str(target))  # no limit now: the one-process bytes
+    out, err = rebuilt.communicate(timeout=300)
+    assert rebuilt.returncode == 0, out + err
+    _assert_same_folder(target, upcycle(str(recipe), tmp_path / "alone").output)
 
 
 def _start_big_build(cfg: Path, target: Path) -> subprocess.Popen:
