@@ -96,17 +96,17 @@ def big_config(tmp_path_factory) -> Path:
     return cfg
 
 
-def _kill_rank_1_while_writing(proc: subprocess.Popen, target: Path) -> float:
-    """SIGKILL to the RANK=1 process once a shard is in the staging folder; the seconds until `proc` ended."""
+def _kill_rank_while_writing(proc: subprocess.Popen, target: Path, rank: int = 1) -> float:
+    """SIGKILL to the RANK=`rank` process once a shard is in the staging folder; the seconds until `proc` ended."""
     deadline = time.monotonic() + 180
     while not any(stage.glob("model-*.safetensors") for stage in target.parent.glob(f".{target.name}.partial-*")):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"no shard was written before the build ended: {proc.communicate()}")
         time.sleep(0.005)
-    (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    (victim,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == str(rank)]
     killed = time.monotonic()
-    rank1.send_signal(signal.SIGKILL)
+    victim.send_signal(signal.SIGKILL)
     proc.wait(timeout=120)
     return time.monotonic() - killed
 
@@ -119,7 +119,7 @@ def test_a_rank_killed_by_sigkill_is_named_by_build_workers(big_config, tmp_path
     command = [sys.executable, "-m", "moe_upcycle", "build", str(big_config), str(target), "--workers", "2"]
     proc = subprocess.Popen(command, cwd=REPO, env=module_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    took = _kill_rank_1_while_writing(proc, target)
+    took = _kill_rank_while_writing(proc, target)
     out, err = proc.communicate()
     said = _flat(out + err)
     assert proc.returncode == 1, out + err
@@ -133,22 +133,31 @@ def test_a_rank_killed_by_sigkill_is_named_by_build_workers(big_config, tmp_path
     assert _files(target) == _files(upcycle(str(big_config), tmp_path / "alone").output)
 
 
-def test_under_torchrun_rank_0_says_a_killed_rank_left_the_job(big_config, tmp_path):
-    """Plain torchrun: rank 0 cannot know the signal, only that rank 1's process ended without a word."""
+@pytest.mark.parametrize("killed", [1, 0])
+def test_under_torchrun_a_killed_rank_is_said_to_have_left_the_job(killed, big_config, tmp_path):
+    """Plain torchrun: the ranks cannot know the signal, only that a rank's process ended without a word. Rank 0
+    says it of rank 1; of rank 0 (whose staging folder stays), rank 1 says it, and the next build clears that."""
     target = tmp_path / "moe"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "moe_upcycle", "build", str(big_config), str(target)], cwd=REPO, env=module_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    took = _kill_rank_1_while_writing(proc, target)
+    took = _kill_rank_while_writing(proc, target, killed)
     out, err = proc.communicate()
     assert proc.returncode != 0
     said = _flat(out + err)
-    assert said.count(f"rank error: rank 1 of 2 (host {socket.gethostname()}) left the job without a word (its "
+    stays = (" (rank 0's staging folder beside the output stays until the next build to that output clears it)"
+             if killed == 0 else "")
+    assert said.count(f"rank error: rank {killed} of 2 (host {socket.gethostname()}) left the job without a word (its "
                       "process ended): it was killed (by a signal, or the out-of-memory killer: see dmesg) or crashed, "
-                      "see its output; every rank stopped and nothing was published") == 1, out + err
+                      f"see its output; every rank stopped and nothing was published{stays}") == 1, out + err
     assert "interrupted" not in said and "/moe_upcycle/" not in err
     assert took < 10, took
-    assert leftovers(target) == []
+    if killed == 0:
+        assert sorted(name.split("-")[0] for name in leftovers(target)) == [".moe.lock", ".moe.partial"]
+        upcycle(str(big_config), target)  # the next build clears them
+        assert leftovers(target) == ["moe"]
+    else:
+        assert leftovers(target) == []
 
 
 ONE_CHANNEL_WORKER = '''

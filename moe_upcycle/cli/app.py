@@ -145,7 +145,7 @@ def _run(fn: Callable, world: World, *args, **kwargs):
         if DEBUG["on"]:
             raise
         if not getattr(exc, "said_by_launcher", False):  # a killed rank: `build --workers` names it and its signal
-            with _said_by(world):
+            with contextlib.nullcontext() if getattr(exc, "said_here", False) else _said_by(world):  # a lead gone
                 _print_error(exc)
         raise typer.Exit(1)
     except (RuntimeError, OSError, MemoryError, ImportError) as exc:  # torch.OutOfMemoryError: a RuntimeError

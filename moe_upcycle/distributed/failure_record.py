@@ -28,6 +28,7 @@ from moe_upcycle.terminal.signals import Terminated
 # set by ``build --workers`` for its ranks: it names a dead rank and its signal (it alone knows how the rank
 # ended), so the `RankError` of a rank gone carries ``said_by_launcher`` and the lead prints nothing of its own
 LAUNCHER_ENV = "MOE_UPCYCLE_WORKERS"
+LEAD_GONE = " (rank 0's staging folder beside the output stays until the next build to that output clears it)"
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class Failure:
         if self.kind == "gone":  # recorded by the rank that found it gone: its process ended without a word
             exc = RankError(f"{self.where} left the job without a word ({' '.join(self.problems)}): it was killed "
                            f"(by a signal, or the out-of-memory killer: see dmesg) or crashed, see its output; "
-                           f"every rank stopped and nothing was published")
+                           f"every rank stopped and nothing was published"
+                           f"{LEAD_GONE if self.rank == 0 else ''}")
             exc.said_by_launcher = bool(os.environ.get(LAUNCHER_ENV))
         elif self.kind == "interrupt":
             exc: BaseException = Terminated(self.signum)

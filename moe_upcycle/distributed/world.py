@@ -213,7 +213,7 @@ class World:
                 gone = next((r for r in range(self.size) if self._gone(r)), None)
                 first = self._record_gone(gone) if gone is not None else None
             if first is not None:
-                return first.exception()
+                return self._raised(first)
             time.sleep(0.1)
         return None
 
@@ -261,8 +261,8 @@ class World:
                 self._own = Failure.of(exc, seq, self.rank, self.size)
                 self._store.set(f"failure/{seq}", self._own.record())
             self._store.set(f"stopped/{self.rank}", "1")
-            if not self.lead:
-                return None
+            if not self.lead:  # torchrun's SIGTERM after the lead died: say that, the lead cannot
+                return self._raised(self._record_gone(0)) if self._gone(0) else None
             # a peer gone without a word writes nothing more: no need to wait for it
             self._wait(lambda: all(self._stopped_or_gone(r) for r in range(1, self.size)), limit=STOP_WAIT_S)
             if self._own is not None and self._own.kind == "interrupt":  # torchrun's SIGTERM after a peer's end?
@@ -270,7 +270,7 @@ class World:
                               and (f.seq < self._own.seq or f.kind == "gone")), None)
                 if first is None:
                     first = next((self._record_gone(r) for r in range(1, self.size) if self._gone(r)), None)
-                return first.exception() if first is not None else None
+                return self._raised(first) if first is not None else None
         return None
 
     # ---- ranks gone without a word --------------------------------------------------------------------------
@@ -285,6 +285,14 @@ class World:
         keys = [f"proc/{r}" for r in range(self.size)]
         self._store.wait(keys, TRANSFER_TIMEOUT)
         self._procs = {r: json.loads(v) for r, v in enumerate(self._store.multi_get(keys))}
+
+    def _raised(self, failure: Failure) -> BaseException:
+        """`failure` as the error to raise here. A lead gone cannot say what stopped the build: rank 1 says it
+        (``said_here``; the command line prints it on that rank)."""
+        exc = failure.exception()
+        if failure.kind == "gone" and failure.rank == 0 and self.rank == 1:
+            exc.said_here = True
+        return exc
 
     def _stop_beating(self) -> None:
         if self._beating is not None:
@@ -330,7 +338,7 @@ class World:
             self._record_gone(gone)
         first = next((f for f in self._failures() if f.rank != self.rank), None)
         if first is not None:
-            raise first.exception()
+            raise self._raised(first)
 
     def _failures(self) -> list[Failure]:
         found = []
