@@ -225,9 +225,10 @@ def test_a_rank_is_gone_when_its_process_ended_or_its_heartbeat_stood_still(monk
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         world = world_module.World(rank=0, size=4, store=store)
-        world._procs = {0: {"machine": here, "host": "a", "pid": 1}, 1: {"machine": here, "host": "a", "pid": child.pid},
-                        2: {"machine": "elsewhere", "host": "b", "pid": 1}, 3: {"machine": "elsewhere", "host": "c",
-                                                                                 "pid": 1}}
+        world._procs = {0: {"machine": here, "host": "a", "pid": 1},
+                        1: {"machine": here, "host": "a", "pid": child.pid},
+                        2: {"machine": "elsewhere", "host": "b", "pid": 1},
+                        3: {"machine": "elsewhere", "host": "c", "pid": 1}}
         store.set("stopped/3", "1")
         assert [world._gone(r) for r in range(4)] == [False, False, False, False]
         store.add("beat/2", 1)
@@ -250,6 +251,28 @@ def test_a_rank_is_gone_when_its_process_ended_or_its_heartbeat_stood_still(monk
         assert store.add("failures", 0) == 1
     finally:
         child.kill()
+
+
+def test_a_store_that_stopped_answering_is_said_not_a_traceback():
+    """The job's store lives in one torchrun agent (the first node's); when that agent ends, a rank's next look at
+    the store raises DistNetworkError from C++: said as a RankError naming the store and what to look at."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moe_upcycle.distributed.world import World
+    from moe_upcycle.errors import RankError
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=5))
+    world = World(rank=1, size=2, store=dist.PrefixStore("job/", client))
+    world._raise_peer_failure()  # nothing failed, nobody gone (no ranks registered)
+    del server
+    with pytest.raises(RankError) as raised:
+        world.sync()
+    assert str(raised.value).startswith("the job's store stopped answering (DistNetworkError: ")
+    assert str(raised.value).endswith("the torchrun agent that hosts it ended (its node failed or was stopped); every "
+                                      "rank stops and nothing is published — see that node's output")
 
 
 def test_the_first_difference_is_named_with_every_disagreeing_rank(stories, tmp_path):

@@ -130,7 +130,8 @@ def _source_summary(source: Checkpoint) -> str:
         adapter_file = Path(adapter.path) / adapter.file
         sizes[str(adapter_file)] = os.stat(adapter_file).st_size if adapter_file.exists() else -1
     config = json.dumps(dict(source.config), sort_keys=True, default=str)
-    return (f"{len(headers)} tensors in {len(sizes)} file{'s' if len(sizes) != 1 else ''} of {sum(sizes.values())} bytes "
+    files = f"{len(sizes)} file{'s' if len(sizes) != 1 else ''}"
+    return (f"{len(headers)} tensors in {files} of {sum(sizes.values())} bytes "
             f"(headers and config sha256 {_digest([headers, config, sizes])[:12]})")
 
 

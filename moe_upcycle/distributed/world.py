@@ -128,10 +128,10 @@ class World:
             return
         self._syncs += 1
         key = f"sync/{self._syncs}"
-        self._store.add(key, 1)
+        _answered(lambda: self._store.add(key, 1))
         self._wait(lambda: self._store.add(key, 0) >= self.size, check=True)
         if last:
-            self._store.set(f"stopped/{self.rank}", "1")
+            _answered(lambda: self._store.set(f"stopped/{self.rank}", "1"))
 
     def share(self, value: T, types: Sequence[type] = ()) -> T:
         """The lead's `value`, on every rank (others pass anything, e.g. None).
@@ -208,10 +208,13 @@ class World:
         peer on another machine takes to be found (its heartbeat's `SILENT_S`); None if neither shows."""
         deadline = time.monotonic() + SILENT_S + 2 * BEAT_S
         while time.monotonic() < deadline:
-            first = next((f for f in self._failures() if f.rank != self.rank), None)
-            if first is None:
-                gone = next((r for r in range(self.size) if self._gone(r)), None)
-                first = self._record_gone(gone) if gone is not None else None
+            try:
+                first = next((f for f in self._failures() if f.rank != self.rank), None)
+                if first is None:
+                    gone = next((r for r in range(self.size) if self._gone(r)), None)
+                    first = self._record_gone(gone) if gone is not None else None
+            except _store_errors() as lost:
+                return _StoreLost.of(lost)
             if first is not None:
                 return self._raised(first)
             time.sleep(0.1)
@@ -255,6 +258,13 @@ class World:
 
     def _stop(self, exc: BaseException) -> Optional[BaseException]:
         self._stopped = True
+        try:
+            return self._stop_in_store(exc)
+        except (_StoreLost, *_store_errors()) as lost:  # the store's host ended: nothing to record or wait for
+            return (lost if isinstance(lost, _StoreLost) else _StoreLost.of(lost)) \
+                if isinstance(exc, KeyboardInterrupt) else None
+
+    def _stop_in_store(self, exc: BaseException) -> Optional[BaseException]:
         with signals_held(drop=True):  # a second signal (torchrun passes on the terminal's Ctrl-C) must not cut this short
             if getattr(exc, "failed_rank", self.rank) == self.rank:  # not the echo of a peer's failure
                 seq = self._store.add("failures", 1)
@@ -327,6 +337,12 @@ class World:
         return next(f for f in self._failures() if f.kind == "gone" and f.rank == rank)
 
     def _raise_peer_failure(self) -> None:
+        try:
+            self._look_for_failures()
+        except _store_errors() as lost:
+            raise _StoreLost.of(lost) from None
+
+    def _look_for_failures(self) -> None:
         self._checked = time.monotonic()
         if self._store.add("failures", 0) == 0:
             if self._checked - self._gone_checked < GONE_CHECK_S:
@@ -352,7 +368,7 @@ class World:
         """Poll `done` (signals act between looks); with `check`, raise a peer's failure meanwhile. Returns
         whether it came true (False after `limit` seconds)."""
         start, pause = time.monotonic(), _POLL_S[0]
-        while not done():
+        while not _answered(done):
             if check:
                 self._raise_peer_failure()
             if limit is not None and time.monotonic() - start > limit:
@@ -367,11 +383,40 @@ class World:
         if self.size == 1:
             return
         self._stop_beating()
+        with contextlib.suppress(_StoreLost, *_store_errors()):  # leaving a job whose store has ended
+            self._say_left(failed)
+
+    def _say_left(self, failed: bool) -> None:
         if self.lead:
             self._store.set("left", "1")
         elif failed:  # (a lead gone without a word never will)
             self._wait(lambda: self._store.check(["left"]) or self._gone(0), limit=LEAVE_WAIT_S)
         self._store.set(f"stopped/{self.rank}", "1")  # it left: not gone
+
+
+class _StoreLost(RankError):
+    """The job's c10d store stopped answering: the torchrun agent that hosts it (on the first node) has ended."""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "_StoreLost":
+        said = str(exc).splitlines()[0] if str(exc) else ""
+        return cls(f"the job's store stopped answering ({type(exc).__name__}: {said}): the torchrun agent that hosts "
+                   f"it ended (its node failed or was stopped); every rank stops and nothing is published — see that "
+                   f"node's output")
+
+
+def _store_errors() -> tuple[type[BaseException], ...]:
+    import torch.distributed as dist
+
+    return (dist.DistError,)
+
+
+def _answered(call: Callable[[], T]) -> T:
+    """`call()` (a store operation), a store's lost connection said as `_StoreLost`."""
+    try:
+        return call()
+    except _store_errors() as lost:
+        raise _StoreLost.of(lost) from None
 
 
 def current_world() -> World:
