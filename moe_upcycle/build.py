@@ -28,6 +28,7 @@ from moe_upcycle.checkpoint.output_dir import (  # noqa: F401 (RECIPE_NAME: publ
     RECIPE_NAME, check_target, made_parent, name_too_long, target_problem)
 from moe_upcycle.checkpoint.source import Checkpoint, open_sources
 from moe_upcycle.checkpoint.writer import ShardedWriter
+from moe_upcycle.distributed.agreement import build_facts, check_agreement
 from moe_upcycle.distributed.ranked_build import shared_stage, write_rank_shards
 from moe_upcycle.distributed.world import joined_world
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
@@ -253,6 +254,8 @@ def upcycle(
             if problem:  # what the build would refuse, whatever its --force
                 raise OutputError(problem)
             return BuildResult(config, plan, None, sharing, summary=summary)
+        # every rank has the same recipe, sources and plan, or none writes a byte (one all-gather)
+        check_agreement(world, build_facts(config, sources, plan, target, write_params(config).max_shard_bytes))
         with world.lead_context(made_parent, target):  # the parent folders it makes are removed again if it fails
             world.from_lead(check_output, target, force, source_folders(sources),
                             input_paths(recipe_source, config, ()), summary, sources[config.base_model])

@@ -175,7 +175,7 @@ def test_a_refusal_is_said_once_by_rank_0(case, tiny_llama, tmp_path):
 def test_a_write_failure_on_rank_1_stops_both_and_publishes_nothing(tiny_llama, tmp_path):
     """A real failure on one rank only: rank 1 runs under a file-size limit (RLIMIT_FSIZE, set for it alone by a
     sitecustomize), so writing its first shard fails with EFBIG. Rank 0 says it once, naming rank 1; nothing is
-    published, the staging folder (made by rank 0) and the lock are gone."""
+    published, the staging folder (made by rank 0) and the lock are gone; the rebuild writes the one-process bytes."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
@@ -196,6 +196,10 @@ def test_a_write_failure_on_rank_1_stops_both_and_publishes_nothing(tiny_llama, 
     assert flat.count("output error: rank 1 of 2 (host ") == 1 and "File too large" in flat, said[0]
     assert "Traceback" not in said[0] and said[1] == ""
     assert leftovers(target) == []
+    rebuilt = _torchrun("-m", "moe_upcycle", "build", str(recipe), str(target))  # no limit now: the one-process bytes
+    out, err = rebuilt.communicate(timeout=300)
+    assert rebuilt.returncode == 0, out + err
+    _assert_same_folder(target, upcycle(str(recipe), tmp_path / "alone").output)
 
 
 def _start_big_build(cfg: Path, target: Path) -> subprocess.Popen:
@@ -346,10 +350,19 @@ def test_more_workers_than_twice_the_cpus_is_refused_before_any_process_starts(c
     assert started == []
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a process allowed on 2 CPUs or more, to pin a child to fewer")
 def test_usable_cpus_is_this_process_affinity():
-    from moe_upcycle.terminal.cpus import usable_cpus
-
-    assert usable_cpus() == len(os.sched_getaffinity(0)) >= 1
+    """A child pinned to one CPU (as ``taskset -c N`` does) counts 1, on a machine with more: the affinity, not
+    ``os.cpu_count()`` (a container's or a job's CPU set is the affinity)."""
+    cpu = min(os.sched_getaffinity(0))
+    child = ("import os; os.sched_setaffinity(0, {%d}); from moe_upcycle.terminal.cpus import usable_cpus; "
+             "print(usable_cpus(), os.cpu_count())" % cpu)
+    done = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=module_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    counted, machine = map(int, done.stdout.split())
+    assert counted == 1 and machine >= 2
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])

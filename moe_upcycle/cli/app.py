@@ -144,8 +144,9 @@ def _run(fn: Callable, world: World, *args, **kwargs):
     except UpcycleError as exc:
         if DEBUG["on"]:
             raise
-        with _said_by(world):
-            _print_error(exc)
+        if not getattr(exc, "said_by_launcher", False):  # a killed rank: `build --workers` names it and its signal
+            with contextlib.nullcontext() if getattr(exc, "said_here", False) else _said_by(world):  # a lead gone
+                _print_error(exc)
         raise typer.Exit(1)
     except (RuntimeError, OSError, MemoryError, ImportError) as exc:  # torch.OutOfMemoryError: a RuntimeError
         message = out_of_memory(exc, fn.__name__, kwargs)

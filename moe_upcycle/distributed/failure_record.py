@@ -1,17 +1,22 @@
-"""What failed on one rank of a job, as a record other ranks read (`world`) and raise as their own error.
+"""What failed on one rank of a job, as a record other ranks read and raise as their own error.
 
-A `Failure` is written into the job's store as JSON when a rank's work raises: its kind (an `UpcycleError`, a
-signal, or a bug), the exception class, its messages, the rank and host. `Failure.exception` gives the error to
-raise on another rank: the same class with ``rank R of N (host H): `` before each message; a `Terminated` with the
-signal's number for a signal (so the exit code is 128 + it there too); a `RankError` for a bug, whose traceback is
-in that rank's own output.
+A `Failure` travels as one JSON record (`record` / `from_record`: plain strings and numbers, never a pickle)
+through the job's c10d store, whoever sends it (`world` for a build, `rank_failures` inside a training job): its
+kind (an `UpcycleError`, a signal, a bug, or a rank gone without a word), the exception class, its messages, the
+rank and host. `Failure.exception` gives the error to raise on another rank: the same class with
+``rank R of N (host H): `` before each message; a `Terminated` with the signal's number for a signal (so the exit
+code is 128 + it there too); a `RankError` for a bug, whose traceback is in that rank's own output, and for a
+rank whose process ended without recording anything (killed by a signal, out of memory, a crash).
 
 It does not talk to other ranks (see `world`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
+import os
 import signal
 import socket
 from dataclasses import dataclass
@@ -19,6 +24,11 @@ from typing import Any, Optional
 
 from moe_upcycle.errors import RankError, UpcycleError
 from moe_upcycle.terminal.signals import Terminated
+
+# set by ``build --workers`` for its ranks: it names a dead rank and its signal (it alone knows how the rank
+# ended), so the `RankError` of a rank gone carries ``said_by_launcher`` and the lead prints nothing of its own
+LAUNCHER_ENV = "MOE_UPCYCLE_WORKERS"
+LEAD_GONE = " (rank 0's staging folder beside the output stays until the next build to that output clears it)"
 
 
 @dataclass(frozen=True)
@@ -29,7 +39,7 @@ class Failure:
     rank: int
     size: int
     host: str
-    kind: str  # "error" (an UpcycleError), "interrupt" (a signal) or "bug" (any other exception)
+    kind: str  # "error" (an UpcycleError), "interrupt" (a signal), "bug" (any other exception) or "gone"
     cls: str  # module:qualname of the exception class
     problems: tuple[str, ...]
     signum: int = 0
@@ -41,7 +51,13 @@ class Failure:
     def exception(self) -> BaseException:
         """The error to raise on another rank: the same class and messages with the rank in front, a
         `Terminated` for a signal, a `RankError` for a bug (its traceback is in that rank's output)."""
-        if self.kind == "interrupt":
+        if self.kind == "gone":  # recorded by the rank that found it gone: its process ended without a word
+            exc = RankError(f"{self.where} left the job without a word ({' '.join(self.problems)}): it was killed "
+                           f"(by a signal, or the out-of-memory killer: see dmesg) or crashed, see its output; "
+                           f"every rank stopped and nothing was published"
+                           f"{LEAD_GONE if self.rank == 0 else ''}")
+            exc.said_by_launcher = bool(os.environ.get(LAUNCHER_ENV))
+        elif self.kind == "interrupt":
             exc: BaseException = Terminated(self.signum)
             exc.where = f" on rank {self.rank} of {self.size}, host {self.host}"
         else:
@@ -56,6 +72,21 @@ class Failure:
                                 f"is in that rank's output)")
         exc.failed_rank = self.rank
         return exc
+
+    def record(self) -> str:
+        """This failure as one JSON object (what travels between ranks)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_record(cls, text: str | bytes) -> "Failure":
+        """The `Failure` that `record` wrote (the one place a record is read back)."""
+        fields = json.loads(text)
+        return cls(**{**fields, "problems": tuple(fields["problems"])})
+
+    @classmethod
+    def gone(cls, seq: int, rank: int, size: int, host: str, how: str) -> "Failure":
+        """A rank found gone by another (`how`: what was seen, e.g. "its process ended")."""
+        return cls(seq, rank, size, host, "gone", "", (how,))
 
     @classmethod
     def of(cls, exc: BaseException, seq: int, rank: int, size: int) -> "Failure":

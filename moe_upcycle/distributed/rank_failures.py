@@ -1,9 +1,11 @@
 """One rank's failure is everyone's: work that may fail on some ranks ends with every rank raising.
 
 `all_or_none(what)` wraps a block that each rank runs on its own (filling its shards, rank 0 writing files).
-After the block, one collective tells every rank whether any rank failed, and all raise: the failed rank its
-own exception, the others an error of the same kind naming that rank and its message. Without it the
-healthy ranks would wait in their next collective until the process group's timeout (30 minutes by default).
+After the block every rank puts its outcome in the job's c10d store — nothing, or its `failure_record.Failure` as
+a JSON record, the one failure channel a distributed build uses too (`world`) — and reads every other rank's; all
+raise: the failed rank its own exception, the others an error of the same kind naming that rank and its message.
+Without it the healthy ranks would wait in their next collective until the process group's timeout (30 minutes by
+default). The wait polls the store, so a signal acts during it.
 
 It does not retry, and it cannot rescue a collective issued inside the block: those must still be issued by
 every rank in the same order. Outside a process group (or with one rank) the block simply runs.
@@ -12,8 +14,10 @@ every rank in the same order. Outside a process group (or with one rank) the blo
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -51,15 +55,34 @@ def all_or_none(what: str) -> Iterator[None]:
         yield
     except Exception as exc:  # KeyboardInterrupt and SystemExit end the process: torchrun stops the others
         error = exc
-    record = None
+    record = ""
     if error is not None:
         failure = Failure.of(error, 1, rank, size)
-        record = dataclasses.asdict(dataclasses.replace(
-            failure, problems=tuple(f"{what} failed, so every rank stops: {p}" for p in failure.problems)))
-    said: list = [None] * size
-    dist.all_gather_object(said, record)  # dicts of strings and numbers, within the caller's own job
+        record = dataclasses.replace(
+            failure, problems=tuple(f"{what} failed, so every rank stops: {p}" for p in failure.problems)).record()
+    said = _exchange(record, rank, size)
     if error is not None:
         raise error
-    failed = next((s for s in said if s is not None), None)
+    failed = next((s for s in said if s), None)
     if failed is not None:
-        raise Failure(**{**failed, "problems": tuple(failed["problems"])}).exception()
+        raise Failure.from_record(failed).exception()
+
+
+_BLOCKS = [0]  # `all_or_none` blocks run in this process: every rank counts the same (they run the same blocks)
+_POLL_S = (0.0005, 0.05)  # first and longest sleep between two looks at the store
+
+
+def _exchange(record: str, rank: int, size: int) -> list[str]:
+    """Every rank's `record` ("" for none), in rank order, through the job's store: one key per rank and block."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _BLOCKS[0] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job counts its blocks from 1 again
+    store: Any = dist.PrefixStore(f"moe-upcycle/all-or-none/{attempt}/{_BLOCKS[0]}/", _get_default_store())
+    store.set(str(rank), record)
+    keys = [str(r) for r in range(size)]
+    pause = _POLL_S[0]
+    while not store.check(keys):  # polled, not `store.wait`: SIGINT and SIGTERM act between looks
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S[1])
+    return [value.decode() for value in store.multi_get(keys)]

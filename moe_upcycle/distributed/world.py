@@ -15,6 +15,10 @@ immediate and does nothing: the one-process build is the world-size-1 case of th
   within about a tensor's time, not after the healthy ranks finished hours of work. The lead (rank 0) raises the
   first failure (its own, or a peer's with the rank and host in front of each message); the others raise too,
   and the command line prints nothing on them (`cli.app`), so it is said once.
+- A rank that dies without a word (SIGKILL, the out-of-memory killer, a crash) is found gone: on its own machine
+  by its process id (at once), elsewhere by its heartbeat (a store key each rank bumps every `BEAT_S` from a
+  thread, silent for `SILENT_S`). The rank that finds it records a ``gone`` failure for it, so every rank raises
+  it (a `RankError` naming that rank), and the lead stops waiting for it at the end instead of its `STOP_WAIT_S`.
 - The end is ordered: before the lead's staging folder is removed it waits (`STOP_WAIT_S`) until every peer has
   stopped writing into it, and a failed peer leaves only after the lead has left (`LEAVE_WAIT_S`). torchrun stops
   every worker with SIGTERM as soon as one exits non-zero; so it never interrupts the lead's clean-up or message.
@@ -25,7 +29,7 @@ is a polled store key (SIGINT and SIGTERM act at once), and the gloo collectives
 arrived (`sync`), lasting as long as their transfer (`TRANSFER_TIMEOUT` bounds it); they too are awaited by
 polling (``async_op``), so a rank stopped by a signal between two of them never leaves the others blocked. A
 rank that hangs (not one that dies: torchrun stops the job then) keeps the others waiting, as a hung disk
-stalls a one-process build.
+stalls a one-process build (its heartbeat thread still beats).
 
 It does not start processes (torchrun does, or ``build --workers``) and knows nothing about builds.
 """
@@ -36,6 +40,8 @@ import contextlib
 import io
 import json
 import os
+import socket
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -51,6 +57,9 @@ TRANSFER_TIMEOUT = timedelta(minutes=10)  # one gloo collective, started once ev
 CHECK_EVERY_S = 0.2  # while writing, how often a rank looks for a peer's failure (one store round trip)
 STOP_WAIT_S = 20.0  # the lead's wait for its peers to stop writing into the staging folder before it is removed
 LEAVE_WAIT_S = 120.0  # a failed peer's wait for the lead to finish its clean-up and say what failed
+BEAT_S = 1.0  # how often each rank's heartbeat thread bumps its key in the store
+SILENT_S = 15.0  # a rank on another machine whose heartbeat stood still this long is gone
+GONE_CHECK_S = 0.5  # how often a rank looks for peers gone without a word (one store round trip per peer)
 _POLL_S = (0.0005, 0.05)  # first and longest sleep between two looks at the store
 _RUNS = [0]  # joined worlds in this process: each keeps its keys apart in the job's store
 _CURRENT: list["World"] = []
@@ -93,6 +102,10 @@ class World:
         self._own: Optional[Failure] = None
         self.said: set[str] = set()  # the lead: warnings it showed; peers: left to the lead
         self.unsaid: list[str] = []  # a peer's warnings, sent to the lead with the next `gather`
+        self._procs: dict[int, dict] = {}  # rank -> {"machine", "host", "pid"}, read once every rank has joined
+        self._beats: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, when this rank saw it change)
+        self._gone_checked = 0.0
+        self._beating: Optional[threading.Event] = None  # set to stop this rank's heartbeat thread
 
     @property
     def lead(self) -> bool:
@@ -115,10 +128,10 @@ class World:
             return
         self._syncs += 1
         key = f"sync/{self._syncs}"
-        self._store.add(key, 1)
+        _answered(lambda: self._store.add(key, 1))
         self._wait(lambda: self._store.add(key, 0) >= self.size, check=True)
         if last:
-            self._store.set(f"stopped/{self.rank}", "1")
+            _answered(lambda: self._store.set(f"stopped/{self.rank}", "1"))
 
     def share(self, value: T, types: Sequence[type] = ()) -> T:
         """The lead's `value`, on every rank (others pass anything, e.g. None).
@@ -145,6 +158,13 @@ class World:
                     if line not in self.said:
                         warnings.warn(line, UpcycleWarning, stacklevel=2)
         return [v for v, _ in got]
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order, on every rank: one all-gather, no pickles (e.g. JSON records)."""
+        if self.size == 1:
+            return [data]
+        self.sync()
+        return self._all_gather(data)
 
     def _broadcast(self, data: bytes) -> bytes:
         import torch
@@ -177,8 +197,28 @@ class World:
         try:
             work.wait()
         except RuntimeError as exc:  # a peer's connection closed: it died (torchrun stops this rank too)
+            said = self._why_cut_off()
+            if said is not None:
+                raise said from None
             raise RankError(f"a transfer between the ranks failed ({exc}); another rank stopped, see its output") \
                 from None
+
+    def _why_cut_off(self) -> Optional[BaseException]:
+        """After a transfer failed: a peer's recorded failure, or a peer found gone, looked for as long as a gone
+        peer on another machine takes to be found (its heartbeat's `SILENT_S`); None if neither shows."""
+        deadline = time.monotonic() + SILENT_S + 2 * BEAT_S
+        while time.monotonic() < deadline:
+            try:
+                first = next((f for f in self._failures() if f.rank != self.rank), None)
+                if first is None:
+                    gone = next((r for r in range(self.size) if self._gone(r)), None)
+                    first = self._record_gone(gone) if gone is not None else None
+            except _store_errors() as lost:
+                return _StoreLost.of(lost)
+            if first is not None:
+                return self._raised(first)
+            time.sleep(0.1)
+        return None
 
     def from_lead(self, fn: Callable[..., T], *args, types: Sequence[type] = ()) -> T:
         """Run ``fn(*args)`` on the lead alone; every rank gets its result (`share`'s `types`), or its failure."""
@@ -218,44 +258,117 @@ class World:
 
     def _stop(self, exc: BaseException) -> Optional[BaseException]:
         self._stopped = True
+        try:
+            return self._stop_in_store(exc)
+        except (_StoreLost, *_store_errors()) as lost:  # the store's host ended: nothing to record or wait for
+            return (lost if isinstance(lost, _StoreLost) else _StoreLost.of(lost)) \
+                if isinstance(exc, KeyboardInterrupt) else None
+
+    def _stop_in_store(self, exc: BaseException) -> Optional[BaseException]:
         with signals_held(drop=True):  # a second signal (torchrun passes on the terminal's Ctrl-C) must not cut this short
             if getattr(exc, "failed_rank", self.rank) == self.rank:  # not the echo of a peer's failure
                 seq = self._store.add("failures", 1)
                 self._own = Failure.of(exc, seq, self.rank, self.size)
-                self._store.set(f"failure/{seq}", json.dumps(self._own.__dict__))
+                self._store.set(f"failure/{seq}", self._own.record())
             self._store.set(f"stopped/{self.rank}", "1")
-            if not self.lead:
-                return None
-            peers = [f"stopped/{r}" for r in range(1, self.size)]
-            self._wait(lambda: self._store.check(peers), limit=STOP_WAIT_S)
-            if self._own is not None and self._own.kind == "interrupt":
+            if not self.lead:  # torchrun's SIGTERM after the lead died: say that, the lead cannot
+                return self._raised(self._record_gone(0)) if self._gone(0) else None
+            # a peer gone without a word writes nothing more: no need to wait for it
+            self._wait(lambda: all(self._stopped_or_gone(r) for r in range(1, self.size)), limit=STOP_WAIT_S)
+            if self._own is not None and self._own.kind == "interrupt":  # torchrun's SIGTERM after a peer's end?
                 first = next((f for f in self._failures() if f.rank != self.rank and f.kind != "interrupt"
-                              and f.seq < self._own.seq), None)
-                return first.exception() if first is not None else None
+                              and (f.seq < self._own.seq or f.kind == "gone")), None)
+                if first is None:
+                    first = next((self._record_gone(r) for r in range(1, self.size) if self._gone(r)), None)
+                return self._raised(first) if first is not None else None
         return None
 
+    # ---- ranks gone without a word --------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        """Say where this rank runs (machine, host, process id) and start its heartbeat; read every rank's."""
+        self._store.set(f"proc/{self.rank}", json.dumps({"machine": _machine(), "host": socket.gethostname(),
+                                                         "pid": os.getpid()}))
+        self._beating = threading.Event()
+        threading.Thread(target=_beat, args=(_own_connection(self._store), self.rank, self._beating),
+                         name="moe-upcycle-heartbeat", daemon=True).start()
+        keys = [f"proc/{r}" for r in range(self.size)]
+        self._store.wait(keys, TRANSFER_TIMEOUT)
+        self._procs = {r: json.loads(v) for r, v in enumerate(self._store.multi_get(keys))}
+
+    def _raised(self, failure: Failure) -> BaseException:
+        """`failure` as the error to raise here. A lead gone cannot say what stopped the build: rank 1 says it
+        (``said_here``; the command line prints it on that rank)."""
+        exc = failure.exception()
+        if failure.kind == "gone" and failure.rank == 0 and self.rank == 1:
+            exc.said_here = True
+        return exc
+
+    def _stop_beating(self) -> None:
+        if self._beating is not None:
+            self._beating.set()
+
+    def _stopped_or_gone(self, rank: int) -> bool:
+        return self._store.check([f"stopped/{rank}"]) or self._gone(rank)
+
+    def _gone(self, rank: int) -> bool:
+        """Whether `rank` ended without a word: its process is gone (on this machine), or its heartbeat stood
+        still for `SILENT_S` (elsewhere). A rank that stopped or left says so first, and is never gone."""
+        proc = self._procs.get(rank)
+        if proc is None or rank == self.rank or self._store.check([f"stopped/{rank}"]):
+            return False
+        if proc["machine"] == _machine():
+            return not _alive(proc["pid"])
+        count, now = self._store.add(f"beat/{rank}", 0), time.monotonic()
+        seen = self._beats.get(rank)
+        if seen is None or seen[0] != count:
+            self._beats[rank] = (count, now)
+            return False
+        return now - seen[1] > SILENT_S
+
+    def _record_gone(self, rank: int) -> Failure:
+        """The `Failure` of a rank found gone, recorded once for every rank (the first to find it writes it)."""
+        if self._store.add(f"gone/{rank}", 1) == 1:
+            proc = self._procs[rank]
+            how = ("its process ended" if proc["machine"] == _machine() else
+                   f"its heartbeat stopped for {SILENT_S:.0f} s")
+            seq = self._store.add("failures", 1)
+            self._store.set(f"failure/{seq}", Failure.gone(seq, rank, self.size, proc["host"], how).record())
+        return next(f for f in self._failures() if f.kind == "gone" and f.rank == rank)
+
     def _raise_peer_failure(self) -> None:
+        try:
+            self._look_for_failures()
+        except _store_errors() as lost:
+            raise _StoreLost.of(lost) from None
+
+    def _look_for_failures(self) -> None:
         self._checked = time.monotonic()
         if self._store.add("failures", 0) == 0:
-            return
+            if self._checked - self._gone_checked < GONE_CHECK_S:
+                return
+            self._gone_checked = self._checked
+            gone = next((r for r in range(self.size) if self._gone(r)), None)
+            if gone is None:
+                return
+            self._record_gone(gone)
         first = next((f for f in self._failures() if f.rank != self.rank), None)
         if first is not None:
-            raise first.exception()
+            raise self._raised(first)
 
     def _failures(self) -> list[Failure]:
         found = []
         for seq in range(1, self._store.add("failures", 0) + 1):
             key = f"failure/{seq}"
             self._store.wait([key], timedelta(seconds=30))  # counted a moment before it was written
-            record = json.loads(self._store.get(key))
-            found.append(Failure(**{**record, "problems": tuple(record["problems"])}))
+            found.append(Failure.from_record(self._store.get(key)))
         return found
 
     def _wait(self, done: Callable[[], bool], check: bool = False, limit: Optional[float] = None) -> bool:
         """Poll `done` (signals act between looks); with `check`, raise a peer's failure meanwhile. Returns
         whether it came true (False after `limit` seconds)."""
         start, pause = time.monotonic(), _POLL_S[0]
-        while not done():
+        while not _answered(done):
             if check:
                 self._raise_peer_failure()
             if limit is not None and time.monotonic() - start > limit:
@@ -269,10 +382,41 @@ class World:
         (torchrun stops the others once it exits)."""
         if self.size == 1:
             return
+        self._stop_beating()
+        with contextlib.suppress(_StoreLost, *_store_errors()):  # leaving a job whose store has ended
+            self._say_left(failed)
+
+    def _say_left(self, failed: bool) -> None:
         if self.lead:
             self._store.set("left", "1")
-        elif failed:
-            self._wait(lambda: self._store.check(["left"]), limit=LEAVE_WAIT_S)
+        elif failed:  # (a lead gone without a word never will)
+            self._wait(lambda: self._store.check(["left"]) or self._gone(0), limit=LEAVE_WAIT_S)
+        self._store.set(f"stopped/{self.rank}", "1")  # it left: not gone
+
+
+class _StoreLost(RankError):
+    """The job's c10d store stopped answering: the torchrun agent that hosts it (on the first node) has ended."""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "_StoreLost":
+        said = str(exc).splitlines()[0] if str(exc) else ""
+        return cls(f"the job's store stopped answering ({type(exc).__name__}: {said}): the torchrun agent that hosts "
+                   f"it ended (its node failed or was stopped); every rank stops and nothing is published — see that "
+                   f"node's output")
+
+
+def _store_errors() -> tuple[type[BaseException], ...]:
+    import torch.distributed as dist
+
+    return (dist.DistError,)
+
+
+def _answered(call: Callable[[], T]) -> T:
+    """`call()` (a store operation), a store's lost connection said as `_StoreLost`."""
+    try:
+        return call()
+    except _store_errors() as lost:
+        raise _StoreLost.of(lost) from None
 
 
 def current_world() -> World:
@@ -375,13 +519,61 @@ def _join() -> tuple[World, Callable[[], None]]:
                             f"build with torchrun (torchrun --nproc-per-node N -m moe_upcycle build ...)") from None
         group = None
 
+    world = World(dist.get_rank(), dist.get_world_size(), dist.PrefixStore(prefix, store), group)
+
     def teardown() -> None:
+        world._stop_beating()
         if not joined:
             dist.destroy_process_group()
         elif group is not None:
             dist.destroy_process_group(group)
 
-    return World(dist.get_rank(), dist.get_world_size(), dist.PrefixStore(prefix, store), group), teardown
+    world._register()
+    return world, teardown
+
+
+def _machine() -> str:
+    """This machine and process namespace: process ids of two ranks with the same one can be compared."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        with contextlib.suppress(OSError):
+            parts.append(open(path).read().strip() if path.endswith("boot_id") else str(os.stat(path).st_ino))
+    return "/".join(parts)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this machine still runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _own_connection(store: Any) -> Any:
+    """A connection of the heartbeat thread's own to the job's store (the same one where it cannot clone)."""
+    try:
+        return store.clone()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return store
+
+
+def _beat(store: Any, rank: int, stop: threading.Event) -> None:
+    """This rank's heartbeat: its key bumped every `BEAT_S` until `stop`, or until the store is gone."""
+    while not stop.wait(BEAT_S):
+        try:
+            store.add(f"beat/{rank}", 1)
+        except Exception:  # the store's host ended (the job is over): nothing left to tell
+            return
 
 
 @contextlib.contextmanager
