@@ -81,6 +81,10 @@ LLAMACPP: dict[str, LlamaCppArch] = {
     "qwen2_moe": LlamaCppArch("qwen2moe", renormalises_top_k=False, shared_gate="silu(z) / z (NaN at z = 0)",
                               needs_lm_head=True, free_head_dim=False),
     "qwen3_moe": LlamaCppArch("qwen3moe", renormalises_top_k=True, loads_o_proj_bias=False),
+    # src/models/qwen35moe.cpp: build_moe_ffn with norm_w = true; the shared gate is ggml_sigmoid; output.weight
+    # optional (tied embeddings load); convert_hf_to_gguf.py's Qwen3_5MoeTextModel splits fused experts
+    "qwen3_5_moe_text": LlamaCppArch("qwen35moe", renormalises_top_k=True, shared_gate="sigmoid(z)",
+                                     loads_o_proj_bias=False),
 }
 GATING = "softmax over all experts, then top-k"
 

@@ -17,7 +17,7 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks, sparsity
+from moe_upcycle.planning import arch, compat, fused, hybrid, inits, llamacpp, shared_experts, source_checks, sparsity
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import unused_prompts_note
 from moe_upcycle.recipe.resolve import expert_inits, moe_layers
@@ -49,6 +49,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
     arch_name = layout.model_type
     problems += compat.source_problems(config, sources)
+    problems += hybrid.problems(layout, base.fields, f"base_model ({config.base_model})")
     used = [(f"experts[{i}]", e.source_model) for i, e in enumerate(config.expert_list())]
     used += [(f"shared_experts[{i}]", e.source_model) for i, e in enumerate(config.shared_experts)]
     problems += source_checks.expert_problems(config.base_model, used, sources,
@@ -128,7 +129,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     has_bias = any(f"model.layers.{layer}.{b}" in base.tensors for layer in per_layer for b in layout.bias_tensors)
     copy(names.EMBED)
     for layer in range(n_layers):
-        for suffix in layout.layer_tensors:
+        for suffix in hybrid.required_tensors(layout, bcfg, layer):
             key = f"model.layers.{layer}.{suffix}"
             if key not in per_layer[layer]:
                 need(base, key, f"base_model ({config.base_model})")
@@ -180,11 +181,15 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                                                  config.gate_mode, dtype.itemsize)
         notes += split
     notes += inits.describe(init_of, dense_i)
-    if config.layout == "fused" and (problem := fused.installed_transformers_problem()):
+    fuse = config.layout == "fused" or layout.fused_only  # Qwen3.5-MoE: transformers reads only fused experts
+    if fuse and (problem := fused.installed_transformers_problem()):
         problems.append(problem)
-    if config.layout == "fused" and not problems:
+    if fuse and not problems:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
+    if layout.fused_only and config.layout != "fused":
+        notes.append(f"{arch_name}: experts written fused (mlp.experts.gate_up_proj, down_proj): transformers converts "
+                     f"no per-expert names for {layout.class_name}")
     notes += sparsity.layer_notes(config, chosen, n_layers)
     renorm_notes, renorm_inexact = sparsity.renormalisation_notes(config, layout, len(experts))
     notes += renorm_notes
@@ -201,7 +206,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     inexact = ((split_inexact,) if split_inexact else ()) + tuple(renorm_inexact)
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 bcfg, tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
-                layout=config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
+                layout="fused" if fuse else config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
                 not_copied=tuple(extra), inexact=inexact, dense_layers=tuple(sorted(dense_layers)),
                 norm_topk_prob=config.norm_topk_prob is not False)
     if plan.ties_decide:
