@@ -184,3 +184,33 @@ def test_layer_types_that_qwen3_5_moe_cannot_build_are_named(dense, tmp_path):
     with pytest.raises(PlanError, match=r"layer_types\[3\] is 'sliding_attention', which Qwen3.5-MoE does not build"):
         upcycle({"base_model": str(bad), "num_experts": 2, "experts_per_token": 1, "gate_mode": "random"},
                 tmp_path / "moe", dry_run=True)
+
+
+def test_runtime_table(dense, tmp_path):
+    from moe_upcycle.planning.runtimes import compatibility
+
+    plan = upcycle({"base_model": str(dense), "num_experts": 4, "experts_per_token": 2, "gate_mode": "random",
+                    "architecture": "qwen3_5_moe"}, tmp_path / "moe", dry_run=True).plan
+    verdicts = {v.runtime: (v.status, v.why) for v in compatibility(plan)}
+    assert {k: s for k, (s, _) in verdicts.items()} == {
+        "transformers 5": "exact", "transformers 4.x": "will not load", "vLLM": "exact", "llama.cpp": "exact",
+        "ExLlamaV2": "will not load"}
+    assert "no Qwen3.5" in verdicts["transformers 4.x"][1]
+    assert verdicts["llama.cpp"][1] == "softmax over all experts, then top-k, renormalised as in transformers"
+
+
+TF4_PYTHON = Path(__file__).resolve().parents[1] / ".venv-tf4" / "bin" / "python"
+
+
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
+def test_transformers4_has_no_qwen3_5_moe_class(built):
+    """The runtime table's "will not load" for 4.57, measured: its AutoConfig does not know the model_type."""
+    import subprocess
+
+    code = ("import sys, transformers; print(transformers.__version__)\n"
+            "try:\n    transformers.AutoConfig.from_pretrained(sys.argv[1])\n"
+            "except Exception as e:\n    print('refused', type(e).__name__)")
+    run = subprocess.run([str(TF4_PYTHON), "-c", code, str(built)], capture_output=True, text=True, timeout=300,
+                         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, check=False)
+    lines = run.stdout.split()
+    assert lines[0].startswith("4.57") and "refused" in lines, run.stdout + run.stderr[-2000:]
