@@ -133,7 +133,8 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
             raise PlanError(*[f"architecture: {label}: {text}{_suggest(config, base, key, name)}"
                               for text, key in reasons])
         return layout
-    order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output]
+    order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output
+                                       and not hybrid.family_misfit(names.OUTPUT_LAYOUTS[n], base.model_type)]
     report = []
     for name in order:
         reasons = misfits(names.OUTPUT_LAYOUTS[name], config, base)
@@ -239,7 +240,8 @@ def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
 
 def _suggest(config: UpcycleConfig, base: Checkpoint, key: str, current: str) -> str:
     """" → use architecture: X" naming the outputs that fit; else those that at least avoid this problem."""
-    problems = {n: misfits(layout, config, base) for n, layout in names.OUTPUT_LAYOUTS.items() if n != current}
+    problems = {n: misfits(layout, config, base) for n, layout in names.OUTPUT_LAYOUTS.items()
+                if n != current and not hybrid.family_misfit(layout, base.model_type)}  # Qwen3.5-MoE: its bases only
     fits = [n for n, reasons in problems.items() if not reasons]
     if fits:
         return " → use architecture: " + " or ".join(fits)
