@@ -196,7 +196,8 @@ def test_runtime_table(dense, tmp_path):
         "transformers 5": "exact", "transformers 4.x": "will not load", "vLLM": "exact", "llama.cpp": "exact",
         "ExLlamaV2": "will not load"}
     assert "no Qwen3.5" in verdicts["transformers 4.x"][1]
-    assert verdicts["llama.cpp"][1] == "softmax over all experts, then top-k, renormalised as in transformers"
+    assert verdicts["llama.cpp"][1] == ("softmax over all experts, then top-k, renormalised as in transformers; "
+                                        "convert with --no-mtp")
 
 
 TF4_PYTHON = Path(__file__).resolve().parents[1] / ".venv-tf4" / "bin" / "python"
