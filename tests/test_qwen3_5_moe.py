@@ -53,9 +53,9 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _build(dense: Path, out: Path, **recipe):
+def _build(dense: Path, out: Path, verify: bool = False, **recipe):
     return upcycle({"base_model": str(dense), "num_experts": 4, "experts_per_token": 2, "gate_mode": "random",
-                    "architecture": "qwen3_5_moe", **recipe}, out)
+                    "architecture": "qwen3_5_moe", **recipe}, out, verify=verify)
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +215,25 @@ def test_transformers4_has_no_qwen3_5_moe_class(built):
                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, check=False)
     lines = run.stdout.split()
     assert lines[0].startswith("4.57") and "refused" in lines, run.stdout + run.stderr[-2000:]
+
+
+def test_verify_passes_and_sees_every_layer_built_as_the_base_says(dense, tmp_path):
+    result = _build(dense, tmp_path / "moe", verify=True)
+    assert result.verify.problems == [], result.verify.problems
+    assert result.verify.loaded_class == "Qwen3_5MoeForCausalLM" and result.verify.moe_layers == [0, 1, 2, 3]
+    assert result.verify.comparison.max_kl < 1e-8  # KL(dense || MoE) on the prompts: the same distribution
+
+
+def test_verify_names_a_layer_built_as_the_wrong_kind(built, dense, tmp_path):
+    from moe_upcycle.check.verify import verify
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in built.iterdir():
+        (bad / f.name).symlink_to(f)
+    cfg = json.loads((built / "config.json").read_text())
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention"] * 4}))
+    got = verify(bad, base=str(dense))
+    assert any("transformers built layer 0 as full_attention, but the dense base's layer_types says linear_attention"
+               in p for p in got.problems), got.problems
