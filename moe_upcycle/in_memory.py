@@ -49,6 +49,7 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.dense_config import dense_config
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
+from moe_upcycle.checkpoint.writer import TensorParts
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from moe_upcycle.planning.model_config import experts_implementation_for
 from moe_upcycle.distributed.fsdp_layout import fsdp_layout
@@ -522,6 +523,13 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
     for step, tensor in tensors:
         target, index = places[step.name]
         view = fresh[target][index] if index is not None else fresh[target]
+        if isinstance(tensor, TensorParts):  # a fused plan (Qwen3.5-MoE): the parts' bytes in order, one at a time
+            flat, offset = view.view(-1), 0
+            for part in tensor.parts:
+                flat[offset:offset + part.numel()].copy_(part.reshape(-1))
+                offset += part.numel()
+            filled[target] += offset
+            continue
         view.copy_(tensor)
         filled[target] += tensor.numel()
     for name, data in fresh.items():

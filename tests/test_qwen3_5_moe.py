@@ -237,3 +237,15 @@ def test_verify_names_a_layer_built_as_the_wrong_kind(built, dense, tmp_path):
     got = verify(bad, base=str(dense))
     assert any("transformers built layer 0 as full_attention, but the dense base's layer_types says linear_attention"
                in p for p in got.problems), got.problems
+
+
+def test_upcycle_model_in_memory(dense):
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    from moe_upcycle import upcycle_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
+    moe = upcycle_model(model, num_experts=4, experts_per_token=2, architecture="qwen3_5_moe").eval()
+    assert type(moe) is Qwen3_5MoeForCausalLM and moe.config.layer_types == LAYER_TYPES
+    with torch.inference_mode():
+        assert_close_rel(moe(IDS).logits, model(IDS).logits)
