@@ -544,6 +544,10 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
                            f"this is a bug: the plan and {type(model).__name__} disagree")
 
 
+_GRANITE_NAMES = ((".input_linear.weight", ".experts.gate_up_proj"), (".output_linear.weight", ".experts.down_proj"),
+                  (".router.layer.weight", ".router.weight"))
+
+
 def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
     """(parameter name, index into it) for one output tensor name."""
     if name in params:
@@ -551,6 +555,9 @@ def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
     renamed = name.replace(".block_sparse_moe.", ".mlp.")
     if renamed in params:
         return renamed, None
+    for old, new in _GRANITE_NAMES:  # Granite-MoE's checkpoint names as transformers 5 loads them
+        if name.endswith(old) and name[:-len(old)] + new in params:
+            return name[:-len(old)] + new, None
     m = _FUSED_EXPERT.match(renamed)
     if m:
         e, w, prefix = int(m["expert"]), _PROJ_AS_W.get(m["w"], m["w"]), m["prefix"]

@@ -69,6 +69,9 @@ class InputFamily:
     # which layers its attention window applies to, as transformers runs it (`planning.windows`):
     # "none" (Llama ignores sliding_window), "all" (Mistral), "qwen" (use_sliding_window, layer_types)
     window_rule: str = "none"
+    # the outputs that compute what it computes (empty: any whose tensors fit); Granite's multipliers live only
+    # in Granite-MoE, so a Llama-named Granite written as Mixtral would silently lose them
+    only_outputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class OutputLayout:
     layer_kinds: dict[str, tuple[str, ...]] = field(default_factory=dict)
     input_families: tuple[str, ...] = ()  # the dense model_types whose layers it can hold (empty: any it holds)
     fused_only: bool = False  # transformers reads only the fused expert tensors (no per-expert conversion)
+    # its fused names are its own checkpoint format, which every loader of it reads (Granite-MoE's input_linear):
+    # written with the ordinary safetensors "pt" format, not the transformers-5-only fused layout's
+    native_fused: bool = False
 
     def holds(self, suffix: str) -> bool:
         """Whether a dense per-layer non-MLP tensor (suffix) has a place in this layout."""
@@ -146,6 +152,8 @@ INPUT_FAMILIES: dict[str, InputFamily] = {
     "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe", window_rule="qwen"),
     # Qwen3.5's language model as Qwen3_5ForCausalLM saves it (model.layers.N.*; no sliding window)
     "qwen3_5_text": InputFamily("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_moe_text"),
+    # Granite: Llama's layers with embedding / residual / attention multipliers and logits_scaling
+    "granite": InputFamily("granite", "GraniteForCausalLM", "granitemoeshared", only_outputs=("granitemoeshared",)),
 }
 
 OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
@@ -214,6 +222,30 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         layer_kinds=QWEN3_5_KINDS,
         input_families=("qwen3_5_text",),
         fused_only=True,
+    ),
+    # GraniteMoeSharedForCausalLM (the Granite 3 MoE checkpoint format): the router's top-k logits are softmaxed
+    # (weights sum to 1); experts stored fused as JetMoE's input_linear (E, 2I, H: gate rows, then up rows) and
+    # output_linear (E, H, I), which transformers 4.57 reads as they are and 5 renames; the shared MLP is ungated,
+    # so it is left out (shared_intermediate_size 0) and shared_experts are refused
+    "granitemoeshared": OutputLayout(
+        model_type="granitemoeshared",
+        class_name="GraniteMoeSharedForCausalLM",
+        label="Granite-MoE-Shared",
+        router="model.layers.{layer}.block_sparse_moe.router.layer.weight",
+        expert={p: "model.layers.{layer}.block_sparse_moe.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER,
+        bias_tensors=QKV_BIAS + O_BIAS,
+        bias_config_key="attention_bias",
+        fused_router="model.layers.{layer}.block_sparse_moe.router.layer.weight",
+        fused_expert={"model.layers.{layer}.block_sparse_moe.input_linear.weight": ("gate_proj", "up_proj"),
+                      "model.layers.{layer}.block_sparse_moe.output_linear.weight": ("down_proj",)},
+        experts_key="num_local_experts",
+        expert_size_key="intermediate_size",
+        inherit=("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"),
+        config={"shared_intermediate_size": 0},
+        input_families=("granite",),
+        fused_only=True,
+        native_fused=True,
     ),
 }
 

@@ -63,6 +63,10 @@ def required_tensors(layout: names.OutputLayout, base: Mapping, layer: int) -> t
 
 def family_misfit(layout: names.OutputLayout, model_type: str) -> Optional[str]:
     """Why `layout` cannot hold a base of `model_type` whatever its tensors are called, or None."""
+    family = names.INPUT_FAMILIES.get(model_type)
+    if family is not None and family.only_outputs and layout.model_type not in family.only_outputs:
+        return (f"{layout.label} does not compute what a {family.class_name} computes (its multipliers and "
+                f"logits_scaling have no place there); use architecture: {' or '.join(family.only_outputs)}")
     if not layout.input_families or model_type in layout.input_families:
         return None
     wanted = ", ".join(names.INPUT_FAMILIES[f].class_name for f in layout.input_families)

@@ -89,6 +89,9 @@ LLAMACPP: dict[str, LlamaCppArch] = {
     # optional (tied embeddings load); convert_hf_to_gguf.py's Qwen3_5MoeTextModel splits fused experts
     "qwen3_5_moe_text": LlamaCppArch("qwen35moe", renormalises_top_k=True, shared_gate="sigmoid(z)",
                                      loads_o_proj_bias=False, convert_flags="--no-mtp"),
+    # src/models/granite.cpp (LLM_ARCH_GRANITE_MOE): softmax, top-k, norm_w = true; the converter's GraniteMoeModel
+    # splits input_linear and writes the multipliers as attention / embedding / residual / logit scales
+    "granitemoeshared": LlamaCppArch("granitemoe", renormalises_top_k=True),
 }
 GATING = "softmax over all experts, then top-k"
 

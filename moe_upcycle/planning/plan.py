@@ -187,7 +187,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     if fuse and not problems:
         steps = fused.fuse_experts(steps, layout, len(experts))
     notes += shared_experts.exactness_notes(config, layout)
-    if layout.fused_only and config.layout != "fused":
+    if layout.fused_only and config.layout != "fused" and not layout.native_fused:
         notes.append(f"{arch_name}: experts written fused (mlp.experts.gate_up_proj, down_proj): transformers converts "
                      f"no per-expert names for {layout.class_name}")
     notes += sparsity.layer_notes(config, chosen, n_layers)
@@ -206,7 +206,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     inexact = ((split_inexact,) if split_inexact else ()) + tuple(renorm_inexact)
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 bcfg, tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
-                layout="fused" if fuse else config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
+                layout="fused" if fuse and not layout.native_fused else config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
                 not_copied=tuple(extra), inexact=inexact, dense_layers=tuple(sorted(dense_layers)),
                 norm_topk_prob=config.norm_topk_prob is not False)
     if plan.ties_decide:
