@@ -49,6 +49,7 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.dense_config import dense_config
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
+from moe_upcycle.checkpoint.writer import TensorParts
 from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
 from moe_upcycle.planning.model_config import experts_implementation_for
 from moe_upcycle.distributed.fsdp_layout import fsdp_layout
@@ -522,6 +523,13 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
     for step, tensor in tensors:
         target, index = places[step.name]
         view = fresh[target][index] if index is not None else fresh[target]
+        if isinstance(tensor, TensorParts):  # a fused plan (Qwen3.5-MoE): the parts' bytes in order, one at a time
+            flat, offset = view.view(-1), 0
+            for part in tensor.parts:
+                flat[offset:offset + part.numel()].copy_(part.reshape(-1))
+                offset += part.numel()
+            filled[target] += offset
+            continue
         view.copy_(tensor)
         filled[target] += tensor.numel()
     for name, data in fresh.items():
@@ -536,6 +544,10 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
                            f"this is a bug: the plan and {type(model).__name__} disagree")
 
 
+_GRANITE_NAMES = ((".input_linear.weight", ".experts.gate_up_proj"), (".output_linear.weight", ".experts.down_proj"),
+                  (".router.layer.weight", ".router.weight"))
+
+
 def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
     """(parameter name, index into it) for one output tensor name."""
     if name in params:
@@ -543,6 +555,9 @@ def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
     renamed = name.replace(".block_sparse_moe.", ".mlp.")
     if renamed in params:
         return renamed, None
+    for old, new in _GRANITE_NAMES:  # Granite-MoE's checkpoint names as transformers 5 loads them
+        if name.endswith(old) and name[:-len(old)] + new in params:
+            return name[:-len(old)] + new, None
     m = _FUSED_EXPERT.match(renamed)
     if m:
         e, w, prefix = int(m["expert"]), _PROJ_AS_W.get(m["w"], m["w"]), m["prefix"]

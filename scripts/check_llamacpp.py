@@ -71,7 +71,7 @@ for cls in vars(base).values():
                 return "gpt-2"
         cls.get_vocab_base_pre = patched
 {extra}
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}, *{flags!r}]
 import runpy
 runpy.run_path({script!r}, run_name="__main__")
 """
@@ -249,7 +249,27 @@ def cases() -> list[Case]:
              "norm_topk_prob": False}, expect="differs",
              why="llama.cpp's qwen3moe always renormalises the top-k weights; norm_topk_prob: false does not"),
     ]
+    # Qwen3.5 (Gated DeltaNet + full attention, 4 layers) -> Qwen3.5-MoE (always fused; llama.cpp's qwen35moe)
+    out += [
+        Case("qwen3_5->qwen3_5_moe k=2", "qwen3_5", {"architecture": "qwen3_5_moe"}),
+        Case("qwen3_5->qwen3_5_moe shared split, k=2", "qwen3_5", {"architecture": "qwen3_5_moe",
+             "shared_expert_gate": "constant"}, routed_scale=0.5, shared=1),
+        Case("qwen3_5 tied->qwen3_5_moe k=4 of 4", "qwen3_5_tied", {"architecture": "qwen3_5_moe",
+             "experts_per_token": 4}),
+        Case("qwen3_5->qwen3_5_moe bf16 shared split (bf16 gguf)", "qwen3_5", {"architecture": "qwen3_5_moe",
+             "shared_expert_gate": "constant", "dtype": "bfloat16"}, routed_scale=0.5, shared=1, outtype="bf16"),
+    ]
     return out
+
+
+# Qwen3.5: linear, full, linear, full; 2 linear key heads and 4 value heads (llama.cpp reorders the value heads)
+# Qwen3.5's interleaved M-RoPE sections must fill half the rotary dims in llama.cpp (GGML_ASSERT(sect_dims <= ne0)):
+# head_dim 64 x partial_rotary_factor 0.25 = 16 rotary dims, sections 3 + 3 + 2 (Qwen3.5-35B-A3B: 256 x 0.25, 11+11+10)
+QWEN3_5 = dict(num_hidden_layers=4, head_dim=64, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention"] * 2,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [3, 3, 2], "mrope_interleaved": True})
 
 
 def dense_models(folder: Path) -> dict[str, Path]:
@@ -283,6 +303,10 @@ def dense_models(folder: Path) -> dict[str, Path]:
         "llama_4l": make_dense_model(folder / "llama_4l", family="llama", seed=31, num_hidden_layers=4),
         "qwen3_4l": make_dense_model(folder / "qwen3_4l", family="qwen3", seed=32, num_hidden_layers=4,
                                      random_norms_and_biases=True),
+        "qwen3_5": make_dense_model(folder / "qwen3_5", family="qwen3_5_text", seed=33, random_norms_and_biases=True,
+                                    **QWEN3_5),
+        "qwen3_5_tied": make_dense_model(folder / "qwen3_5_tied", family="qwen3_5_text", seed=34,
+                                         tie_word_embeddings=True, random_norms_and_biases=True, **QWEN3_5),
     }
     # published (transformers 4.x) spellings of rope scaling, written over the saved config.json
     short = dict(max_position_embeddings=16)
@@ -340,8 +364,11 @@ class LlamaCpp:
         ll.llama_backend_init()
 
     def convert(self, model: Path, out: Path, outtype: str = "f32", dense_names: bool = False) -> None:
+        # Qwen3.5's converter counts on multi-token-prediction layers (mtp.*), which no upcycled model has
+        flags = ["--no-mtp"] if json.loads((model / "config.json").read_text())["model_type"].startswith("qwen3_5") \
+            else []
         code = CONVERT.format(src=str(self.src), gguf=str(self.src / "gguf-py"), pydeps=str(self.pydeps),
-                              model=str(model), out=str(out), outtype=outtype,
+                              model=str(model), out=str(out), outtype=outtype, flags=flags,
                               script=str(self.src / "convert_hf_to_gguf.py"), extra=DENSE_NAMES if dense_names else "")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if proc.returncode != 0:

@@ -62,6 +62,7 @@ from moe_upcycle.checkpoint.weight_files import index_files
 from moe_upcycle.checkpoint.writer import INDEX_NAME
 from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import ConfigError, SourceError, UpcycleError, reraise_if_out_of_memory
+from moe_upcycle.planning import hybrid
 from moe_upcycle.planning.model_config import TRAINING_SWITCHES
 from moe_upcycle.planning.replan import RecordedBuild, recorded_build, recorded_config
 from moe_upcycle.planning.steps import Plan
@@ -352,6 +353,7 @@ def _checked(folder: Path, base, base_given: Optional[tuple[Path, Optional[Adapt
     if plan is not None and moe.class_name != output_layout(plan.architecture).class_name:
         result.problems.append(f"loaded as {moe.class_name}, expected {output_layout(plan.architecture).class_name}")
     _check_moe_layers(moe.model, plan, result)
+    _check_layer_kinds(moe.model, plan, result)
     max_positions = int(getattr(moe.model.config, "max_position_embeddings", 0) or 2**31)
     inputs = encode_inputs(moe.tokenizer, prompt_list, text_str, max_positions)  # one tokenization for both models
     advance("verify", note=f"running the MoE on {len(prompt_list)} prompts")
@@ -443,6 +445,23 @@ def _check_moe_layers(model: torch.nn.Module, plan: Optional[Plan], result: Veri
         result.problems.append(f"transformers built MoE blocks in {layers_said(result.moe_layers)}, but the "
                                f"recipe makes {plan.moe_layers_text()} MoE layers; config.json's mlp_only_layers / "
                                f"decoder_sparse_step do not say what the build wrote — rebuild it")
+
+
+def _check_layer_kinds(model: torch.nn.Module, plan: Optional[Plan], result: VerifyResult) -> None:
+    """A hybrid output (Qwen3.5-MoE): transformers built each layer's token mixer as the dense base's layer_types
+    says (``linear_attn``: Gated DeltaNet, ``self_attn``: full attention), so every copied tensor found its module."""
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    want = hybrid.layer_types(plan.base_config) if plan is not None else None
+    if layers is None or not want or not output_layout(plan.architecture).layer_kinds:
+        return
+    built = ["linear_attention" if hasattr(layer, "linear_attn") else "full_attention" if hasattr(layer, "self_attn")
+             else type(layer).__name__ for layer in layers]
+    wrong = [i for i, (b, w) in enumerate(zip(built, want)) if b != w]
+    if wrong or len(built) != len(want):
+        i = wrong[0] if wrong else min(len(built), len(want))
+        result.problems.append(f"transformers built layer {i} as {built[i] if i < len(built) else 'nothing'}, but the "
+                               f"dense base's layer_types says {want[i] if i < len(want) else 'nothing'} "
+                               f"({len(wrong)} layer(s) differ); config.json's layer_types is not the base's — rebuild")
 
 
 def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> list[str]:

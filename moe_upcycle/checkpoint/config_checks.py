@@ -60,8 +60,9 @@ ACTIVATIONS = frozenset({
 # "Field 'max_position_embeddings' expected int, got NoneType"); the dense base does not load there either
 NOT_NULL = ("rms_norm_eps", "hidden_act", "max_position_embeddings", "use_cache", "initializer_range",
             "attention_dropout", "max_window_layers", "use_sliding_window")
-# the attention layer types the window logic reads (`planning.windows`); transformers' families here use no other
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# the attention layer types the window logic reads (`planning.windows`), and Qwen3.5's Gated DeltaNet layers
+# (`planning.hybrid`); transformers' families here use no other
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def _token_ids(value: Any) -> bool:

@@ -69,6 +69,9 @@ class InputFamily:
     # which layers its attention window applies to, as transformers runs it (`planning.windows`):
     # "none" (Llama ignores sliding_window), "all" (Mistral), "qwen" (use_sliding_window, layer_types)
     window_rule: str = "none"
+    # the outputs that compute what it computes (empty: any whose tensors fit); Granite's multipliers live only
+    # in Granite-MoE, so a Llama-named Granite written as Mixtral would silently lose them
+    only_outputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,18 @@ class OutputLayout:
     # proj -> name of a dense layer's MLP (``moe_layers:``; the class transformers builds for a layer in
     # ``mlp_only_layers``); empty: every layer is an MoE layer (Mixtral)
     dense_mlp: dict[str, str] = field(default_factory=dict)
+    # hybrid models (`planning.hybrid`): layer_types value -> the tensors such a layer needs besides layer_tensors
+    layer_kinds: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    input_families: tuple[str, ...] = ()  # the dense model_types whose layers it can hold (empty: any it holds)
+    fused_only: bool = False  # transformers reads only the fused expert tensors (no per-expert conversion)
+    # its fused names are its own checkpoint format, which every loader of it reads (Granite-MoE's input_linear):
+    # written with the ordinary safetensors "pt" format, not the transformers-5-only fused layout's
+    native_fused: bool = False
 
     def holds(self, suffix: str) -> bool:
         """Whether a dense per-layer non-MLP tensor (suffix) has a place in this layout."""
-        return suffix in self.layer_tensors or suffix in self.bias_tensors
+        return (suffix in self.layer_tensors or suffix in self.bias_tensors
+                or any(suffix in kind for kind in self.layer_kinds.values()))
 
 
 LLAMA_LAYER = (
@@ -125,12 +136,24 @@ TENSOR_GROUPS = {
     **{s: "q/k norms" for s in QK_NORM},
 }
 WINDOW_FIELDS = ("use_sliding_window", "max_window_layers", "layer_types")
+# Qwen3.5: Gated DeltaNet (linear attention) layers and gated full-attention layers (q_proj holds the output
+# gate too, so it is 2x wider than a Qwen3's), each copied as it is; layer_types says which layer is which
+LINEAR_ATTN = tuple(f"linear_attn.{t}" for t in (
+    "A_log", "conv1d.weight", "dt_bias", "in_proj_a.weight", "in_proj_b.weight", "in_proj_qkv.weight",
+    "in_proj_z.weight", "norm.weight", "out_proj.weight"))
+QWEN3_5_KINDS = {"linear_attention": LINEAR_ATTN, "full_attention": LLAMA_LAYER[2:] + QK_NORM}
+QWEN3_5_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                  "linear_num_value_heads")
 
 INPUT_FAMILIES: dict[str, InputFamily] = {
     "llama": InputFamily("llama", "LlamaForCausalLM", "mixtral", window_rule="none"),
     "mistral": InputFamily("mistral", "MistralForCausalLM", "mixtral", window_rule="all"),
     "qwen2": InputFamily("qwen2", "Qwen2ForCausalLM", "qwen2_moe", window_rule="qwen"),
     "qwen3": InputFamily("qwen3", "Qwen3ForCausalLM", "qwen3_moe", window_rule="qwen"),
+    # Qwen3.5's language model as Qwen3_5ForCausalLM saves it (model.layers.N.*; no sliding window)
+    "qwen3_5_text": InputFamily("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_moe_text"),
+    # Granite: Llama's layers with embedding / residual / attention multipliers and logits_scaling
+    "granite": InputFamily("granite", "GraniteForCausalLM", "granitemoeshared", only_outputs=("granitemoeshared",)),
 }
 
 OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
@@ -180,6 +203,49 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         inherit=WINDOW_FIELDS,
         config={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
         dense_mlp={p: DENSE_MLP.replace("{proj}", p) for p in PROJS},  # Qwen3MoeMLP in mlp_only_layers
+    ),
+    # ``architecture: qwen3_5_moe``: Qwen3_5MoeForCausalLM's text config (model_type qwen3_5_moe_text). Every
+    # layer an MoE block: softmax top-k, always renormalised (no norm_topk_prob), plus a shared expert behind a
+    # sigmoid gate. transformers converts no per-expert names for it, so the experts are always fused.
+    "qwen3_5_moe_text": OutputLayout(
+        model_type="qwen3_5_moe_text",
+        class_name="Qwen3_5MoeForCausalLM",
+        label="Qwen3.5-MoE",
+        router="model.layers.{layer}.mlp.gate.weight",
+        expert={p: "model.layers.{layer}.mlp.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER[:2],
+        bias_tensors=QKV_BIAS + O_BIAS,
+        bias_config_key="attention_bias",
+        shared_expert={p: "model.layers.{layer}.mlp.shared_expert." + p + ".weight" for p in PROJS},
+        shared_expert_gate="model.layers.{layer}.mlp.shared_expert_gate.weight",
+        inherit=QWEN3_5_FIELDS,
+        layer_kinds=QWEN3_5_KINDS,
+        input_families=("qwen3_5_text",),
+        fused_only=True,
+    ),
+    # GraniteMoeSharedForCausalLM (the Granite 3 MoE checkpoint format): the router's top-k logits are softmaxed
+    # (weights sum to 1); experts stored fused as JetMoE's input_linear (E, 2I, H: gate rows, then up rows) and
+    # output_linear (E, H, I), which transformers 4.57 reads as they are and 5 renames; the shared MLP is ungated,
+    # so it is left out (shared_intermediate_size 0) and shared_experts are refused
+    "granitemoeshared": OutputLayout(
+        model_type="granitemoeshared",
+        class_name="GraniteMoeSharedForCausalLM",
+        label="Granite-MoE-Shared",
+        router="model.layers.{layer}.block_sparse_moe.router.layer.weight",
+        expert={p: "model.layers.{layer}.block_sparse_moe.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER,
+        bias_tensors=QKV_BIAS + O_BIAS,
+        bias_config_key="attention_bias",
+        fused_router="model.layers.{layer}.block_sparse_moe.router.layer.weight",
+        fused_expert={"model.layers.{layer}.block_sparse_moe.input_linear.weight": ("gate_proj", "up_proj"),
+                      "model.layers.{layer}.block_sparse_moe.output_linear.weight": ("down_proj",)},
+        experts_key="num_local_experts",
+        expert_size_key="intermediate_size",
+        inherit=("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"),
+        config={"shared_intermediate_size": 0},
+        input_families=("granite",),
+        fused_only=True,
+        native_fused=True,
     ),
 }
 

@@ -1,6 +1,6 @@
 """Tiny dense models on disk, for the demo, tests and benchmarks.
 
-`make_dense_model` writes a randomly initialised (seeded) Llama, Mistral, Qwen2, Qwen3 (any
+`make_dense_model` writes a randomly initialised (seeded) Llama, Mistral, Qwen2, Qwen3, Qwen3.5 (any
 AutoConfig model_type) in Hugging Face format with a small trained BPE tokenizer, as safetensors
 (single or sharded) or as a ``.bin`` whose tied weights share storage. `make_finetune` writes a
 perturbed copy of one, a stand-in for a fine-tune in frankenMoE tests. It is not a model zoo:
@@ -26,15 +26,22 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB):
-    """Train a small byte-level BPE tokenizer and save it (tokenizer.json + config) into `folder`."""
+# transformers 5 loads a qwen3_5* model's tokenizer as Qwen3_5Tokenizer whatever tokenizer_config.json names, and that
+# class adds <|endoftext|> (its pad, unk and eos) when the vocabulary lacks it: at id vocab_size, past the embedding
+EXTRA_SPECIAL = {"qwen3_5_text": ("<|endoftext|>",)}
+
+
+def make_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB, extra_special: tuple[str, ...] = ()):
+    """Train a small byte-level BPE tokenizer and save it (tokenizer.json + config) into `folder`.
+
+    `extra_special`: special tokens trained in after <unk>, <s>, </s> (ids 3, 4, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -87,7 +94,7 @@ def make_dense_model(
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(str(folder), **kwargs)
     if tokenizer:
-        make_tokenizer(folder, dims["vocab_size"])
+        make_tokenizer(folder, dims["vocab_size"], EXTRA_SPECIAL.get(family, ()))
     return folder
 
 

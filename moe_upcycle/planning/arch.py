@@ -17,13 +17,13 @@ from __future__ import annotations
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import windows
+from moe_upcycle.planning import hybrid, windows
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 # mergekit-moe's names for outputs, mapped onto ours
-ALIASES = {"qwen": "qwen2_moe"}
+ALIASES = {"qwen": "qwen2_moe", "qwen3_5_moe": "qwen3_5_moe_text"}  # and Qwen3.5-MoE's text model_type
 
 
 def layer_suffixes(model: Checkpoint) -> list[str]:
@@ -63,6 +63,8 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
             if group not in seen_groups:
                 seen_groups.add(group)
                 out.append((f"the base has {group} ({names.shown(suffix)}), which {layout.label} cannot hold", suffix))
+    if (family := hybrid.family_misfit(layout, base.model_type)) is not None:
+        out.append((family, "family"))
     missing = [s for s in layout.layer_tensors if s not in suffixes]
     if missing:
         what = f"{names.TENSOR_GROUPS[missing[0]]} ({missing[0]})" if missing[0] in names.TENSOR_GROUPS else missing[0]
@@ -131,7 +133,8 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
             raise PlanError(*[f"architecture: {label}: {text}{_suggest(config, base, key, name)}"
                               for text, key in reasons])
         return layout
-    order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output]
+    order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output
+                                       and not hybrid.family_misfit(names.OUTPUT_LAYOUTS[n], base.model_type)]
     report = []
     for name in order:
         reasons = misfits(names.OUTPUT_LAYOUTS[name], config, base)
@@ -237,7 +240,8 @@ def deepseek_refusal(config: UpcycleConfig, natural: str) -> str:
 
 def _suggest(config: UpcycleConfig, base: Checkpoint, key: str, current: str) -> str:
     """" → use architecture: X" naming the outputs that fit; else those that at least avoid this problem."""
-    problems = {n: misfits(layout, config, base) for n, layout in names.OUTPUT_LAYOUTS.items() if n != current}
+    problems = {n: misfits(layout, config, base) for n, layout in names.OUTPUT_LAYOUTS.items()
+                if n != current and not hybrid.family_misfit(layout, base.model_type)}  # Qwen3.5-MoE: its bases only
     fits = [n for n, reasons in problems.items() if not reasons]
     if fits:
         return " → use architecture: " + " or ".join(fits)
@@ -272,6 +276,7 @@ def config_fields(plan: "Plan") -> dict:
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})
+    fields.update(hybrid.config_fields(layout, base))
     per_layer = windows.dense_windows(base)
     if not any(per_layer):  # a sliding_window the dense model does not apply is not copied
         fields.update(windows.no_window_fields(layout, base.num_hidden_layers))

@@ -28,6 +28,9 @@ measures them (convert with ``convert_hf_to_gguf.py``, compare logits with trans
   rotate with unscaled frequencies. The converter writes nothing for ``dynamic`` (unscaled: identical up
   to ``max_position_embeddings``); linear and yarn (with ``original_max_position_embeddings``, which
   `rope.rope_fields` always writes) convert for all three (`rope.problem`).
+- Qwen3.5-MoE (``qwen35moe``, ``src/models/qwen35moe.cpp``): softmax, top-k, renormalised; the shared gate is a
+  plain ``ggml_sigmoid``; ``output.weight`` optional. Its converter (``Qwen3_5MoeTextModel``) asserts that the
+  folder has multi-token-prediction layers (``mtp.*``) unless run with ``--no-mtp``: an upcycled model has none.
 - The converter's qwen2moe / qwen3moe split transformers-5 fused experts (``gate_up_proj``); its llama
   (Mixtral) cannot map them.
 - A dense layer between MoE layers (``moe_layers:``, transformers' ``mlp_only_layers``) has no place in
@@ -74,6 +77,7 @@ class LlamaCppArch:
     free_head_dim: bool = True  # q/o sized heads x head_dim (False: hidden x hidden, so head_dim must be hidden/heads)
     llama3_rope: bool = False  # the converter writes rope_freqs for rope_type llama3 (only its llama does)
     converts_fused: bool = True  # the converter splits transformers-5 fused experts (gate_up_proj, down_proj)
+    convert_flags: str = ""  # what convert_hf_to_gguf.py must be told for our output
 
 
 LLAMACPP: dict[str, LlamaCppArch] = {
@@ -81,6 +85,13 @@ LLAMACPP: dict[str, LlamaCppArch] = {
     "qwen2_moe": LlamaCppArch("qwen2moe", renormalises_top_k=False, shared_gate="silu(z) / z (NaN at z = 0)",
                               needs_lm_head=True, free_head_dim=False),
     "qwen3_moe": LlamaCppArch("qwen3moe", renormalises_top_k=True, loads_o_proj_bias=False),
+    # src/models/qwen35moe.cpp: build_moe_ffn with norm_w = true; the shared gate is ggml_sigmoid; output.weight
+    # optional (tied embeddings load); convert_hf_to_gguf.py's Qwen3_5MoeTextModel splits fused experts
+    "qwen3_5_moe_text": LlamaCppArch("qwen35moe", renormalises_top_k=True, shared_gate="sigmoid(z)",
+                                     loads_o_proj_bias=False, convert_flags="--no-mtp"),
+    # src/models/granite.cpp (LLM_ARCH_GRANITE_MOE): softmax, top-k, norm_w = true; the converter's GraniteMoeModel
+    # splits input_linear and writes the multipliers as attention / embedding / residual / logit scales
+    "granitemoeshared": LlamaCppArch("granitemoe", renormalises_top_k=True),
 }
 GATING = "softmax over all experts, then top-k"
 
@@ -177,7 +188,8 @@ def verdict(plan: "Plan") -> tuple[str, str]:
     how = ("renormalised as in transformers" if arch.renormalises_top_k and plan.norm_topk_prob else
            "not renormalised, as in transformers with norm_topk_prob: false" if not arch.renormalises_top_k
            and not plan.norm_topk_prob else "all experts active, so the weights already sum to 1")
-    return ("exact", f"{GATING}, {how}")
+    flags = f"; convert with {arch.convert_flags}" if arch.convert_flags else ""
+    return ("exact", f"{GATING}, {how}{flags}")
 
 
 def plan_note(plan: "Plan") -> str:

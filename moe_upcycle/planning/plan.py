@@ -18,7 +18,7 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks, sparsity
+from moe_upcycle.planning import arch, compat, fused, hybrid, inits, llamacpp, shared_experts, source_checks, sparsity
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import MoeLayers, unused_prompts_note
 from moe_upcycle.recipe.resolved import resolved
@@ -52,7 +52,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     base = sources[config.base_model]
     layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
     used = _models_used(config)
-    _check_sources(config, sources, used)
+    _check_sources(config, sources, layout, used)
     draft = _draft(config, sources, layout)
     per_layer = _sort_base_tensors(draft)
     draft.copy(names.EMBED)
@@ -132,10 +132,12 @@ def _models_used(config: UpcycleConfig) -> list[tuple[str, str]]:
     return used + [(f"shared_experts[{i}]", e.source_model) for i, e in enumerate(config.shared_experts)]
 
 
-def _check_sources(config: UpcycleConfig, sources: dict[str, Checkpoint], used: list[tuple[str, str]]) -> None:
+def _check_sources(config: UpcycleConfig, sources: dict[str, Checkpoint], layout: names.OutputLayout,
+                   used: list[tuple[str, str]]) -> None:
     """Raise every way the sources do not fit the base (family, sizes, config.json against the shapes): the
     per-tensor checks of sources that do not fit would only repeat these."""
     problems = compat.source_problems(config, sources)
+    problems += hybrid.problems(layout, sources[config.base_model].fields, f"base_model ({config.base_model})")
     problems += source_checks.expert_problems(config.base_model, used, sources,
                                               attention_average=config.attention_from == "average")
     for ref, ckpt in sources.items():  # config.json against the tensor shapes, every source
@@ -198,7 +200,7 @@ def _sort_base_tensors(draft: _Draft) -> dict[int, list[str]]:
 def _plan_layer(draft: _Draft, layer: int, keys: list[str]) -> None:
     """One decoder layer: attention and norms copied, zero biases added, then its MLP (`_plan_mlp`)."""
     base, layout = draft.base, draft.layout
-    for suffix in layout.layer_tensors:
+    for suffix in hybrid.required_tensors(layout, base.fields, layer):
         key = f"model.layers.{layer}.{suffix}"
         if key not in keys:
             draft.need(base, key, draft.base_label)
@@ -273,11 +275,15 @@ def _gather_notes(draft: _Draft, used: list[tuple[str, str]]) -> None:
                                                  config.gate_mode, draft.dtype.itemsize)
         draft.notes += split
     draft.notes += inits.describe(draft.init_of, dense_i)
-    if config.layout == "fused" and (problem := fused.installed_transformers_problem()):
+    fuse = config.layout == "fused" or layout.fused_only  # Qwen3.5-MoE: transformers reads only fused experts
+    if fuse and (problem := fused.installed_transformers_problem()):
         draft.problems.append(problem)
-    if config.layout == "fused" and not draft.problems:
+    if fuse and not draft.problems:
         draft.steps = fused.fuse_experts(draft.steps, layout, len(experts))
     draft.notes += shared_experts.exactness_notes(config, layout)
+    if layout.fused_only and config.layout != "fused" and not layout.native_fused:
+        draft.notes.append(f"{layout.model_type}: experts written fused (mlp.experts.gate_up_proj, down_proj): "
+                           f"transformers converts no per-expert names for {layout.class_name}")
     draft.notes += sparsity.layer_notes(config, draft.chosen, draft.n_layers)
     renorm_notes, renorm_inexact = sparsity.renormalisation_notes(config, layout, len(experts))
     draft.notes += renorm_notes
@@ -298,6 +304,13 @@ def _gather_notes(draft: _Draft, used: list[tuple[str, str]]) -> None:
     draft.inexact = ([split_inexact] if split_inexact else []) + list(renorm_inexact)
 
 
+def _written_layout(draft: _Draft) -> str:
+    """The expert layout written: the recipe's, or fused where the architecture reads only fused experts."""
+    layout = draft.layout
+    return "fused" if (draft.config.layout == "fused" or layout.fused_only) and not layout.native_fused \
+        else draft.config.layout
+
+
 def _finish(draft: _Draft) -> Plan:
     """The plan, or every problem found; with the tie-breaking caution and llama.cpp's verdict noted."""
     if draft.problems:
@@ -306,7 +319,7 @@ def _finish(draft: _Draft) -> Plan:
     bcfg, dense_i = draft.base.fields, draft.base.fields.intermediate_size
     plan = Plan(draft.layout.model_type, tuple(draft.steps), tuple(e.name or "" for e in experts),
                 config.experts_per_token, draft.dtype, bcfg, bcfg.tie_word_embeddings, tuple(draft.notes),
-                expert_intermediate_size=dense_i // g if g > 1 else None, layout=config.layout,
+                expert_intermediate_size=dense_i // g if g > 1 else None, layout=_written_layout(draft),
                 cautions=tuple(draft.cautions), tied_scores=config.gate_mode == "uniform",
                 not_copied=tuple(draft.extra), inexact=tuple(draft.inexact),
                 dense_layers=draft.dense_layers, norm_topk_prob=config.norm_topk_prob is not False)

@@ -36,6 +36,12 @@ rules per runtime are plain functions in `RULES`; what they encode:
 - Dense layers between MoE layers (``moe_layers:``): transformers 4.57 and 5 build them from
   ``mlp_only_layers`` / ``decoder_sparse_step`` (measured); vLLM's qwen2_moe / qwen3_moe apply the same
   rule (``Qwen2MoeDecoderLayer``, ``Qwen3MoeDecoderLayer``); llama.cpp cannot convert them (`llamacpp`).
+- Qwen3.5-MoE (``qwen3_5_moe_text``): transformers 5 only (4.57 has no Qwen3.5 classes); vLLM's
+  ``models/qwen3_5.py`` reads its fused experts and ``layer_types``; llama.cpp's ``qwen35moe`` (converted by
+  ``Qwen3_5MoeTextModel``) renormalises the top-k and applies a plain sigmoid to the shared gate; no ExLlamaV2.
+- Granite-MoE-Shared (``granitemoeshared``): its fused ``input_linear`` / ``output_linear`` are the format
+  transformers 4.57, vLLM (``models/granitemoeshared.py``) and llama.cpp's converter (``GraniteMoeModel``) read;
+  ExLlamaV2 has no Granite MoE.
 - rope scaling (every runtime but transformers 5): the rules of `rope` (dynamic NTK, yarn's
   attention_factor, longrope's factor), read from the config.json as `rope.rope_fields` spells it.
 
@@ -148,6 +154,9 @@ def _transformers5(f: OutputFacts) -> Verdict:
 
 
 def _transformers4(f: OutputFacts) -> Verdict:
+    if f.model_type == "qwen3_5_moe_text":
+        return Verdict("transformers 4.x", NO_LOAD, "4.57 has no Qwen3.5 or Qwen3.5-MoE classes (they came with "
+                       "transformers 5)", MEASURED)
     if f.layout == "fused":
         return Verdict("transformers 4.x", NO_LOAD, f"fused expert tensors are {f.fused_scope}; the shards' "
                        f"safetensors format makes 4.x refuse them instead of loading random experts", MEASURED)
@@ -162,10 +171,19 @@ def _transformers4(f: OutputFacts) -> Verdict:
     if problem:
         return Verdict("transformers 4.x", RUNS, problem, MEASURED)
     dense = ", dense layers built from mlp_only_layers" if f.dense_layers else ""
+    if f.model_type == "granitemoeshared":
+        return Verdict("transformers 4.x", EXACT, "4.57 reads input_linear / output_linear as written", MEASURED)
     return Verdict("transformers 4.x", EXACT, f"4.57, per-expert tensors{dense}", MEASURED)
 
 
 def _vllm(f: OutputFacts) -> Verdict:
+    if f.model_type == "granitemoeshared":  # models/granitemoeshared.py: input_linear split into w1/w3
+        return Verdict("vLLM", EXACT, "its granitemoeshared reads input_linear / output_linear and the multipliers; "
+                       "softmax of the top-k logits, as transformers; not run here (GPU)")
+    if f.model_type == "qwen3_5_moe_text":  # models/qwen3_5.py: fused_expert_params_mapping, layer_types
+        return Verdict("vLLM", EXACT, "its qwen3_5 reads the fused experts.gate_up_proj / down_proj and layer_types "
+                       "(Gated DeltaNet and full attention), its MoE block is Qwen3-Next's with the sigmoid-gated "
+                       "shared expert; not run here (GPU)")
     if f.layout == "fused":
         return Verdict("vLLM", NO_LOAD, f"its loaders read per-expert tensors; fused is {f.fused_scope}")
     if f.model_type == "qwen2_moe":
@@ -197,6 +215,10 @@ def _llama_cpp(f: OutputFacts) -> Verdict:
 
 
 def _exllamav2(f: OutputFacts) -> Verdict:
+    if f.model_type == "qwen3_5_moe_text":
+        return Verdict("ExLlamaV2", NO_LOAD, "it has no Qwen3_5MoeForCausalLM (no linear-attention layers)")
+    if f.model_type == "granitemoeshared":
+        return Verdict("ExLlamaV2", NO_LOAD, "it has no Granite MoE architecture")
     if f.model_type == "qwen2_moe":
         return Verdict("ExLlamaV2", NO_LOAD, "it has no Qwen2MoeForCausalLM: it falls back to Llama and finds no "
                        "dense mlp.gate_proj")

@@ -24,6 +24,9 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.planning import rope
 
 
+GATED_QUERY = ("qwen3_5_text",)  # families whose q_proj is (2 x heads x head_dim, hidden)
+
+
 def _expected_shapes(config: DenseConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Layer-template (or top-level key) -> (shape config.json implies, the fields it comes from)."""
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -39,8 +42,10 @@ def _expected_shapes(config: DenseConfig) -> dict[str, tuple[tuple[int, ...], st
         "model.layers.{layer}.input_layernorm.weight": ((hidden,), "hidden_size"),
         "model.layers.{layer}.post_attention_layernorm.weight": ((hidden,), "hidden_size"),
     }
+    # Qwen3.5's gated attention: q_proj holds each head's query and its output gate
+    q_rows, q_fields = (2, f"2 x {attn}") if config.model_type in GATED_QUERY else (1, attn)
     shapes.update({
-        "model.layers.{layer}.self_attn.q_proj.weight": ((heads * head_dim, hidden), f"{attn}, hidden_size"),
+        "model.layers.{layer}.self_attn.q_proj.weight": ((q_rows * heads * head_dim, hidden), f"{q_fields}, hidden_size"),
         "model.layers.{layer}.self_attn.k_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
         "model.layers.{layer}.self_attn.v_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
         "model.layers.{layer}.self_attn.o_proj.weight": ((hidden, heads * head_dim), f"hidden_size, {attn}"),
