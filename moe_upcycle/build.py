@@ -255,7 +255,7 @@ def upcycle(
                 raise OutputError(problem)
             return BuildResult(config, plan, None, sharing, summary=summary)
         # every rank has the same recipe, sources and plan, or none writes a byte (one all-gather)
-        check_agreement(world, build_facts(config, sources, plan, target, write_params(config).max_shard_bytes))
+        check_agreement(world, build_facts(config, sources, plan, target, resolved(config).writing.max_shard_bytes))
         with world.lead_context(made_parent, target):  # the parent folders it makes are removed again if it fails
             world.from_lead(check_output, target, force, source_folders(sources),
                             input_paths(recipe_source, config, ()), summary, sources[config.base_model])
