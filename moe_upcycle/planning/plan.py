@@ -17,7 +17,7 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks, sparsity
+from moe_upcycle.planning import arch, compat, fused, grow, inits, llamacpp, shared_experts, source_checks, sparsity
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import unused_prompts_note
 from moe_upcycle.recipe.resolve import expert_inits, moe_layers
@@ -45,6 +45,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     """
     problems: list[str] = []
     base = sources[config.base_model]
+    if grow.is_grow(base):  # an MoE base: grown, not upcycled (`grow`)
+        return grow.make_grow_plan(config, sources)
     experts = config.expert_list()
     layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
     arch_name = layout.model_type
