@@ -36,7 +36,7 @@ from moe_upcycle.gates.grow_rows import grown_gates
 from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
-from moe_upcycle.planning.grow import BASE_ROUTERS
+from moe_upcycle.planning.grow import BASE_ROUTERS, left_out
 from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
 from moe_upcycle.planning.report import sharing_report, sharing_summary
@@ -338,7 +338,8 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
     # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
     verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
     unlocated = write_recipe(stage, config, hashes, skip=() if writer.checksums else writer.files,
-                             verification=verification, target=target)
+                             verification=verification, target=target,
+                             unset=left_out(config) if plan.grow is not None else ())
     for source in sources.values():  # last: a source re-saved during the build is never published from
         source.check_unchanged()
     return checked, drift, unlocated

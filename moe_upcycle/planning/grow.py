@@ -79,6 +79,12 @@ def is_grow(base: Checkpoint) -> bool:
     return is_moe(base)
 
 
+def left_out(config: UpcycleConfig) -> tuple[str, ...]:
+    """The recipe fields whose default a grown MoE resolves from its base (the base's routers, m × k), that the
+    recipe left out: the manifest records them left out, so that re-planning the build resolves them the same."""
+    return tuple(f for f in ("gate_mode", "experts_per_token") if f not in config.model_fields_set)
+
+
 def make_grow_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     """Plan a grown MoE (see the module doc).
 
@@ -301,6 +307,8 @@ def grown_config(plan: Plan, router_aux_loss_coef: Optional[float] = None,
         if key in cfg or key == "dtype":
             cfg[key] = dtype
     cfg["output_router_logits"] = False
+    if "head_dim" not in cfg:  # the value transformers derives (hidden / heads), which runtime checks read
+        cfg["head_dim"] = plan.base_config.head_dim
     if router_aux_loss_coef is not None:
         cfg["router_aux_loss_coef"] = router_aux_loss_coef
     if router_jitter_noise is not None and "router_jitter_noise" in cfg:
