@@ -220,3 +220,18 @@ def test_verify_compares_a_grown_model_with_its_moe_base(tmp_path, write_yaml, h
     checked = verify(out.output)
     assert checked.ok and checked.base == str(hub_mixtral)
     assert checked.comparison.max_abs_diff <= 1e-5 * 30  # the MoE base's logits, to summation order
+    assert checked.comparison.top1_agreement == 1.0
+    assert verify(out.output, base=hub_mixtral).ok  # the MoE it grew, named explicitly: fewer experts
+    same = CliRunner().invoke(app, ["verify", str(out.output), "--base", str(out.output)])
+    assert same.exit_code == 1 and "is itself a Mixture-of-Experts (8 experts)" in same.output  # never itself
+
+
+def test_build_verify_on_a_grown_model(tmp_path, write_yaml, hub_qwen3):
+    recipe = write_yaml({"base_model": str(hub_qwen3), "num_experts": 8})
+    result = CliRunner().invoke(app, ["build", str(recipe), str(tmp_path / "g"), "--verify"])
+    assert result.exit_code == 0, result.output
+    assert "PASSED" in result.output
+    manifest = json.loads((tmp_path / "g" / "moe_upcycle.json").read_text())
+    # left out, so that re-planning resolves them from the base as the build did
+    assert "gate_mode" not in manifest["config"] and "experts_per_token" not in manifest["config"]
+    assert manifest["verify"]["comparison"]["top1_agreement"] == 1.0

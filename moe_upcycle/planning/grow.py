@@ -289,7 +289,8 @@ def _dtype(ckpt: Checkpoint) -> torch.dtype:
 
 def grown_config(plan: Plan, router_aux_loss_coef: Optional[float] = None,
                  router_jitter_noise: Optional[float] = None) -> dict:
-    """The grown model's config.json: the base's, with its expert count (every key the base spells it with),
+    """The grown model's config.json: the base's, with its expert count (every key the base spells it with, and
+    the family's own),
     top-k and dtype changed; training switches off. Every other field is the base's value, unchanged.
 
     Example:
@@ -299,7 +300,9 @@ def grown_config(plan: Plan, router_aux_loss_coef: Optional[float] = None,
     """
     info: GrowInfo = plan.grow
     cfg = dict(plan.base_config.raw)
-    for key in info.base.experts_key:
+    # every spelling the base has, and the family's own (transformers 5 saves Qwen3-MoE's count as
+    # num_local_experts only, which transformers 4.57 and `verify` do not read)
+    for key in dict.fromkeys((*info.base.experts_key, info.base.layout.experts_key)):
         cfg[key] = info.num_experts
     cfg["num_experts_per_tok"] = plan.experts_per_token
     dtype = str(plan.dtype).removeprefix("torch.")
