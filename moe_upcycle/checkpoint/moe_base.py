@@ -71,7 +71,7 @@ def is_moe(ckpt: Checkpoint) -> bool:
         (True, False)
     """
     kind = ckpt.model_type
-    return isinstance(kind, str) and (kind in names.OUTPUT_LAYOUTS or kind in _OTHER_MOE)
+    return isinstance(kind, str) and (kind in names.OUTPUT_LAYOUTS or kind in _OTHER_MOE or "moe" in kind.lower())
 
 
 def moe_base(ckpt: Checkpoint, where: str = "base_model") -> MoeBase:
