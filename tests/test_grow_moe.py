@@ -83,6 +83,10 @@ def test_grown_x2_is_the_base_function(request, tmp_path, write_yaml, fixture):
     assert torch.equal(got[router], torch.cat([had[router], had[router]]))
     w = [k for k in had if ".experts.1." in k and k.startswith("model.layers.1.")]
     assert w and all(torch.equal(got[k.replace(".experts.1.", ".experts.5.")], had[k]) for k in w)
+    card = (out.output / "README.md").read_text()
+    assert f"MoE grown from local model {base.name}" in card and "upcycled" not in card.split("## Recipe")[0]
+    assert f"| 5 | expert_1_copy1 | local model `{base.name}`, expert 1 | 0 | copy of expert 1 |" in card
+    assert "experts_per_token: 4  # default for a grown MoE: 2 × the base's 2" in card
 
 
 def test_the_softmax_arithmetic_behind_exactness():
