@@ -205,14 +205,36 @@ def test_grow_what_this_tool_built_and_add_a_dense_finetune(tmp_path, write_yaml
     logits(added.output)  # loads with transformers, nothing missing
 
 
-def test_added_expert_of_another_size_is_refused(tmp_path, write_yaml, hub_qwen3):
+def test_added_expert_of_another_size_or_without_prompts_is_refused(tmp_path, write_yaml, hub_qwen3):
     dense = make_dense_model(tmp_path / "qwen3", family="qwen3", seed=30)  # intermediate 128, experts 32
     with pytest.raises(PlanError) as err:
         upcycle(write_yaml({"base_model": str(hub_qwen3), "experts": [
             {"source_model": str(dense), "positive_prompts": ["x"]},
-            {"source_model": str(dense), "positive_prompts": ["y"]}]}), tmp_path / "no")
-    assert "its FFN has intermediate_size 128, the base's experts 32 (moe_intermediate_size)" in str(err.value)
+            {"source_model": str(hub_qwen3), "positive_prompts": ["z"]}]}), tmp_path / "no")
+    assert err.value.problems == [
+        f"experts[0] ({dense}): its FFN has intermediate_size 128, the base's experts 32 (moe_intermediate_size); an "
+        f"added expert must have the experts' size (a Qwen MoE's experts are narrower than its dense model's FFN)",
+        "experts[1]: the base's own experts are kept, all of them; list only new experts (dense fine-tunes of the "
+        "MoE's dense model), or use num_experts: to copy the base's"]
+    with pytest.raises(PlanError) as err:  # no expert has prompts: the recipe's default gate mode is random
+        upcycle(write_yaml({"base_model": str(hub_qwen3), "experts_per_token": 1, "experts": [
+            {"source_model": str(dense)}]}), tmp_path / "no")
+    assert err.value.problems[0] == (
+        "experts[0].positive_prompts: none given; an added expert's router row is made from its prompts on the MoE's "
+        "router inputs — give a few texts it should handle")
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_bf16_base_grown_keeps_its_bytes(tmp_path, write_yaml, layout):
+    base = make_dense_model(tmp_path / "bf16", seed=14, dtype=torch.bfloat16, **MIX)
+    out = upcycle(write_yaml({"base_model": str(base), "num_experts": 12, "layout": layout}), tmp_path / "g")
+    got, had = tensors(out.output), tensors(base)
+    router = "model.layers.1.block_sparse_moe.gate.weight" if layout == "per_expert" else "model.layers.1.mlp.gate.weight"
+    assert got[router].dtype == torch.bfloat16 and torch.equal(got[router], had[
+        "model.layers.1.block_sparse_moe.gate.weight"].repeat(3, 1))
+    assert json.loads((out.output / "config.json").read_text())["num_experts_per_tok"] == 6
+    assert_same_function(base, out.output)
 
 
 def test_verify_compares_a_grown_model_with_its_moe_base(tmp_path, write_yaml, hub_mixtral):

@@ -176,6 +176,9 @@ def _added_problems(config: UpcycleConfig, base: MoeBase, sources: dict[str, Che
         return [f"experts[{i}]: the base's own experts are kept, all of them; list only new experts (dense "
                 f"fine-tunes of the MoE's dense model), or use num_experts: to copy the base's"]
     src = sources[expert.source_model]
+    if not expert.positive_prompts:
+        return [f"experts[{i}].positive_prompts: none given; an added expert's router row is made from its prompts on "
+                f"the MoE's router inputs — give a few texts it should handle"]
     family = dense_family_problem(base, src, label)
     if family:
         return [family]
