@@ -261,3 +261,20 @@ def test_build_verify_on_a_grown_model(tmp_path, write_yaml, hub_qwen3):
     # left out, so that re-planning resolves them from the base as the build did
     assert "gate_mode" not in manifest["config"] and "experts_per_token" not in manifest["config"]
     assert manifest["verify"]["comparison"]["top1_agreement"] == 1.0
+
+
+def test_dense_layers_kept_and_plan_from_config_alone(tmp_path, write_yaml):
+    """A Qwen2-MoE whose layer 0 keeps a dense MLP (mlp_only_layers): it stays dense and byte for byte; `plan
+    --from-config` (no weights) plans the same tensors as the headers."""
+    base = make_dense_model(tmp_path / "q2dense0", seed=15, mlp_only_layers=[0], **QWEN2)
+    recipe = write_yaml({"base_model": str(base), "num_experts": 8})
+    planned = upcycle(recipe, dry_run=True, from_config=True).plan
+    out = upcycle(recipe, tmp_path / "g")
+    described = sorted((s.name, s.shape, s.kind) for s in planned.steps)
+    assert described == sorted((s.name, s.shape, s.kind) for s in out.plan.steps)
+    got, had = tensors(out.output), tensors(base)
+    dense = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    assert all(torch.equal(got[k], had[k]) for k in dense)
+    assert not any(k.startswith("model.layers.0.mlp.experts.") for k in got)
+    assert out.plan.dense_layers == (0,) and json.loads((out.output / "config.json").read_text())["mlp_only_layers"] == [0]
+    assert_same_function(base, out.output)
