@@ -128,9 +128,9 @@ def test_count_no_multiple_is_refused_named_and_nothing_written(tmp_path, write_
         upcycle(write_yaml({"base_model": str(hub_mixtral), "num_experts": 2}), tmp_path / "two")
 
 
-def test_noise_applies_to_the_copies_only(tmp_path, write_yaml, hub_qwen3):
-    out = upcycle(write_yaml({"base_model": str(hub_qwen3), "num_experts": 8,
-                              "expert_init": {"method": "noise", "scale": 0.01}}), tmp_path / "noisy")
+@pytest.mark.parametrize("init", [{"method": "noise", "scale": 0.01}, {"method": "drop", "ratio": 0.25}])
+def test_expert_init_applies_to_the_copies_only(tmp_path, write_yaml, hub_qwen3, init):
+    out = upcycle(write_yaml({"base_model": str(hub_qwen3), "num_experts": 8, "expert_init": init}), tmp_path / "i")
     got, had = tensors(out.output), tensors(hub_qwen3)
     for layer in (0, 1):
         for e in range(4):
@@ -138,9 +138,13 @@ def test_noise_applies_to_the_copies_only(tmp_path, write_yaml, hub_qwen3):
                 key = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
                 copy = got[key.replace(f".experts.{e}.", f".experts.{e + 4}.")]
                 assert torch.equal(got[key], had[key])  # the base's experts: byte for byte
-                rel = (copy - had[key]).std() / had[key].std()
-                assert 0.005 < rel < 0.02, rel  # std 0.01 × the matrix's std
-    assert any("expert_init noise changes the copies" in c for c in out.plan.inexact)
+                if init["method"] == "noise":
+                    rel = (copy - had[key]).std() / had[key].std()
+                    assert 0.005 < rel < 0.02, rel  # std 0.01 × the matrix's std
+                else:  # 25 % of the 32 neurons re-drawn: rows of gate/up, columns of down
+                    neurons = (copy != had[key]).any(dim=1 if proj != "down_proj" else 0)
+                    assert int(neurons.sum()) == 8, int(neurons.sum())
+    assert any(f"expert_init {init['method']} changes the copies" in c for c in out.plan.inexact)
 
 
 def test_qwen2_moe_shared_expert_kept_byte_identical(tmp_path, write_yaml, hub_qwen2):

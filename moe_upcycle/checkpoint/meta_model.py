@@ -20,6 +20,7 @@ from moe_upcycle.checkpoint.dense_config import DenseConfig, dense_config
 from moe_upcycle.checkpoint.source import Checkpoint, meta_checkpoint, open_sources, read_config
 from moe_upcycle.checkpoint.lora import reference_parts, resolve_adapter
 from moe_upcycle.checkpoint.model_refs import resolve_model
+from moe_upcycle.checkpoint.moe_base import DENSE_OF
 
 Dims = dict[str, int]
 # per-layer tensor suffix -> shape from the model's dimensions (H hidden, I intermediate,
@@ -172,7 +173,7 @@ def meta_source(ref: str, field_name: str) -> Checkpoint:
     if adapter_ref is not None:
         resolve_adapter(adapter_ref, field_name)
     config = read_config(path, field_name)  # checked: every dimension is a positive integer
-    if config.model_type in names.OUTPUT_LAYOUTS:  # an MoE base, to grow (`planning.grow`)
+    if config.model_type in names.OUTPUT_LAYOUTS and config.model_type in DENSE_OF:  # an MoE base to grow (`grow`)
         return meta_checkpoint(ref, config, describe_moe(config))
     return meta_checkpoint(ref, config, describe_dense(config, f"{field_name} ({path / 'config.json'})"))
 

@@ -21,7 +21,10 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
 
-# the dense family whose fine-tunes can become new experts of an MoE of each type (same attention, norms)
+# the dense family whose fine-tunes can become new experts of an MoE of each type (same attention, norms); its keys
+# are the families grown: softmax routers whose copies split an expert's probability (`planning.grow`). An output
+# layout added to `names` later (a sigmoid router with a per-expert score bias, say) is refused until it is added
+# here with its own exactness rule.
 DENSE_OF = {"mixtral": ("llama", "mistral"), "qwen2_moe": ("qwen2",), "qwen3_moe": ("qwen3",)}
 # MoE model types that are not read as a base (yet): the message names them and says what is supported
 _OTHER_MOE = ("glm4_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "phimoe", "granitemoe", "olmoe", "qwen3_5_moe")
@@ -83,9 +86,9 @@ def moe_base(ckpt: Checkpoint, where: str = "base_model") -> MoeBase:
     """
     kind = ckpt.model_type
     label = f"{where} ({ckpt.ref})"
-    if kind not in names.OUTPUT_LAYOUTS:
+    if kind not in names.OUTPUT_LAYOUTS or kind not in DENSE_OF:
         raise PlanError(f"{label}: model_type {kind!r} is an MoE that moe-upcycle does not grow; it grows "
-                        f"{', '.join(names.OUTPUT_LAYOUTS)} checkpoints")
+                        f"{', '.join(DENSE_OF)} checkpoints")
     layout = names.OUTPUT_LAYOUTS[kind]
     cfg = ckpt.fields
     tensors = ckpt.tensors
