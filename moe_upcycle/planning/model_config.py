@@ -23,6 +23,7 @@ import torch
 from moe_upcycle.checkpoint.names import output_layout
 from moe_upcycle.planning import windows
 from moe_upcycle.planning.arch import config_fields
+from moe_upcycle.planning.grow import grown_config
 from moe_upcycle.planning.rope import rope_fields
 from moe_upcycle.planning.steps import Plan
 
@@ -100,8 +101,6 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
         (4, ['MixtralForCausalLM'])
     """
     if plan.grow is not None:  # a grown MoE: the base's own config.json, more experts (`grow.grown_config`)
-        from moe_upcycle.planning.grow import grown_config
-
         cfg = grown_config(plan, router_aux_loss_coef, router_jitter_noise or None)
         sizes = cfg["hidden_size"], plan.grow.base.expert_size
         implementation = experts_implementation(*sizes, plan.dtype) or experts_implementation(*sizes, torch.bfloat16)
