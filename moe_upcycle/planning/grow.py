@@ -139,7 +139,7 @@ def make_grow_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Pla
         steps = fused.fuse_experts(steps, base.layout, n_total)
     names_out = tuple(f"expert_{j}" if j < e_count else f"expert_{j % e_count}_copy{j // e_count}"
                       for j in range(e_count * copies))
-    names_out += tuple(e.name or e.source_model for e in added)
+    names_out += tuple(e.name or f"expert_{e_count * copies + i}" for i, e in enumerate(added))  # never a path
     notes, inexact = _notes(info, k, router, copy_transforms, init_of)
     return Plan(base.model_type, tuple(steps), names_out, k, dtype, cfg, cfg.tie_word_embeddings, tuple(notes),
                 expert_intermediate_size=base.expert_size if base.expert_size != cfg.intermediate_size else None,
