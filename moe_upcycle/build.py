@@ -33,9 +33,11 @@ from moe_upcycle.distributed.ranked_build import shared_stage, write_rank_shards
 from moe_upcycle.distributed.world import joined_world
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
+from moe_upcycle.gates.grow_rows import grown_gates
 from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
+from moe_upcycle.planning.grow import BASE_ROUTERS, left_out
 from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
 from moe_upcycle.planning.report import sharing_report, sharing_summary
@@ -262,9 +264,9 @@ def upcycle(
             recipe = resolved(config)
             gating, writing, checking = recipe.gates, recipe.writing, recipe.checking
             gates, shared_gates = world.from_lead(make_gates, gating, plan, sources[config.base_model])
-            gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
-                                             from_prompts=gating.mode in PROMPT_MODES,
-                                             center=gating.center if gating.source == "native" else None)
+            gate_warnings = [] if plan.grow is not None else parallel_experts(  # copies' rows: parallel by design
+                gates, plan.expert_names, group_size=gating.group_size, from_prompts=gating.mode in PROMPT_MODES,
+                center=gating.center if gating.source == "native" else None)
             with shared_stage(world, target, force) as stage:  # each rank writes its shards; the lead publishes
                 writer, hashes = write_rank_shards(world, stage, plan, sources, gates, shared_gates, writing, on_step)
                 checked, drift, unlocated = world.from_lead(finish, stage, writer, hashes, config, plan, sources,
@@ -298,7 +300,10 @@ def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[i
                                                                           dict[int, torch.Tensor]]:
     """Router weights per layer and the shared-expert gates (empty without shared experts)."""
     with progress_stage("gates", total=len(plan.moe_layers), unit="layers") as st:
-        gates = compute_gates(gating, plan, base)
+        if plan.grow is not None and plan.grow.router == BASE_ROUTERS:  # a grown MoE: the base's rows (`grow_rows`)
+            gates = grown_gates(gating, plan, base)
+        else:
+            gates = compute_gates(gating, plan, base)
         shared_gates = shared_gate_rows(gating, plan, base)
         st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
     return gates, shared_gates
@@ -338,7 +343,8 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
     # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
     verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
     unlocated = write_recipe(stage, config, hashes, skip=() if writer.checksums else writer.files,
-                             verification=verification, target=target)
+                             verification=verification, target=target,
+                             unset=left_out(config) if plan.grow is not None else ())
     for source in sources.values():  # last: a source re-saved during the build is never published from
         source.check_unchanged()
     return checked, drift, unlocated

@@ -140,11 +140,25 @@ def test_unsupported_base_family_names_model_and_field():
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe"])
-def test_an_moe_given_as_the_base_or_an_expert_is_told_to_give_its_dense_model(model_type):
-    for got in (problems({"base_model": "m", "num_experts": 2, "gate_mode": "random"}, meta("m", model_type)),
-                problems(franken("base", "m"), meta("base"), meta("m", model_type))):
-        assert f"model_type {model_type!r} is not supported as input — it is already a Mixture-of-Experts: give the " \
-               f"dense model it was made from; supported: LlamaForCausalLM (llama)" in got[0], got
+def test_an_moe_given_as_an_expert_is_told_to_give_its_dense_model(model_type):
+    got = problems(franken("base", "m"), meta("base"), meta("m", model_type))
+    assert f"model_type {model_type!r} is not supported as input — it is already a Mixture-of-Experts: give the " \
+           f"dense model it was made from; supported: LlamaForCausalLM (llama)" in got[0], got
+
+
+@pytest.mark.parametrize("model_type,says", [
+    ("mixtral", "base_model (m): config.json gives the number of experts as nothing; an MoE's config.json has one "
+                "positive num_local_experts — re-download the folder"),
+    ("qwen3_moe", "base_model (m): config.json gives the number of experts as nothing; an MoE's config.json has one "
+                  "positive num_experts — re-download the folder"),
+    ("deepseek_v3", "base_model (m): model_type 'deepseek_v3' is an MoE that moe-upcycle does not grow; it grows "
+                    "mixtral, qwen2_moe, qwen3_moe checkpoints"),
+    ("olmoe", "base_model (m): model_type 'olmoe' is an MoE that moe-upcycle does not grow; it grows mixtral, "
+              "qwen2_moe, qwen3_moe checkpoints"),
+])
+def test_an_moe_base_is_grown_and_what_cannot_be_grown_is_named(model_type, says):
+    """An MoE as base_model is grown (tests/test_grow_moe.py); one that cannot be read as an MoE is named."""
+    assert problems({"base_model": "m", "num_experts": 2, "gate_mode": "random"}, meta("m", model_type)) == [says]
 
 
 def test_unsupported_or_different_expert_family():

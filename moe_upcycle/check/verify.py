@@ -264,8 +264,8 @@ def verify(
     if not (folder / "config.json").is_file():
         raise SourceError(f"OUT: {folder} is not a model folder (no config.json); give the folder a build wrote")
     _check_options(device, max_new_tokens, max_kl, min_agreement)
-    base_given = _explicit_base(base)  # before any model is loaded: a wrong --base fails at once
-    require_moe(folder)  # a dense folder would "pass" against its own base
+    experts = require_moe(folder)  # a dense folder would "pass" against its own base
+    base_given = _explicit_base(base, folder, experts)  # before any model is loaded: a wrong --base fails at once
     running = build_running(folder)
     if running:  # its --force swap would replace the folder while it is read
         raise SourceError(f"OUT: {running}; verify the folder after that build finishes")
@@ -505,8 +505,9 @@ def _check_options(device: str, max_new_tokens: int, max_kl: Optional[float],
         raise ConfigError(*problems)
 
 
-def _explicit_base(base) -> Optional[tuple[Path, Optional[Adapter]]]:
-    """The folder (and LoRA adapter) of an explicitly given --base, which must be a model; None when not given."""
+def _explicit_base(base, folder: Path, experts: int) -> Optional[tuple[Path, Optional[Adapter]]]:
+    """The folder (and LoRA adapter) of an explicitly given --base, which must be a model; None when not given.
+    An MoE is a base only for a grown MoE (`planning.grow`): one with fewer experts than `folder`'s `experts`."""
     if base is None:
         return None
     path, adapter = _model_and_adapter(str(base), "--base")  # given explicitly: an error if absent
@@ -516,10 +517,11 @@ def _explicit_base(base) -> Optional[tuple[Path, Optional[Adapter]]]:
         count = require_moe(path, "--base")
     except SourceError:  # dense, as it should be (or an unreadable config.json, which the load reports)
         count = None
-    if count is not None:  # an MoE as the reference: the MoE itself (a typo) would PASS against its own logits
+    grown = count is not None and count < experts and path.resolve() != folder  # a grown MoE against its base
+    if count is not None and not grown:  # an MoE as the reference: the MoE itself (a typo) would PASS against itself
         raise SourceError(f"--base: {path} is itself a Mixture-of-Experts ({count} experts), not a dense model; "
-                          f"verify compares the MoE with the dense model it was built from — give that folder "
-                          f"(the recipe's base_model)")
+                          f"verify compares the MoE with the dense model it was built from (or a grown MoE with the "
+                          f"MoE it grew, which has fewer experts) — give that folder (the recipe's base_model)")
     return path, adapter
 
 

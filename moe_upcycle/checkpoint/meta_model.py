@@ -1,4 +1,5 @@
-"""Describe a dense model's tensors from its config.json alone: names, shapes, dtypes, no files.
+"""Describe a dense model's tensors from its config.json alone: names, shapes, dtypes, no files (an MoE's too:
+`describe_moe`, for a grown MoE's plan).
 
 `describe_dense(config)` derives every tensor of a Llama/Mistral checkpoint from the config's
 dimensions, using the key templates of `names`; `meta_sources(refs)` opens every model a recipe
@@ -19,6 +20,7 @@ from moe_upcycle.checkpoint.dense_config import DenseConfig, dense_config
 from moe_upcycle.checkpoint.source import Checkpoint, meta_checkpoint, open_sources, read_config
 from moe_upcycle.checkpoint.lora import reference_parts, resolve_adapter
 from moe_upcycle.checkpoint.model_refs import resolve_model
+from moe_upcycle.checkpoint.moe_base import DENSE_OF
 
 Dims = dict[str, int]
 # per-layer tensor suffix -> shape from the model's dimensions (H hidden, I intermediate,
@@ -88,6 +90,78 @@ def describe_dense(config: Mapping, where: str = "config.json") -> dict[str, tup
     return {k: (s, dtype) for k, s in shapes.items()}
 
 
+def describe_moe(cfg: DenseConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor an MoE checkpoint of a family moe-upcycle writes (and grows) holds, from its config.json: the
+    dense layer tensors, then per MoE layer the router and one tensor per expert matrix (the names of
+    `names.OUTPUT_LAYOUTS`), the shared expert and its gate where the config gives one a size, the dense MLP of
+    the layers that keep one (Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``).
+
+    Example:
+        >>> cfg = dense_config({"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 64, "vocab_size": 9,
+        ...     "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts": 4, "moe_intermediate_size": 16,
+        ...     "shared_expert_intermediate_size": 24, "mlp_only_layers": [0]}, "config.json")
+        >>> t = describe_moe(cfg)
+        >>> t["model.layers.1.mlp.experts.3.down_proj.weight"][0], t["model.layers.1.mlp.shared_expert_gate.weight"][0]
+        ((32, 16), (1, 32))
+        >>> "model.layers.0.mlp.gate.weight" in t, t["model.layers.0.mlp.up_proj.weight"][0]
+        (False, (64, 32))
+    """
+    layout = names.OUTPUT_LAYOUTS[cfg.model_type]
+    dense = {k: v for k, v in _dense_shapes(cfg).items() if ".mlp." not in k}
+    dtype = next(iter(cfg.stated_dtypes.values()), torch.float32)
+    hidden = cfg.hidden_size
+    count = next((cfg[k] for k in (layout.experts_key, "num_local_experts", "num_experts") if cfg.get(k)), 0)
+    size = cfg.get(layout.expert_size_key) or cfg.intermediate_size
+    shared = cfg.get("shared_expert_intermediate_size") if layout.shared_expert else None
+    step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, shape in dense.items():
+        shapes[key] = shape
+        layer = names.split_layer(key)[1]
+        if layer is None or not key.endswith("post_attention_layernorm.weight"):
+            continue
+        if layer in only or (layer + 1) % step:  # a dense layer (Qwen MoE's rule)
+            for proj in names.PROJS:
+                shapes[names.fill(names.DENSE_MLP, layer=layer, proj=proj)] = (
+                    (hidden, cfg.intermediate_size) if proj == "down_proj" else (cfg.intermediate_size, hidden))
+            continue
+        shapes[names.fill(layout.router, layer=layer)] = (count, hidden)
+        for e in range(count):
+            for proj in names.PROJS:
+                shapes[names.fill(layout.expert[proj], layer=layer, expert=e)] = (
+                    (hidden, size) if proj == "down_proj" else (size, hidden))
+        if shared:
+            for proj in names.PROJS:
+                shapes[names.fill(layout.shared_expert[proj], layer=layer)] = (
+                    (hidden, shared) if proj == "down_proj" else (shared, hidden))
+            shapes[names.fill(layout.shared_expert_gate, layer=layer)] = (1, hidden)
+    return {k: (s, dtype) for k, s in shapes.items()}
+
+
+def _dense_shapes(cfg: DenseConfig) -> dict[str, tuple[int, ...]]:
+    """The Llama-named tensors of `cfg` whatever its model_type (q/k/v biases of Qwen2-MoE, q/k norms of Qwen3-MoE)."""
+    head = cfg.head_dim
+    d = {"H": cfg.hidden_size, "I": cfg.intermediate_size, "Q": cfg.num_attention_heads * head,
+         "KV": cfg.num_key_value_heads * head}
+    # attention biases: Qwen2-MoE's q/k/v (always in transformers 4; qkv_bias in 5), Qwen3-MoE's q/k/v/o with
+    # attention_bias, Mixtral's none
+    biases = (names.QKV_BIAS if cfg.model_type == "qwen2_moe" and cfg.get("qkv_bias", True) is not False else
+              names.QKV_BIAS + names.O_BIAS if cfg.model_type == "qwen3_moe" and cfg.attention_bias else ())
+    shapes: dict[str, tuple[int, ...]] = {names.EMBED: (cfg.vocab_size, cfg.hidden_size)}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        for suffix, shape in LAYER_SHAPES.items():
+            shapes[p + suffix] = shape(d)
+        for suffix in biases:
+            shapes[p + suffix] = BIAS_SHAPES[suffix][1](d)
+        if cfg.model_type == "qwen3_moe":
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (head,)
+    shapes["model.norm.weight"] = (cfg.hidden_size,)
+    if not cfg.tie_word_embeddings:
+        shapes[names.LM_HEAD] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
 def meta_source(ref: str, field_name: str) -> Checkpoint:
     """A checkpoint described from the ``config.json`` of `ref` alone (weights need not exist).
 
@@ -99,6 +173,8 @@ def meta_source(ref: str, field_name: str) -> Checkpoint:
     if adapter_ref is not None:
         resolve_adapter(adapter_ref, field_name)
     config = read_config(path, field_name)  # checked: every dimension is a positive integer
+    if config.model_type in names.OUTPUT_LAYOUTS and config.model_type in DENSE_OF:  # an MoE base to grow (`grow`)
+        return meta_checkpoint(ref, config, describe_moe(config))
     return meta_checkpoint(ref, config, describe_dense(config, f"{field_name} ({path / 'config.json'})"))
 
 

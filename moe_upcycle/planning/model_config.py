@@ -24,6 +24,7 @@ from moe_upcycle.checkpoint.names import output_layout
 from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.planning import windows
 from moe_upcycle.planning.arch import config_fields
+from moe_upcycle.planning.grow import grown_config
 from moe_upcycle.planning.rope import rope_fields
 from moe_upcycle.planning.steps import Plan
 
@@ -99,6 +100,11 @@ def moe_config(plan: Plan, router_aux_loss_coef: Optional[float] = None, router_
         >>> cfg["num_local_experts"], cfg["architectures"]  # doctest: +SKIP
         (4, ['MixtralForCausalLM'])
     """
+    if plan.grow is not None:  # a grown MoE: the base's own config.json, more experts (`grow.grown_config`)
+        cfg = grown_config(plan, router_aux_loss_coef, router_jitter_noise or None)
+        sizes = cfg["hidden_size"], plan.grow.base.expert_size
+        implementation = experts_implementation(*sizes, plan.dtype) or experts_implementation(*sizes, torch.bfloat16)
+        return {**cfg, "experts_implementation": implementation} if implementation else cfg
     # a field the base leaves out is its family's default, which the output class may not share (Mixtral:
     # rms_norm_eps 1e-5, rope_theta 1e6, max_position_embeddings 131072): write the dense model's value
     # (a lookup, not a copy: only the fields read here are read, each checked by `dense_config`)

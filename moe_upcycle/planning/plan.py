@@ -18,7 +18,7 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, hybrid, inits, llamacpp, shared_experts, source_checks, sparsity
+from moe_upcycle.planning import arch, compat, fused, grow, hybrid, inits, llamacpp, shared_experts, source_checks, sparsity
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import MoeLayers, unused_prompts_note
 from moe_upcycle.recipe.resolved import resolved
@@ -50,6 +50,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         PlanError: every incompatibility found, all at once.
     """
     base = sources[config.base_model]
+    if grow.is_grow(base):  # an MoE base: grown, not upcycled (`grow`)
+        return grow.make_grow_plan(config, sources)
     layout = arch.choose_layout(config, base)  # raises with every candidate's reasons
     used = _models_used(config)
     _check_sources(config, sources, layout, used)

@@ -93,6 +93,8 @@ class Plan:
     dense_layers: tuple[int, ...] = ()
     # the top-k router weights are renormalised to sum 1 (config.json's norm_topk_prob; Mixtral always does)
     norm_topk_prob: bool = True
+    # set when the base is an MoE that the build grows (`planning.grow.GrowInfo`); None for a dense base
+    grow: Optional[Any] = None
 
     @cached_property
     def total_bytes(self) -> int:

@@ -21,6 +21,7 @@ from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.layer_words import moe_and_dense_said
 from moe_upcycle.recipe.schema import UpcycleConfig
 from moe_upcycle.planning.runtimes import runtime_section
+from moe_upcycle.publish import grow_card
 from moe_upcycle.publish.card_facts import Sources, cell, making_of
 from moe_upcycle.publish.card_recipe import recipe_block
 from moe_upcycle.recipe.mergekit_names import semantics_note
@@ -177,7 +178,9 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
                   f"{', '.join(named.name(r) for r in local)}), so `base_model` lists "
                   f"{'only the hub models' if bases else 'none'}; add their hub ids before publishing if they are "
                   f"published.\n" if local else "")
-    how = "\n".join(making_of(config))
+    how = "\n".join(grow_card.making_of(plan) if plan.grow else making_of(config))
+    if plan.grow:  # a grown MoE: its experts are the base's and their copies (`grow_card`)
+        rows = grow_card.expert_rows(config, plan, named.name, cell)
     recipe = recipe_block(config, plan, named.shown)
     notes = "\n".join(f"- {named.without_paths(n, sources or {})}" for n in build_notes(config, plan))
     notes = f"\n## Notes from the build\n\n{notes}\n" if notes else ""
@@ -189,10 +192,10 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
 {front_text}
 ---
 
-# {plan.architecture} MoE upcycled from {named.plain(config.base_model)}
+# {grow_card.title(plan, named.plain(config.base_model)) if plan.grow else f"{plan.architecture} MoE upcycled from {named.plain(config.base_model)}"}
 {note}{local_note}
-Built with moe-upcycle {__version__}: {len(experts)} experts,
-{plan.experts_per_token} active per token, gate mode `{config.gate_mode}`, dtype `{dtype_name(plan.dtype)}`.{_layers(plan)}
+Built with moe-upcycle {__version__}: {len(plan.expert_names)} experts,
+{plan.experts_per_token} active per token, {grow_card.router_words(plan) if plan.grow else f"gate mode `{config.gate_mode}`"}, dtype `{dtype_name(plan.dtype)}`.{_layers(plan)}
 
 | parameters | count |
 |---|---|

@@ -34,6 +34,16 @@ LEFT_OUT = ("output",)  # where the build wrote: this folder
 INIT_KEYS = {"copy": (), "noise": ("scale", "absolute"), "drop": ("ratio",), "split": ("granularity", "shuffle")}
 
 
+# what a grown MoE's defaults stand for: they come from its MoE base (`planning.grow`)
+GROWN_DEFAULTS = {
+    "gate_mode": lambda plan: (None, "default for a grown MoE: the base's routers, each copy with its expert's row"),
+    "experts_per_token": lambda plan: (plan.experts_per_token, f"default for a grown MoE: {plan.grow.copies} × the "
+                                                               f"base's {plan.grow.base.experts_per_token}"),
+    "norm_topk_prob": lambda plan: (plan.norm_topk_prob, "default for a grown MoE: the base's"),
+    "architecture": lambda plan: (plan.architecture, "default for a grown MoE: the base's"),
+}
+
+
 def recipe_block(config: UpcycleConfig, plan: Plan, shown_ref) -> str:
     """The YAML of the card's recipe section: one top-level key per line group, comments after defaults.
 
@@ -68,6 +78,8 @@ def _resolved(key: str, value: Any, config: UpcycleConfig, plan: Plan, shown_ref
         listed = config.expert_list() if key == "experts" else entries
         return [_expert(e, named.name if key == "experts" else None, shown_ref)
                 for e, named in zip(entries, listed)], ""
+    if plan.grow is not None and key in GROWN_DEFAULTS and key not in config.model_fields_set:  # `planning.grow`
+        return GROWN_DEFAULTS[key](plan)
     if key == "architecture":
         return plan.architecture, "default: the output family for this base"
     if key == "dtype":

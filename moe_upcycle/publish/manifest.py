@@ -35,7 +35,7 @@ from moe_upcycle.recipe.schema import UpcycleConfig
 
 def write_recipe(folder: Path, config: Optional[UpcycleConfig], shard_hashes: dict[str, str],
                  skip: Sequence[str] = (), verification: Optional[dict] = None, extra: Optional[dict] = None,
-                 target: Optional[Path] = None) -> list[str]:
+                 target: Optional[Path] = None, unset: Sequence[str] = ()) -> list[str]:
     """Record tool version, resolved config, seed, verification and the sha256 of every output file.
 
     Args:
@@ -47,6 +47,8 @@ def write_recipe(folder: Path, config: Optional[UpcycleConfig], shard_hashes: di
         verification: `verify`'s result as a dict; its local paths are written as the recipe's are.
         extra: more top-level fields (an export says what wrote it).
         target: the folder the output is published as (paths are recorded relative to it); default `folder`.
+        unset: config fields recorded as left out, because their default depends on the base (a grown MoE's
+            gate_mode and experts_per_token, `planning.grow.left_out`): re-planning resolves them the same way.
 
     Returns:
         Notes for the user: the sources recorded by name only (see the module docstring).
@@ -60,7 +62,8 @@ def write_recipe(folder: Path, config: Optional[UpcycleConfig], shard_hashes: di
             hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     recipe = {"tool": "moe-upcycle", "version": __version__}
     if config is not None:
-        portable = map_paths(config.model_dump(mode="json"), recorded.ref, every_path=True)
+        dumped = {k: v for k, v in config.model_dump(mode="json").items() if k not in unset}
+        portable = map_paths(dumped, recorded.ref, every_path=True)
         portable["output"] = None  # the folder itself: where it was written is the machine's business
         recipe.update(config=portable, seed=config.seed)
     recipe.update(extra or {}, sha256=dict(sorted(hashes.items())))
