@@ -19,6 +19,8 @@ immediate and does nothing: the one-process build is the world-size-1 case of th
   by its process id (at once), elsewhere by its heartbeat (a store key each rank bumps every `BEAT_S` from a
   thread, silent for `SILENT_S`). The rank that finds it records a ``gone`` failure for it, so every rank raises
   it (a `RankError` naming that rank), and the lead stops waiting for it at the end instead of its `STOP_WAIT_S`.
+  A lead gone is said by rank 1. A store that stops answering (the torchrun agent hosting it ended) is said too.
+- `gather_bytes` is the all-gather of raw bytes (JSON records: `agreement` compares every rank's facts with it).
 - The end is ordered: before the lead's staging folder is removed it waits (`STOP_WAIT_S`) until every peer has
   stopped writing into it, and a failed peer leaves only after the lead has left (`LEAVE_WAIT_S`). torchrun stops
   every worker with SIGTERM as soon as one exits non-zero; so it never interrupts the lead's clean-up or message.
@@ -28,8 +30,8 @@ times, and a process blocked in a gloo call runs no Python signal handler until 
 is a polled store key (SIGINT and SIGTERM act at once), and the gloo collectives run only after every rank has
 arrived (`sync`), lasting as long as their transfer (`TRANSFER_TIMEOUT` bounds it); they too are awaited by
 polling (``async_op``), so a rank stopped by a signal between two of them never leaves the others blocked. A
-rank that hangs (not one that dies: torchrun stops the job then) keeps the others waiting, as a hung disk
-stalls a one-process build (its heartbeat thread still beats).
+rank that hangs (not one that dies: it is found gone) keeps the others waiting, as a hung disk stalls a
+one-process build (its heartbeat thread still beats).
 
 It does not start processes (torchrun does, or ``build --workers``) and knows nothing about builds.
 """
