@@ -32,7 +32,7 @@ from moe_upcycle.distributed.ranked_build import shared_stage, write_rank_shards
 from moe_upcycle.distributed.world import joined_world
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
-from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
+from moe_upcycle.gates.router import check_prompts, compute_gate_rows
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.plan import Plan, Step, make_plan
@@ -138,7 +138,7 @@ def check_device(config: UpcycleConfig, verify: bool = False) -> None:
         DependencyError: ``cuda`` asked for and no GPU is visible (or too few).
     """
     if verify or config.gate_mode in HIDDEN_MODES:
-        from moe_upcycle.gates.capture import resolve_device
+        from moe_upcycle.gates.device import resolve_device
 
         resolve_device(config.device)
 
@@ -293,10 +293,9 @@ def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[i
                                                                           dict[int, torch.Tensor]]:
     """Router weights per layer and the shared-expert gates (empty without shared experts)."""
     with progress_stage("gates", total=len(plan.moe_layers), unit="layers") as st:
-        gates = compute_gates(gating, plan, base)
-        shared_gates = shared_gate_rows(gating, plan, base)
-        st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
-    return gates, shared_gates
+        rows = compute_gate_rows(gating, plan, base)  # routers and shared-expert gates, one stream of the base
+        st.advance(len(rows.routers), note=f"{gating.mode}, {len(rows.routers)} layers")
+    return rows.routers, rows.shared
 
 
 def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: UpcycleConfig, plan: Plan,
@@ -320,7 +319,7 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
     checked = None
     if verify:
         from moe_upcycle.check.verify import verify as verify_folder
-        from moe_upcycle.gates.capture import resolve_device
+        from moe_upcycle.gates.device import resolve_device
 
         checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
                                 device=resolve_device(device))  # the recipe's device (auto)
