@@ -68,8 +68,9 @@ def get_cheap_embedding(embed: torch.Tensor, tokenized, num_layers: int, vocab_s
     return res.repeat(num_layers, 1)
 
 
-def gate_params(path: Path, experts: list[dict], mode: str = "hidden") -> torch.Tensor:
-    """(num_layers, num_experts, hidden) as mergekit's get_gate_params returns it (model dtype)."""
+def gate_params(path: Path, experts: list[dict], mode: str = "hidden", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(num_layers, num_experts, hidden) as mergekit's get_gate_params returns it (model dtype: mergekit's bf16, or
+    `dtype`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = mergekit_tokenizer(path)
@@ -82,7 +83,7 @@ def gate_params(path: Path, experts: list[dict], mode: str = "hidden") -> torch.
         def _do_it(tokenized):
             return get_cheap_embedding(embed, tokenized, cfg.num_hidden_layers, cfg.vocab_size)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
 
         def _do_it(tokenized):
             return get_hidden_states(model, tokenized, average=mode == "hidden_avg")
