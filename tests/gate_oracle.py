@@ -47,11 +47,11 @@ def router_inputs(model, tokenizer, text: str) -> list[torch.Tensor]:
                for i, layer in enumerate(layers)]
     try:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([ids]), use_cache=False)
+            model(input_ids=torch.tensor([ids], device=model.device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
-    return [seen[i][real].double() for i in range(len(layers))]
+    return [seen[i][real.to(seen[i].device)].double().cpu() for i in range(len(layers))]
 
 
 def prompt_vectors(model, tokenizer, texts: Sequence[str], last: bool = False) -> torch.Tensor:
