@@ -134,8 +134,9 @@ def capture_router_inputs(streamed: StreamedModel, encoded: list[Encoded], group
             acc[dev] = torch.zeros(len(wanted), num_groups, x.shape[-1], dtype=torch.float32, device=dev)
         acc[dev][i].index_add_(0, batch.values, per)
 
-    streamed.run(encoded, batch_size, on_output, padding_side, row_values=group_of if reduce != "tokens" else None,
-                 layers=wanted)
+    if wanted:
+        streamed.run(encoded, batch_size, on_output, padding_side,
+                     row_values=group_of if reduce != "tokens" else None, layers=wanted)
     counts = torch.bincount(group_of, minlength=num_groups) if reduce != "tokens" else torch.zeros(num_groups)
     sums = sum(t.cpu() for t in acc.values()) if acc else torch.zeros(0)
     norms = sum(t.cpu() for t in norm_acc.values()) if norm_acc else torch.zeros(len(wanted), dtype=torch.float64)
