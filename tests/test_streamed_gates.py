@@ -161,7 +161,10 @@ def test_each_batchs_values_are_derived_once_not_once_per_layer(stories, monkeyp
     made = {"count": 0, "last": 0, "flat": 0}
     for name, what in (("token_counts", "count"), ("last_positions", "last"), ("real_positions", "flat")):
         real = getattr(cap, name)
-        monkeypatch.setattr(cap, name, lambda r, real=real, what=what: made.__setitem__(what, made[what] + 1) or real(r))
+        def counted(r, real=real, what=what):
+            made[what] += 1
+            return real(r)
+        monkeypatch.setattr(cap, name, counted)
     streamed = open_streamed(open_checkpoint(str(stories), "base_model"), device="cpu")
     texts = [CODE[i % 8] + " " + STORY[i % 7] for i in range(9)]
     enc = batches.encode(streamed.tokenizer, texts, streamed.max_length)
@@ -175,12 +178,20 @@ def test_each_batchs_values_are_derived_once_not_once_per_layer(stories, monkeyp
 # ------------------------------------------------------------------------------------------ the same routers
 
 
+# two experts of one short prompt each: on stories260K their default length is the 4-nat margin's (below the cap),
+# and the median of two margins is the lower one
+SHORT = (ExpertPrompts("def", ("def",)), ExpertPrompts("once", ("Once upon a time",)))
+
+
 def test_streamed_gates_are_the_oracles(base):
     """compute_hidden_gates (streamed, batches of 3) against the oracle: negative prompts (expert 0), gate_center, a
-    fixed gate_scale, hidden_last; every row within 1e-5 of its norm."""
-    for mode, center, scale in [("hidden", False, None), ("hidden_last", False, None), ("hidden", True, None),
-                                ("hidden", False, 2.5)]:
-        params = GateParams(mode=mode, experts=EXPERTS, device="cpu", center=center, batch_size=3, scale=scale)
+    fixed gate_scale, hidden_last, and a pair of experts whose default length is set by the margin, not the cap;
+    every row within 1e-5 of its norm."""
+    for experts, mode, center, scale in [(EXPERTS, "hidden", False, None), (EXPERTS, "hidden_last", False, None),
+                                         (EXPERTS, "hidden", True, None), (EXPERTS, "hidden", False, 2.5),
+                                         (SHORT, "hidden", False, None), (SHORT, "hidden", True, None),
+                                         (SHORT, "hidden_last", False, None)]:
+        params = GateParams(mode=mode, experts=experts, device="cpu", center=center, batch_size=3, scale=scale)
         rows_close(streamed_rows(params, base), oracle_rows(base, params))
 
 

@@ -2,8 +2,9 @@
 
 A Mixtral router at layer *l* scores the output of layer *l*'s ``post_attention_layernorm`` (the
 MLP input). We capture exactly that tensor with forward hooks on every MoE layer's norm, in one
-streamed pass of the base model over every text the rows need. This is not mergekit-moe 0.1.5's computation (the last token,
-or for ``hidden_avg`` a mean including pad positions, of each layer's input residual stream):
+streamed pass of the base model over every text the rows need. This is not mergekit-moe 0.1.5's
+computation (the last token, or for ``hidden_avg`` a mean including pad positions, of each layer's
+input residual stream):
 that one is `mergekit_gates`, chosen with ``gate_source: mergekit``.
 
 **The base model is never loaded whole**: it is streamed one decoder layer at a time from its
