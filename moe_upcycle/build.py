@@ -34,7 +34,7 @@ from moe_upcycle.distributed.world import joined_world
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.grow_rows import grown_gates
-from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
+from moe_upcycle.gates.router import check_prompts, compute_gate_rows
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.grow import BASE_ROUTERS, left_out
@@ -142,7 +142,7 @@ def check_device(config: UpcycleConfig, verify: bool = False) -> None:
         DependencyError: ``cuda`` asked for and no GPU is visible (or too few).
     """
     if verify or config.gate_mode in HIDDEN_MODES:
-        from moe_upcycle.gates.capture import resolve_device
+        from moe_upcycle.gates.device import resolve_device
 
         resolve_device(config.device)
 
@@ -300,13 +300,13 @@ def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[i
                                                                           dict[int, torch.Tensor]]:
     """Router weights per layer and the shared-expert gates (empty without shared experts)."""
     with progress_stage("gates", total=len(plan.moe_layers), unit="layers") as st:
-        if plan.grow is not None and plan.grow.router == BASE_ROUTERS:  # a grown MoE: the base's rows (`grow_rows`)
-            gates = grown_gates(gating, plan, base)
-        else:
-            gates = compute_gates(gating, plan, base)
-        shared_gates = shared_gate_rows(gating, plan, base)
-        st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
-    return gates, shared_gates
+        if plan.grow is not None and plan.grow.router == BASE_ROUTERS:  # a grown MoE: the base's rows (`grow_rows`);
+            routers, shared = grown_gates(gating, plan, base), {}    # its shared experts' gates are copied tensors
+        else:  # routers and shared-expert gates, one stream of the base
+            rows = compute_gate_rows(gating, plan, base)
+            routers, shared = rows.routers, rows.shared
+        st.advance(len(routers), note=f"{gating.mode}, {len(routers)} layers")
+    return routers, shared
 
 
 def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: UpcycleConfig, plan: Plan,
@@ -330,7 +330,7 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
     checked = None
     if verify:
         from moe_upcycle.check.verify import verify as verify_folder
-        from moe_upcycle.gates.capture import resolve_device
+        from moe_upcycle.gates.device import resolve_device
 
         checked = verify_folder(stage, config.base_model, hashes=False, check=checking, plan=plan,
                                 device=resolve_device(device))  # the recipe's device (auto)

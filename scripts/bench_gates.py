@@ -4,16 +4,16 @@ Generates a dense Llama (default hidden 256, 6 layers; ``--folder`` benchmarks a
 TinyLlama-shaped model of scripts/bench_build.py), takes 8 experts × 32 prompts from the shipped prompt sets and
 times, in the same run and on the same batches of the same tokens:
 
-- ``plain``: the decoder alone (``model.model``) of the model loaded whole, no hooks — the same layers gates run;
+- ``plain``: the decoder alone (``model.model``) of the model loaded whole with transformers, no hooks — the same
+  layers gates run; ``load`` is what loading it whole costs (``from_pretrained``);
 - ``plain+lm_head``: the whole ``LlamaForCausalLM`` forward, as a user would call it;
-- ``whole``: `capture.capture_router_inputs` on the model loaded whole (hooks, masked running sums), the path
-  gates took before they streamed; ``load`` is what loading it whole costs (``from_pretrained``);
-- ``streamed``: the gates as a build runs them, `stream.StreamedModel` (each layer read from the checkpoint, cast,
-  run, dropped; the next layer read by a thread meanwhile), and ``streamed, no prefetch`` without the thread;
+- ``streamed``: the gates as a build runs them, `capture.capture_router_inputs` on `stream.StreamedModel` (each
+  layer read from the checkpoint, cast, run, dropped; the next layer read by a thread meanwhile; hooks and masked
+  running sums), and ``streamed, no prefetch`` without the thread;
 - ``read``: one read of the weights the stream reads (every layer's tensors cast to the compute dtype, nothing run).
 
 Prints tokens/s of each and the ratios: streamed / (read + plain) (target ≈ 1: gates cost one read of the weights
-plus the prompts' forward), streamed / plain, streamed / (load + whole). Timings are the best of ``--repeats``
+plus the prompts' forward), streamed / plain, streamed / (load + plain). Timings are the best of ``--repeats``
 rounds run interleaved (a busy machine slows all alike); the page cache is warm (the model was just written or
 read), so ``read`` is memory speed, not the disk's. Peak memory is the business of scripts/bench_build.py
 (``--hidden-gates``) and scripts/bench_stream_70b.py. Runs on GPU too when one is present (not run on this
@@ -24,6 +24,7 @@ cache warm): the default model with ``--threads 1 --repeats 7``: streamed 2.45 s
 2.49 s (+0.09 s load): 0.98× (read + plain); the TinyLlama-shaped 1.1B (``--folder``, 8 prompts, 394 tokens,
 ``--repeats 2``): read 1.97 s, plain 13.97 s, streamed 15.99 s = 1.00× (read + plain), 0.90× (load 6.26 s + whole
 capture 11.49 s); the reader thread saved 23 % there (19.63 s without it). Sums equal the whole model's in both.
+(Those runs also timed the whole-model capture that gates used before they streamed; it is gone since.)
 
 Usage: python scripts/bench_gates.py [--hidden 256 --layers 6 | --folder DENSE] [--batch-size 16 --repeats 3
        --prompts-per-expert 32 --threads N --json]
@@ -42,6 +43,7 @@ import torch
 
 from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.gates import batches, capture as cap
+from moe_upcycle.gates.device import resolve_device
 from moe_upcycle.gates.skeleton import layer_keys
 from moe_upcycle.gates.stream import open_streamed
 from moe_upcycle.recipe.prompt_sets import load_prompts, set_names
@@ -67,15 +69,16 @@ def read_all(streamed) -> None:
         del tensors
 
 
-def plain_pass(loaded: cap.LoadedModel, encoded: list[batches.Encoded], batch_size: int, full: bool) -> None:
-    """The same batches as `run_batches` (length-sorted, same padding), without hooks, sent to the device as
-    capture sends them (one copy per batch, from pinned memory on a GPU): the ratio is the cost of the hooks and
-    sums alone. (A pageable ``.to(device)`` per tensor would make the host wait for the GPU at every batch and
-    flatter the capture at small batches.)"""
+def plain_pass(model: torch.nn.Module, tokenizer, encoded: list[batches.Encoded], batch_size: int,
+               full: bool) -> None:
+    """The batches the stream runs (length-sorted, same padding) through `model` loaded whole, without hooks, sent to
+    the device as the stream sends them (one copy per batch, from pinned memory on a GPU). (A pageable
+    ``.to(device)`` per tensor would make the host wait for the GPU at every batch and flatter the stream at small
+    batches.)"""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
-    module = loaded.model if full else loaded.model.base_model
-    pad = batches.padding_id(loaded.tokenizer, loaded.model.get_input_embeddings().num_embeddings)
-    dev = torch.device(loaded.input_device)
+    module = model if full else model.base_model
+    pad = batches.padding_id(tokenizer, model.get_input_embeddings().num_embeddings)
+    dev = model.get_input_embeddings().weight.device
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
@@ -105,8 +108,12 @@ def timed(fns: dict, device: str, repeats: int) -> dict:
 
 
 def bench(folder: Path, device: str, batch_size: int, repeats: int, per_expert: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
     load_start = time.perf_counter()
-    loaded = cap.load_base(folder, device=device)
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16 if dev != "cpu" else torch.float32)
+    model = model.eval().to(dev)
     if device != "cpu":
         torch.cuda.synchronize()
     t_load = time.perf_counter() - load_start
@@ -116,7 +123,7 @@ def bench(folder: Path, device: str, batch_size: int, repeats: int, per_expert: 
     for e, prompts in enumerate(expert_prompts(per_expert)):
         texts += prompts
         groups += [e] * len(prompts)
-    encoded = batches.encode(loaded.tokenizer, texts, loaded.max_length)
+    encoded = batches.encode(streamed.tokenizer, texts, streamed.max_length)
     tokens = sum(len(x.ids) for x in encoded)
     captured = {}
 
@@ -126,35 +133,34 @@ def bench(folder: Path, device: str, batch_size: int, repeats: int, per_expert: 
 
     peaks = {}
     if device != "cpu":  # peak memory of one pass of each, measured apart from the timing
-        for name, fn in (("plain", lambda: plain_pass(loaded, encoded, batch_size, full=False)),
-                         ("whole", gates(loaded, "whole")), ("streamed", gates(streamed, "streamed"))):
+        for name, fn in (("plain", lambda: plain_pass(model, streamed.tokenizer, encoded, batch_size, full=False)),
+                         ("streamed", gates(streamed, "streamed"))):
             torch.cuda.reset_peak_memory_stats()
             fn()
             peaks[name] = torch.cuda.max_memory_allocated()
-    times = timed({"plain": lambda: plain_pass(loaded, encoded, batch_size, full=False),
-                   "full": lambda: plain_pass(loaded, encoded, batch_size, full=True),
-                   "whole": gates(loaded, "whole"), "streamed": gates(streamed, "streamed"),
+    times = timed({"plain": lambda: plain_pass(model, streamed.tokenizer, encoded, batch_size, full=False),
+                   "full": lambda: plain_pass(model, streamed.tokenizer, encoded, batch_size, full=True),
+                   "streamed": gates(streamed, "streamed"),
                    "unprefetched": gates(unprefetched, "unprefetched"), "read": lambda: read_all(streamed)},
                   device, repeats)
-    sums = captured["whole"].sums
-    same = torch.equal(captured["streamed"].sums, sums) and torch.equal(captured["unprefetched"].sums, sums)
+    sums = captured["streamed"].sums
+    same = torch.equal(captured["unprefetched"].sums, sums)
     t = times
     return {
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
-        "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(streamed.skeleton.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "prompts": len(texts), "tokens": tokens, "batch_size": batch_size,
         "plain_tokens_per_s": round(tokens / t["plain"]), "plain_lm_head_tokens_per_s": round(tokens / t["full"]),
-        "whole_tokens_per_s": round(tokens / t["whole"]), "streamed_tokens_per_s": round(tokens / t["streamed"]),
+        "streamed_tokens_per_s": round(tokens / t["streamed"]),
         "seconds": {k: round(v, 3) for k, v in t.items()} | {"load": round(t_load, 3)},
         "streamed_vs_read_plus_plain": round(t["streamed"] / (t["read"] + t["plain"]), 3),
         "streamed_vs_plain": round(t["streamed"] / t["plain"], 3),
-        "streamed_vs_load_plus_whole": round(t["streamed"] / (t_load + t["whole"]), 3),
+        "streamed_vs_load_plus_plain": round(t["streamed"] / (t_load + t["plain"]), 3),
         "prefetch_gain": round(t["unprefetched"] / t["streamed"], 3),
-        "ratio_vs_plain": round(t["plain"] / t["whole"], 3), "ratio_vs_plain_lm_head": round(t["full"] / t["whole"], 3),
-        "streamed_sums_equal_whole": same,
+        "prefetch_changes_nothing": same,
         "running_sums_bytes": sums.numel() * sums.element_size(),
-        "model_bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()),
+        "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_gpu_bytes": peaks or None,
     }
@@ -191,14 +197,12 @@ def main() -> None:
         print(f"  plain decoder forward   : {s['plain']:8.2f} s  {r['plain_tokens_per_s']:>9} tokens/s")
         print(f"  plain + lm_head         : {s['full']:8.2f} s  {r['plain_lm_head_tokens_per_s']:>9} tokens/s")
         print(f"  one read of the weights : {s['read']:8.2f} s  (cast to {r['dtype']}, page cache warm)")
-        print(f"  whole-model capture     : {s['whole']:8.2f} s  {r['whole_tokens_per_s']:>9} tokens/s, after "
-              f"{s['load']:.2f} s of loading -> plain/whole {r['ratio_vs_plain']:.3f}")
         print(f"  streamed gates          : {s['streamed']:8.2f} s  {r['streamed_tokens_per_s']:>9} tokens/s -> "
               f"{r['streamed_vs_read_plus_plain']:.3f}x (read + plain), {r['streamed_vs_plain']:.3f}x plain, "
-              f"{r['streamed_vs_load_plus_whole']:.3f}x (load + whole)")
+              f"{r['streamed_vs_load_plus_plain']:.3f}x (load {s['load']:.2f} s + plain)")
         print(f"  streamed, no prefetch   : {s['unprefetched']:8.2f} s  -> the reader thread saves "
               f"{(r['prefetch_gain'] - 1) * 100:+.1f}%")
-        print(f"  streamed sums equal the whole model's: {r['streamed_sums_equal_whole']}; running sums "
+        print(f"  the same sums without prefetch: {r['prefetch_changes_nothing']}; running sums "
               f"{r['running_sums_bytes'] / 1e3:.1f} kB; process peak RSS {r['peak_rss_bytes'] / 1e6:.0f} MB"
               + (f"; peak GPU {r['peak_gpu_bytes']}" if r["peak_gpu_bytes"] else ""))
 

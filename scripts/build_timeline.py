@@ -164,7 +164,7 @@ def instrument() -> None:
     mark("imports done")
     wrap(build, "upcycle", "upcycle")
     wrap(build, "prepare", "config + headers + plan")
-    wrap(build, "compute_gates", "gates")
+    wrap(build, "compute_gate_rows", "gates")
     wrap(build, "parallel_experts", "parallel-experts check")
     wrap(build, "write_config", "publish: config.json")
     wrap(build, "copy_tokenizer_files", "publish: tokenizer")

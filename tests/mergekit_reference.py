@@ -68,8 +68,10 @@ def get_cheap_embedding(embed: torch.Tensor, tokenized, num_layers: int, vocab_s
     return res.repeat(num_layers, 1)
 
 
-def gate_params(path: Path, experts: list[dict], mode: str = "hidden") -> torch.Tensor:
-    """(num_layers, num_experts, hidden) as mergekit's get_gate_params returns it (model dtype)."""
+def gate_params(path: Path, experts: list[dict], mode: str = "hidden", dtype: torch.dtype = torch.bfloat16,
+                device: str = "cpu") -> torch.Tensor:
+    """(num_layers, num_experts, hidden) as mergekit's get_gate_params returns it (model dtype: mergekit's bf16, or
+    `dtype`), the model on `device`, the rows on the CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = mergekit_tokenizer(path)
@@ -82,7 +84,7 @@ def gate_params(path: Path, experts: list[dict], mode: str = "hidden") -> torch.
         def _do_it(tokenized):
             return get_cheap_embedding(embed, tokenized, cfg.num_hidden_layers, cfg.vocab_size)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
         def _do_it(tokenized):
             return get_hidden_states(model, tokenized, average=mode == "hidden_avg")
@@ -94,7 +96,7 @@ def gate_params(path: Path, experts: list[dict], mode: str = "hidden") -> torch.
             hidden_states -= _do_it(tokenize_prompts(expert["negative_prompts"], tokenizer))
         hidden_states /= hidden_states.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8)
         gate_vecs.append(hidden_states)
-    return torch.stack(gate_vecs, dim=0).permute(1, 0, 2)  # (L, E, H)
+    return torch.stack(gate_vecs, dim=0).permute(1, 0, 2).cpu()  # (L, E, H)
 
 
 def router_inputs(path: Path, texts: list[str]) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ def test_bench_gpu_runs_every_part_on_the_cpu():
     [capture] = out["capture"]
     assert (capture["hidden"], capture["layers"], capture["batch_size"]) == (64, 2, 8)
     assert capture["tokens"] > 0 and capture["ratio"] > 0
-    assert capture["ratio_median_round"] > 0 and capture["ratio_per_layer"] > 0
+    assert capture["ratio_median_round"] > 0
     inits = ["copy", "noise", "drop", "split"]
     assert [r["init"] for r in out["upcycle"]] == inits
     assert all(r["device_and_dtype_kept"] for r in out["upcycle"])

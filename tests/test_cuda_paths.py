@@ -136,10 +136,14 @@ def test_random_inits_on_cuda_are_drawn_on_the_gpu_and_depend_on_the_seed(storie
 
 
 def test_gate_capture_on_cuda_matches_cpu(stories):
+    from moe_upcycle.checkpoint.source import open_checkpoint
+    from moe_upcycle.gates.stream import open_streamed
+
     texts = ["Once upon a time there was a cat.", "The dog ran to the park.", "Lily had a red ball.", "Tom was sad."]
     groups = [0, 0, 1, 1]
-    cpu = cap.load_base(stories, device="cpu", dtype="float32")
-    gpu = cap.load_base(stories, device="cuda", dtype="float32")
+    ckpt = open_checkpoint(str(stories), "base_model")
+    cpu = open_streamed(ckpt, device="cpu", dtype="float32")
+    gpu = open_streamed(ckpt, device="cuda", dtype="float32")
     enc = batches.encode(cpu.tokenizer, texts, cpu.max_length)
     ref = cap.capture_router_inputs(cpu, enc, groups, 2, "mean", batch_size=3)
     got = cap.capture_router_inputs(gpu, enc, groups, 2, "mean", batch_size=3)
@@ -149,13 +153,6 @@ def test_gate_capture_on_cuda_matches_cpu(stories):
     last_ref = cap.capture_router_inputs(cpu, enc, groups, 2, "last", batch_size=3)
     last_gpu = cap.capture_router_inputs(gpu, enc, groups, 2, "last", batch_size=3)
     close(last_gpu.sums, last_ref.sums, 1e-4)
-    # a model spread over the GPU and the CPU: each device's layers reduced there, summed at the end
-    dense, tok = load_dense(stories, torch.float32, "spread")
-    spread = cap.LoadedModel(dense, tok, [layer.post_attention_layernorm for layer in dense.model.layers],
-                             dense.get_input_embeddings().weight.device, cpu.max_length)
-    for reduce in ("mean", "last"):
-        want = cap.capture_router_inputs(cpu, enc, groups, 2, reduce, batch_size=3)
-        close(cap.capture_router_inputs(spread, enc, groups, 2, reduce, batch_size=3).sums, want.sums, 1e-4)
     pts_ref = cap.capture_router_inputs(cpu, enc, groups, 2, "tokens", batch_size=3).points
     pts_gpu = cap.capture_router_inputs(gpu, enc, groups, 2, "tokens", batch_size=3).points
     assert [p.shape for p in pts_gpu] == [p.shape for p in pts_ref]
@@ -186,8 +183,10 @@ def test_route_on_cuda_counts_what_the_cpu_counts(stories, tmp_path):
 
 def test_streamed_gates_on_cuda_match_the_whole_model_on_cuda(stories, tmp_path):
     """Hidden-state gates stream the base on the GPU (layers copied from pinned memory on a side stream, one ahead):
-    the router inputs are the whole model's on the same GPU, in fp32 and bf16, with and without the reader thread
-    (bit for bit between those two: the same kernels on the same data)."""
+    the router inputs are those of transformers' whole model on the same GPU (`gate_oracle`: each text alone, the
+    input of each layer's MLP), in fp32 and bf16, with and without the reader thread (bit for bit between those two:
+    the same kernels on the same data)."""
+    import gate_oracle as oracle
     from moe_upcycle.checkpoint.source import open_checkpoint
     from moe_upcycle.gates.stream import open_streamed
 
@@ -196,24 +195,29 @@ def test_streamed_gates_on_cuda_match_the_whole_model_on_cuda(stories, tmp_path)
     groups = [0, 0, 1, 1, 0]
     ckpt = open_checkpoint(str(stories), "base_model")
     for dtype in ("float32", "bfloat16"):
-        whole = cap.load_base(stories, device="cuda", dtype=dtype)
-        enc = batches.encode(whole.tokenizer, texts, whole.max_length)
+        model, tokenizer = oracle.load_dense(stories, getattr(torch, dtype))
+        per_text = [oracle.router_inputs(model.to("cuda"), tokenizer, t) for t in texts]  # text -> layer -> (T, H)
+        enc = batches.encode(tokenizer, texts, 512)
         for reduce in ("mean", "last", "tokens"):
-            want = cap.capture_router_inputs(whole, enc, groups, 2, reduce, batch_size=2)
             got = {prefetch: cap.capture_router_inputs(open_streamed(ckpt, "cuda", dtype, prefetch=prefetch), enc,
                                                        groups, 2, reduce, batch_size=2) for prefetch in (True, False)}
+            rel = 1e-5 if dtype == "float32" else 1e-2
             if reduce == "tokens":
-                for a, b, w in zip(got[True].points, got[False].points, want.points):
+                for layer, (a, b) in enumerate(zip(got[True].points, got[False].points)):
                     assert torch.equal(a, b) and a.device.type == "cpu"
-                    close(a, w, 1e-5 if dtype == "float32" else 1e-2)
+                    want = torch.cat([p[layer] for p in per_text]).float()
+                    close(a.sort(dim=0).values, want.sort(dim=0).values, rel)  # the same tokens, in any order
                 continue
+            vec = [[x.mean(dim=0) if reduce == "mean" else x[-1] for x in p] for p in per_text]
+            want = torch.stack([torch.stack([sum(vec[i][layer] for i, g in enumerate(groups) if g == k)
+                                             for k in (0, 1)]) for layer in range(5)]).float()
             assert torch.equal(got[True].sums, got[False].sums) and got[True].sums.device.type == "cpu"
-            close(got[True].sums, want.sums, 1e-5 if dtype == "float32" else 1e-2)
+            close(got[True].sums, want, rel)
 
 
 def test_streamed_mergekit_rows_on_cuda_are_the_whole_models(stories):
-    """gate_source: mergekit on the GPU: bf16, left padding, each layer's input: the bytes of the whole model's
-    forward on the same GPU."""
+    """gate_source: mergekit on the GPU: bf16, left padding, each layer's input: the bytes of mergekit's algorithm
+    on transformers' whole model on the same GPU (`mergekit_reference`)."""
     import mergekit_reference as reference
     from moe_upcycle.checkpoint.source import open_checkpoint
     from moe_upcycle.gates import mergekit_gates as mk
@@ -221,17 +225,7 @@ def test_streamed_mergekit_rows_on_cuda_are_the_whole_models(stories):
 
     experts = tuple(ExpertPrompts(f"e{i}", tuple(e["positive_prompts"]), tuple(e.get("negative_prompts", ())))
                     for i, e in enumerate(reference.PUBLISHED_4X))
-    whole = cap.load_base(stories, device="cuda", dtype="bfloat16")
-    tok = mk.mergekit_tokenizer(stories)
-
-    def vector(prompts):
-        batch = {k: v.to("cuda") for k, v in mk.tokenize_prompts(prompts, tok).items()}
-        with torch.inference_mode():
-            out = whole.model(**batch, output_hidden_states=True, use_cache=False)
-        per = torch.stack(list(out.hidden_states[:-1]))[:, :, -1, :]
-        return per.sum(dim=1) / per.shape[1]
-
-    want = torch.stack(mk._expert_rows(experts, vector), dim=1).cpu()
+    want = reference.gate_params(stories, reference.PUBLISHED_4X, "hidden", torch.bfloat16, "cuda")
     params = GateParams(mode="hidden", experts=experts, source="mergekit", device="cuda")
     got = mk.hidden_rows(params, experts, 5, open_checkpoint(str(stories), "base_model"))
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -239,7 +233,7 @@ def test_streamed_mergekit_rows_on_cuda_are_the_whole_models(stories):
 
 def test_streamed_gates_hold_two_layers_on_the_gpu(tmp_path):
     """GPU memory while streaming an 8-layer model: the layer running, the one arriving and the prompts' activations
-    — well under the whole model (which `load_base` would put there)."""
+    — well under the whole model."""
     from moe_upcycle.checkpoint.source import open_checkpoint
     from moe_upcycle.checkpoint.tiny import make_dense_model
     from moe_upcycle.gates.stream import open_streamed

@@ -1,14 +1,19 @@
-"""Hidden-state gates: the hooks capture the true router input, padding does not matter, modes differ."""
+"""Hidden-state gates: the hooks capture the true router input, padding does not matter, modes differ.
+
+References are written here or in `gate_oracle` (the dense model loaded whole with transformers, each prompt alone),
+never the product's gate code."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
 
+import gate_oracle as oracle
+from moe_upcycle.checkpoint.source import open_checkpoint
 from moe_upcycle.gates import batches, capture as cap
 from moe_upcycle.gates import hidden_gates as hg
+from moe_upcycle.gates.device import resolve_device
+from moe_upcycle.gates.stream import open_streamed
 from moe_upcycle.recipe.schema import load_config
 from moe_upcycle.errors import ConfigError, DependencyError, UpcycleWarning
 from moe_upcycle.recipe.resolve import expert_prompts, gate_params
@@ -19,8 +24,14 @@ F = torch.nn.functional
 
 
 @pytest.fixture(scope="module")
-def loaded(stories):
-    return cap.load_base(stories, device="cpu")
+def streamed(stories):
+    return open_streamed(open_checkpoint(str(stories), "base_model"), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def whole(stories):
+    """(model, tokenizer) as transformers loads them whole: the oracle's."""
+    return oracle.load_dense(stories)
 
 
 def _experts(stories, **extra):
@@ -30,35 +41,19 @@ def _experts(stories, **extra):
     return cfg.expert_list()
 
 
-def _reference_means(loaded, prompts):
-    """Router inputs rebuilt independently: one prompt at a time, no padding, capture the residual
-    *entering* post_attention_layernorm and apply the model's own norm to it; mean over non-special
-    tokens, then over prompts. Returns (L, H)."""
-    special = set(loaded.tokenizer.all_special_ids)
-    per_layer = [[] for _ in loaded.norms]
-    for prompt in prompts:
-        ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
-        keep = torch.tensor([i not in special for i in ids[0].tolist()])
-        residuals = {}
-        handles = [norm.register_forward_pre_hook(lambda m, args, i=i: residuals.__setitem__(i, args[0]))
-                   for i, norm in enumerate(loaded.norms)]
-        with torch.inference_mode():
-            loaded.model(input_ids=ids)
-        for h in handles:
-            h.remove()
-        for i, norm in enumerate(loaded.norms):
-            with torch.inference_mode():
-                router_input = norm(residuals[i])[0]  # (T, H): the model's own RMSNorm on the residual
-            per_layer[i].append(router_input[keep].mean(dim=0))
-    return torch.stack([torch.stack(v).mean(dim=0) for v in per_layer])
+def _reference_means(whole, prompts):
+    """Router inputs rebuilt independently: one prompt at a time, no padding, the input of each layer's MLP; mean
+    over non-special tokens, then over prompts. Returns (L, H) float64."""
+    model, tokenizer = whole
+    return oracle.prompt_vectors(model, tokenizer, prompts).mean(dim=1)
 
 
-def test_captured_router_input_equals_norm_of_residual(loaded, stories):
+def test_captured_router_input_equals_the_mlps_input(streamed, whole, stories):
     experts = _experts(stories)
-    own, _, inputs = hg.prompt_router_inputs(loaded, expert_prompts(experts), "mean", batch_size=3)
+    own, _, inputs = hg.prompt_router_inputs(streamed, expert_prompts(experts), "mean", batch_size=3)
     for e, expert in enumerate(experts):
-        expected = _reference_means(loaded, expert.positive_prompts)
-        assert_close_rel(own[:, e], expected)
+        expected = _reference_means(whole, expert.positive_prompts)
+        assert_close_rel(own[:, e].double(), expected)
     # the gate rows the build writes are these vectors, normalised and scaled
     cfg = load_config({"base_model": str(stories), "gate_mode": "hidden", "device": "cpu", "batch_size": 4,
                        "experts": [e.model_dump(exclude_none=True) for e in experts]})
@@ -71,118 +66,45 @@ def test_captured_router_input_equals_norm_of_residual(loaded, stories):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("reduce", ["mean", "last"])
-def test_padding_does_not_change_the_vector(loaded, side, reduce):
+def test_padding_does_not_change_the_vector(streamed, side, reduce):
     short = "The cat sat."
     batch = [short, STORY[2], CODE[6], STORY[5] + " " + STORY[6]]
-    enc_alone = batches.encode(loaded.tokenizer, [short], loaded.max_length)
-    enc_batch = batches.encode(loaded.tokenizer, batch, loaded.max_length)
-    alone = cap.capture_router_inputs(loaded, enc_alone, [0], 1, reduce, batch_size=1).sums[:, 0]
-    padded = cap.capture_router_inputs(loaded, enc_batch, [0, 1, 1, 1], 2, reduce, batch_size=4,
+    enc_alone = batches.encode(streamed.tokenizer, [short], streamed.max_length)
+    enc_batch = batches.encode(streamed.tokenizer, batch, streamed.max_length)
+    alone = cap.capture_router_inputs(streamed, enc_alone, [0], 1, reduce, batch_size=1).sums[:, 0]
+    padded = cap.capture_router_inputs(streamed, enc_batch, [0, 1, 1, 1], 2, reduce, batch_size=4,
                                       padding_side=side).sums[:, 0]
     assert len(enc_batch[3].ids) > 2 * len(enc_alone[0].ids)  # the short prompt really is padded
     assert_close_rel(padded, alone)
 
 
-@pytest.mark.parametrize("held", ["all layers", "a few layers", "one layer"])
 @pytest.mark.parametrize("reduce", ["mean", "last", "tokens"])
-def test_layers_reduced_together_as_on_a_gpu_give_the_per_layer_results(loaded, monkeypatch, reduce, held):
-    """On a GPU consecutive layers' router inputs are held and reduced together (fewer launches); run here on the
-    CPU, whatever the number of layers held at once, the sums, norms and token points are those of one layer at a
-    time, and nothing is left held between batches."""
-    texts = [STORY[2], CODE[6], "The cat sat.", STORY[5], CODE[1]]
-    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
-    ref = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
-    # one layer's router input is 2 texts x 38..43 tokens x 64 x 4 bytes (19-22 KB): 40 KB holds 2 or 3 of the 5
-    budget = {"all layers": 64 << 20, "a few layers": 40_000, "one layer": 1}[held]
-    monkeypatch.setattr(cap, "_EACH_LAYER_ON", frozenset())
-    monkeypatch.setattr(cap, "_PENDING_BYTES", budget)
-    got = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
-    assert got.sums.shape == ref.sums.shape and got.token_norm.shape == (5,)
-    torch.testing.assert_close(got.sums, ref.sums, rtol=0, atol=1e-5 * float(ref.sums.abs().max()) if ref.sums.numel() else 0)
-    torch.testing.assert_close(got.token_norm, ref.token_norm, rtol=1e-6, atol=0)
-    if reduce == "tokens":
-        assert [p.shape for p in got.points] == [p.shape for p in ref.points]
-        for p, r in zip(got.points, ref.points):
-            torch.testing.assert_close(p, r, rtol=0, atol=1e-5 * float(r.abs().max()))
-
-
-def test_on_a_gpu_the_capture_adds_operations_per_batch_not_per_layer(loaded, monkeypatch):
-    """At small batches a GPU forward is bound by kernel launches: holding the layers' router inputs keeps the
-    capture's extra operations (counted at torch's dispatcher, views left out: one per launch) the same for 2
-    layers and for 8, about 6 per batch; reduced layer by layer they grow by about 8 with every layer."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += not func.is_view  # a view launches nothing
-            return func(*args, **(kwargs or {}))
-
-    def ops(fn) -> int:
-        Count.ops = 0
-        with Count():
-            fn()
-        return Count.ops
-
-    texts = [STORY[2], CODE[6], "The cat sat.", STORY[5], CODE[1], STORY[3]]
-    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
-    n_batches = 3  # batch_size 2
-    monkeypatch.setattr(cap, "_EACH_LAYER_ON", frozenset())  # as on a GPU
-    extra = {}
-    for layers in (2, 8):
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                             num_key_value_heads=4, vocab_size=loaded.model.config.vocab_size)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        tiny = cap.LoadedModel(model, loaded.tokenizer, [b.post_attention_layernorm for b in model.model.layers],
-                               torch.device("cpu"), loaded.max_length)
-
-        def plain():  # the same batches, no hooks, stopped nowhere
-            order = sorted(range(len(enc)), key=lambda i: len(enc[i].ids))
-            with torch.inference_mode():
-                for start in range(0, len(order), 2):
-                    ids, attn, _ = batches.pad_batch([enc[i] for i in order[start:start + 2]], 0, "right")
-                    model.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp_min(0),
-                                use_cache=False)
-
-        base = ops(plain)
-        held = ops(lambda: cap.capture_router_inputs(tiny, enc, [0, 1, 0, 1, 1, 0], 2, "mean", batch_size=2))
-        monkeypatch.setattr(cap, "_PENDING_BYTES", 0)
-        alone = ops(lambda: cap.capture_router_inputs(tiny, enc, [0, 1, 0, 1, 1, 0], 2, "mean", batch_size=2))
-        monkeypatch.setattr(cap, "_PENDING_BYTES", 64 << 20)
-        extra[layers] = ((held - base) / n_batches, (alone - base) / n_batches)
-    assert extra[8][0] == extra[2][0] <= 8, extra  # held: ~6 per batch (mask, sums, index), none per layer
-    assert extra[8][1] >= extra[2][1] + 6 * 7, extra  # alone: ~8 more for each of the 6 more layers
-
-
-@pytest.mark.parametrize("reduce", ["mean", "last", "tokens"])
-def test_each_batch_goes_to_the_device_in_one_copy(loaded, monkeypatch, reduce):
+def test_each_batch_goes_to_the_device_in_one_copy(streamed, whole, monkeypatch, reduce):
     """A host-to-device copy costs the host as much as a launch (pinning, queueing, an event): a batch's ids, mask,
     positions, real-token mask and group indices go in one buffer, whatever is reduced."""
     copies = []
     real_to_device = batches.to_device
     monkeypatch.setattr(batches, "to_device", lambda t, d: copies.append(tuple(t.shape)) or real_to_device(t, d))
     texts = [STORY[2], CODE[6], "The cat sat.", STORY[5], CODE[1]]
-    enc = batches.encode(loaded.tokenizer, texts, loaded.max_length)
-    got = cap.capture_router_inputs(loaded, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
+    enc = batches.encode(streamed.tokenizer, texts, streamed.max_length)
+    got = cap.capture_router_inputs(streamed, enc, [0, 1, 0, 1, 1], 2, reduce, batch_size=2)
     assert len(copies) == 3, copies  # 5 texts in batches of 2
     order = sorted(range(5), key=lambda i: len(enc[i].ids))
     for start, shape in zip(range(0, 5, 2), copies):
         rows = order[start:start + 2]
         width = max(len(enc[i].ids) for i in rows)
         assert shape == (4 * len(rows) * width + (len(rows) if reduce != "tokens" else 0),), (shape, rows)
-    if reduce == "mean":  # and the sums are the texts' own
-        alone = [cap.capture_router_inputs(loaded, [e], [0], 1, "mean", batch_size=1).sums[:, 0] for e in enc]
-        assert_close_rel(got.sums[:, 0], alone[0] + alone[2])
-        assert_close_rel(got.sums[:, 1], alone[1] + alone[3] + alone[4])
+    if reduce == "mean":  # and the sums are the texts' own, each through the whole model alone
+        alone = oracle.prompt_vectors(*whole, texts)  # (L, N, H)
+        assert_close_rel(got.sums[:, 0].double(), alone[:, 0] + alone[:, 2])
+        assert_close_rel(got.sums[:, 1].double(), alone[:, 1] + alone[:, 3] + alone[:, 4])
 
 
-def test_negative_prompts_move_the_vector(loaded, stories):
+def test_negative_prompts_move_the_vector(streamed, stories):
     plain = _experts(stories)
     with_neg = _experts(stories, negative_prompts=STORY[6:9])
-    own, neg, _ = hg.prompt_router_inputs(loaded, expert_prompts(with_neg), "mean", batch_size=8)
-    own_plain, neg_plain, _ = hg.prompt_router_inputs(loaded, expert_prompts(plain), "mean", batch_size=8)
+    own, neg, _ = hg.prompt_router_inputs(streamed, expert_prompts(with_neg), "mean", batch_size=8)
+    own_plain, neg_plain, _ = hg.prompt_router_inputs(streamed, expert_prompts(plain), "mean", batch_size=8)
     assert_close_rel(own, own_plain)  # positives unchanged
     assert neg_plain.abs().max() == 0 and neg[:, 0].norm(dim=-1).min() > 1
     cfg = load_config({"base_model": str(stories), "gate_mode": "hidden", "device": "cpu",
@@ -196,23 +118,18 @@ def test_negative_prompts_move_the_vector(loaded, stories):
         assert F.cosine_similarity(moved[layer][1], own[layer, 1], dim=0) > 1 - 1e-6
 
 
-def test_hidden_last_differs_from_hidden(loaded, stories):
+def test_hidden_last_differs_from_hidden(streamed, whole, stories):
     experts = _experts(stories)
-    mean, _, _ = hg.prompt_router_inputs(loaded, expert_prompts(experts), "mean", batch_size=4)
-    last, _, _ = hg.prompt_router_inputs(loaded, expert_prompts(experts), "last", batch_size=4)
+    mean, _, _ = hg.prompt_router_inputs(streamed, expert_prompts(experts), "mean", batch_size=4)
+    last, _, _ = hg.prompt_router_inputs(streamed, expert_prompts(experts), "last", batch_size=4)
     cos = F.cosine_similarity(mean, last, dim=-1)  # (L, E)
     assert cos.max() < 0.98
-    # hidden_last of one prompt is exactly its last real token's router input
-    enc = batches.encode(loaded.tokenizer, [CODE[0]], loaded.max_length)
-    ref = {}
-    handles = [n.register_forward_hook(lambda m, a, out, i=i: ref.__setitem__(i, out[0, -1].clone()))
-               for i, n in enumerate(loaded.norms)]
-    with torch.inference_mode():
-        loaded.model(input_ids=torch.tensor([enc[0].ids]))
-    for h in handles:
-        h.remove()
-    got = cap.capture_router_inputs(loaded, enc, [0], 1, "last", batch_size=1).sums[:, 0]
-    assert_close_rel(got, torch.stack([ref[i] for i in range(5)]), rel=1e-06)
+    # hidden_last of one prompt is its last real token's router input (the whole model's MLP input there)
+    model, tokenizer = whole
+    ref = torch.stack([x[-1] for x in oracle.router_inputs(model, tokenizer, CODE[0])])
+    enc = batches.encode(streamed.tokenizer, [CODE[0]], streamed.max_length)
+    got = cap.capture_router_inputs(streamed, enc, [0], 1, "last", batch_size=1).sums[:, 0]
+    assert_close_rel(got.double(), ref, rel=1e-06)
 
 
 def test_default_scale_gives_decisive_unsaturated_gap():
@@ -230,9 +147,9 @@ def test_default_scale_gives_decisive_unsaturated_gap():
     assert float(scale * spread * 2.0) == pytest.approx(hg.MAX_TOKEN_LOGIT_GAP, rel=1e-4)
 
 
-def test_gate_center_removes_shared_component(loaded, stories):
+def test_gate_center_removes_shared_component(streamed, stories):
     experts = _experts(stories)
-    own, _, inputs = hg.prompt_router_inputs(loaded, expert_prompts(experts), "mean", batch_size=8)
+    own, _, inputs = hg.prompt_router_inputs(streamed, expert_prompts(experts), "mean", batch_size=8)
     centered = hg.gate_rows(own, own, inputs.token_norm, center=True, scale=1.0)
     plain = hg.gate_rows(own, own, inputs.token_norm, center=False, scale=1.0)
     assert torch.allclose(centered.norm(dim=-1), torch.ones(5, 2), atol=1e-5)
@@ -241,41 +158,16 @@ def test_gate_center_removes_shared_component(loaded, stories):
     assert F.cosine_similarity(plain[:, 0], plain[:, 1], dim=-1).min() > 0.5
 
 
-def no_bitsandbytes(monkeypatch):
-    """bitsandbytes looks uninstalled; every other module is found as usual (transformers looks some up)."""
-    find_spec = cap.importlib.util.find_spec
-    monkeypatch.setattr(cap.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
-
-
-def test_quantize_without_bitsandbytes_is_a_clear_error(stories, monkeypatch):
-    no_bitsandbytes(monkeypatch)
-    with pytest.warns(UpcycleWarning, match="4bit"), pytest.raises(
-            DependencyError, match=r"quantize: 4bit .* bitsandbytes.*pip install bitsandbytes .*pip install -e '\.\[quant\]'"):
-        cap.load_base(stories, device="cpu", quantize="4bit")
-
-
-def test_quantize_4bit_warns_that_its_gates_are_far_from_bf16(stories, monkeypatch):
-    no_bitsandbytes(monkeypatch)
-    with pytest.warns(UpcycleWarning, match=r"quantize: 4bit: .*far from bf16 .*min cosine 0\.756.*use quantize: 8bit"):
-        with pytest.raises(DependencyError):
-            cap.load_base(stories, device="cpu", quantize="4bit")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # 8bit: no such warning
-        with pytest.raises(DependencyError):
-            cap.load_base(stories, device="cpu", quantize="8bit")
-
-
 def test_cuda_requested_without_gpu_is_a_clear_error(stories, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DependencyError, match=r"device: 'cuda:1' .* use device: cpu"):
-        cap.resolve_device("cuda:1")
-    assert cap.resolve_device("auto") == "cpu"
+        resolve_device("cuda:1")
+    assert resolve_device("auto") == "cpu"
 
 
-def test_prompt_with_only_special_tokens_is_named(loaded):
+def test_prompt_with_only_special_tokens_is_named(streamed):
     with pytest.raises(ConfigError, match="'<s>' has no tokens besides special tokens"):
-        batches.encode(loaded.tokenizer, ["<s>"], loaded.max_length)
+        batches.encode(streamed.tokenizer, ["<s>"], streamed.max_length)
 
 
 @pytest.mark.parametrize("mode", ["hidden", "hidden_last", "hidden_avg"])
@@ -308,11 +200,11 @@ MERGEKIT_HINT = " (or build with --mergekit, which computes the routers as merge
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_gates_match_cpu(stories):
+def test_gpu_bf16_gates_match_cpu(stories, streamed):
     experts = _experts(stories)
-    cpu = cap.load_base(stories, device="cpu")
-    gpu = cap.load_base(stories, device="cuda")
-    assert next(gpu.model.parameters()).dtype == torch.bfloat16 and gpu.input_device.type == "cuda"
+    cpu = streamed
+    gpu = open_streamed(open_checkpoint(str(stories), "base_model"), device="cuda")
+    assert gpu.skeleton.dtype == torch.bfloat16 and gpu.device.type == "cuda"
     own_cpu, _, _ = hg.prompt_router_inputs(cpu, expert_prompts(experts), "mean", batch_size=4)
     own_gpu, _, _ = hg.prompt_router_inputs(gpu, expert_prompts(experts), "mean", batch_size=4)
     assert own_gpu.device.type == "cpu"  # sums come back to the CPU
@@ -322,9 +214,9 @@ def test_gpu_bf16_gates_match_cpu(stories):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_explicit_index_and_fp32(stories):
-    gpu = cap.load_base(stories, device="cuda:0", dtype="float32")
-    assert next(gpu.model.parameters()).dtype == torch.float32
-    assert gpu.input_device == torch.device("cuda", 0)
+    gpu = open_streamed(open_checkpoint(str(stories), "base_model"), device="cuda:0", dtype="float32")
+    assert gpu.skeleton.dtype == torch.float32
+    assert gpu.device == torch.device("cuda", 0)
 
 
 def test_hidden_avg_is_an_alias_of_hidden(stories):
@@ -336,14 +228,14 @@ def test_hidden_avg_is_an_alias_of_hidden(stories):
         assert torch.equal(gates["hidden"][layer], gates["hidden_avg"][layer])
 
 
-def test_a_prompt_cut_at_the_models_context_is_said(loaded):
+def test_a_prompt_cut_at_the_models_context_is_said(streamed):
     """A prompt longer than max_position_embeddings is cut there, as before, and now a warning says so (naming its
     recipe field and both lengths); a prompt that fits says nothing."""
     long = "once upon a time there was a little cat " * 200
     with pytest.warns(UpcycleWarning) as said:
-        encoded = batches.encode(loaded.tokenizer, [long, "a short one"], loaded.max_length,
+        encoded = batches.encode(streamed.tokenizer, [long, "a short one"], streamed.max_length,
                              fields=["experts[0].positive_prompts", "experts[1].positive_prompts"])
-    assert len(encoded[0].ids) == loaded.max_length and len(said) == 1
+    assert len(encoded[0].ids) == streamed.max_length and len(said) == 1
     text = str(said[0].message)
     assert text.startswith("experts[0].positive_prompts: prompt 'once upon a time there was a little cat '... has ")
-    assert text.endswith(f"tokens; only its first {loaded.max_length} (the model's max_position_embeddings) are used")
+    assert text.endswith(f"tokens; only its first {streamed.max_length} (the model's max_position_embeddings) are used")

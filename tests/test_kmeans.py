@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moe_upcycle.gates import batches, capture as cap
+import gate_oracle as oracle
 from moe_upcycle.gates import hidden_gates as hg
 from moe_upcycle.recipe.calibration import read_documents
 from moe_upcycle.recipe.schema import load_config
@@ -78,18 +78,17 @@ def test_kmeans_gates_deterministic_and_every_expert_routed(stories, corpus):
     again = hg.compute_hidden_gates(gate_params(cfg), 5, stories)
     for layer in range(5):
         assert torch.equal(first[layer], again[layer])
-    # route the calibration tokens with the gate rows: every expert is top-1 for some tokens
-    loaded = cap.load_base(stories, device="cpu")
-    encoded = batches.encode_windows(loaded.tokenizer, read_documents(corpus))
+    # route the calibration tokens with the gate rows: every expert is top-1 for some tokens (router inputs from
+    # transformers' whole model, each document alone: the MLP's input of every real token)
+    model, tokenizer = oracle.load_dense(stories)
     counts = torch.zeros(5, 4, dtype=torch.long)
-
-    def on_output(layer, x, batch):
-        top = (x.float() @ first[layer].T).argmax(dim=-1)[batch.real]
-        counts[layer] += torch.bincount(top, minlength=4)
-
-    cap.run_batches(loaded, encoded, 8, on_output)
+    tokens = 0
+    for doc in read_documents(corpus):
+        for layer, x in enumerate(oracle.router_inputs(model, tokenizer, doc)):  # (T_real, H) float64
+            counts[layer] += torch.bincount((x @ first[layer].double().T).argmax(dim=-1), minlength=4)
+        tokens += x.shape[0]
     assert counts.min() >= 1, counts
-    assert int(counts[0].sum()) == sum(sum(e.real) for e in encoded)
+    assert int(counts[0].sum()) == tokens
 
 
 def test_kmeans_needs_calibration_text(stories):

@@ -50,8 +50,16 @@ def test_top1_agreement_with_mergekit_routers(stories, tmp_path):
     assert native < mergekit_mode  # the difference the build note warns about
 
 
-def test_mergekit_source_shared_expert_gate(tiny_qwen2, tmp_path):
-    """qwen2_moe with one prompted shared expert: its gate row is mergekit's, like a routed expert's."""
+def test_mergekit_source_shared_expert_gate(tiny_qwen2, tmp_path, monkeypatch):
+    """qwen2_moe with one prompted shared expert: its gate row is mergekit's, like a routed expert's, and the base is
+    streamed once for the routers and the shared expert's gate together (each layer read once)."""
+    from moe_upcycle.gates import mergekit_gates
+    from moe_upcycle.gates.layer_reader import LayerReader
+
+    opened, readers = [], []
+    real_open, real_init = mergekit_gates.open_streamed, LayerReader.__init__
+    monkeypatch.setattr(mergekit_gates, "open_streamed", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    monkeypatch.setattr(LayerReader, "__init__", lambda self, *a, **k: readers.append(1) or real_init(self, *a, **k))
     experts = [{"positive_prompts": ["def add(a, b):", "import numpy as np"]},
                {"positive_prompts": ["Once upon a time there was a little dragon."]}]
     shared = {"positive_prompts": ["Hello! How are you today?"], "residual_scale": 0.5}
@@ -59,6 +67,7 @@ def test_mergekit_source_shared_expert_gate(tiny_qwen2, tmp_path):
               "dtype": "float32", "experts": [{"source_model": str(tiny_qwen2), **e} for e in experts],
               "shared_experts": [{"source_model": str(tiny_qwen2), **shared}]}
     out = upcycle(config, tmp_path / "out", checksums=False).output
+    assert len(opened) == 1 and len(readers) == 1, (opened, readers)
     state = load_file(str(next(out.glob("*.safetensors"))))
     theirs = reference.gate_params(tiny_qwen2, experts + [shared], "hidden").float()  # mergekit's need_gates
     for layer in range(2):

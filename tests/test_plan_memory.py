@@ -223,3 +223,108 @@ def test_staging_buffers_are_touched_only_as_far_as_the_largest_shard():
     big = load_config({"base_model": REF, "num_experts": 8, "gate_mode": "random"})
     plan = make_plan(big, {REF: meta_checkpoint(REF, MISTRAL_7B, describe_dense(MISTRAL_7B))})
     assert memory.staging_bytes(plan, write_params(big)) == STAGING
+
+
+# runs `python -m moe_upcycle ARGS` (or with "--gates-only", what a build does up to its gates, then exits) with a
+# thread sampling the process's own RssAnon every millisecond; at the process's last step (`terminal.exit.finish`)
+# writes the peak sampled RssAnon and the kernel's VmHWM to RECORD
+MEASURED = r"""
+import json, runpy, sys, threading, time
+record_path, args = sys.argv[1], sys.argv[2:]
+peak = {"anon": 0}
+
+def status():
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+def sample():
+    while True:
+        peak["anon"] = max(peak["anon"], status()["RssAnon"])
+        time.sleep(0.001)
+
+threading.Thread(target=sample, daemon=True).start()
+import moe_upcycle.terminal.exit as exit_module
+finish = exit_module.finish
+
+def recorded_finish(code):
+    with open(record_path, "w") as fh:
+        json.dump({"anon": max(peak["anon"], status()["RssAnon"]), "hwm": status()["VmHWM"]}, fh)
+    finish(code)
+
+exit_module.finish = recorded_finish
+if args[0] == "--gates-only":
+    from moe_upcycle.terminal.allocator import return_large_frees
+    return_large_frees()  # as the CLI does
+    import moe_upcycle.cli.commands  # the CLI's imports, so the runtime is the build's
+    from moe_upcycle.build import prepare
+    from moe_upcycle.gates.router import compute_gate_rows
+    from moe_upcycle.recipe.resolve import gate_params
+    config, sources, plan = prepare(args[1])
+    compute_gate_rows(gate_params(config), plan, sources[config.base_model])
+    exit_module.finish(0)
+sys.argv = ["moe-upcycle", *args]
+runpy.run_module("moe_upcycle", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_lora_bases_merge_is_planned_as_the_build_holds_it(tmp_path):
+    """A ``model+lora`` base with hidden-state gates on the CPU (2 layers, fp32, every projection adapted): the reader
+    merges a whole layer one layer ahead, so layer 0's merged tensors (28.3 MB) and layer 1's up to its router input
+    (9.4 MB) are alive at once, with one merge's fp32 delta (6.3 MB).
+
+    - What the LoRA adds to the gates' peak private memory (RssAnon sampled every millisecond; the same gates on the
+      plain base subtracted, which removes the runtime) is within 25 % of what the plan adds for it (measured: 48 MB
+      for 44 MB; the plan before counted one merged tensor and its work, 25 MB).
+    - The build's peak private memory is within 25 % of the plan's (``--no-lint``: without the lint's embedder).
+    """
+    import subprocess
+    import sys
+
+    import yaml
+
+    from failure_checks import REPO, module_env
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+    from routing_prompts import CODE, STORY
+    from test_lora import make_adapter
+
+    # 2 layers of 768 x 768 attention (4 matrices) and 768 x 2048 MLP (3), fp32: 28.3 MB per layer
+    dense = make_dense_model(tmp_path / "dense", family="llama", seed=3, hidden_size=768, intermediate_size=2048,
+                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8)
+    modules = {f"model.layers.{layer}.{kind}.{proj}": 8 for layer in range(2)
+               for kind, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                   ("mlp", ("gate_proj", "up_proj", "down_proj"))) for proj in projs}
+    adapter = make_adapter(tmp_path / "adapter", dense, modules, seed=4)
+    peaks, planned = {}, {}
+    for name, ref in (("plain", str(dense)), ("lora", f"{dense}+{adapter}")):
+        recipe = {"base_model": ref, "gate_mode": "hidden", "device": "cpu", "experts": [
+            {"source_model": ref, "positive_prompts": [CODE[0], CODE[1]]},
+            {"source_model": ref, "positive_prompts": [STORY[0], STORY[1]]}]}
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(recipe))
+        plan = subprocess.run([sys.executable, "-m", "moe_upcycle", "plan", str(config), "--json"], cwd=REPO,
+                              env=module_env(), capture_output=True, text=True, timeout=300)
+        assert plan.returncode == 0, plan.stderr[-2000:]
+        planned[name] = json.loads(plan.stdout)["memory"]
+        for kind, args in (("gates", ["--gates-only", str(config)]),
+                           ("build", ["-q", "build", str(config), str(tmp_path / f"moe-{name}"), "--no-lint"])):
+            if kind == "build" and name == "plain":
+                continue
+            record = tmp_path / f"{name}-{kind}.json"
+            run = subprocess.run([sys.executable, "-c", MEASURED, str(record), *args], cwd=REPO, env=module_env(),
+                                 capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, run.stderr[-2000:]
+            peaks[name, kind] = json.loads(record.read_text())["anon"]
+    layer, attention, delta = 4 * 768 * 768 * 4 + 3 * 768 * 2048 * 4, 4 * 768 * 768 * 4, 4 * 768 * 2048
+    predicted = planned["lora"]["gate_private_bytes"] - planned["plain"]["gate_private_bytes"]
+    assert predicted == layer + attention + delta
+    measured = peaks["lora", "gates"] - peaks["plain", "gates"]
+    build = planned["lora"]["build_private_bytes"] - planned["lora"]["lint_bytes"]
+    print(f"LoRA merge: measured +{measured / 1e6:.1f} MB, planned +{predicted / 1e6:.1f} MB; build peak "
+          f"{peaks['lora', 'build'] / 1e6:.0f} MB, planned {build / 1e6:.0f} MB")
+    assert 0.75 <= measured / predicted <= 1.25, (measured, predicted, peaks, planned)
+    assert 0.75 <= peaks["lora", "build"] / build <= 1.25, (peaks, planned)

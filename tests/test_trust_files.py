@@ -961,7 +961,7 @@ def test_unwritable_output_parent_refused_before_work(err, tiny_llama, tmp_path,
         raise AssertionError("the gates were computed before the output was found unwritable")
 
     monkeypatch.setattr(output_dir.os, "open", refusing)
-    monkeypatch.setattr(moe_upcycle.build, "compute_gates", no_gates)
+    monkeypatch.setattr(moe_upcycle.build, "compute_gate_rows", no_gates)
     code, output = cli("build", _recipe(tmp_path, tiny_llama), parent / "moe")
     assert_clean_failure(code, output, parent / "moe", [
         f"cannot create the lock file {parent}/.moe.lock ({os.strerror(code_no)}); the folder {parent} must be "

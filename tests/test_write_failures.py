@@ -352,7 +352,7 @@ def test_a_failed_build_removes_the_parent_folders_it_made(when, tiny_llama, tmp
         monkeypatch.setattr(build, "check_target", lambda *a, **k: (_ for _ in ()).throw(
             output_dir.OutputError("another build is writing there")))
     elif when == "gate_failure":
-        monkeypatch.setattr(build, "compute_gates", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("gates")))
+        monkeypatch.setattr(build, "compute_gate_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("gates")))
     errors = {"refused_target": output_dir.OutputError, "gate_failure": RuntimeError,
               "write_failure": RuntimeError, "ctrl_c_while_writing": KeyboardInterrupt}
     step = {"write_failure": RuntimeError("disk on fire"), "ctrl_c_while_writing": KeyboardInterrupt()}.get(when)

@@ -26,7 +26,7 @@ from moe_upcycle.errors import (ConfigError, DependencyError, OutputError, Sourc
 from moe_upcycle.checkpoint.manifest_file import load_manifest
 from moe_upcycle.checkpoint.output_file import write_file
 from moe_upcycle.gates.batches import batch_on, encode, on_device, pad_batch, padding_id
-from moe_upcycle.gates.capture import resolve_device
+from moe_upcycle.gates.device import resolve_device
 from moe_upcycle.recipe.prompt_sets import read_prompt_file
 from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.planning.model_config import experts_implementation_for

@@ -76,7 +76,7 @@ def build(
 
         raise typer.Exit(run_workers(workers, command_line()))
     if device is not None:  # named as the option, as verify and route do; a GPU asked for must exist to build
-        from moe_upcycle.gates.capture import resolve_device
+        from moe_upcycle.gates.device import resolve_device
         from moe_upcycle.recipe.values import device_problem
 
         if not dry_run:
@@ -171,7 +171,7 @@ def verify_cmd(
 
     from moe_upcycle.check.verify import verify
     from moe_upcycle.check.verify_report import print_verify
-    from moe_upcycle.gates.capture import resolve_device
+    from moe_upcycle.gates.device import resolve_device
 
     result = verify(folder, base, text=text, prompts=prompts, max_kl=max_kl, min_agreement=min_agreement,
                     hashes=hashes, max_new_tokens=max_new_tokens, device=resolve_device(device, "--device"))
@@ -260,7 +260,7 @@ def route(
 
     from moe_upcycle.check.route import check_plot_path, plot_routing, read_prompts
     from moe_upcycle.check.route import route as route_prompts
-    from moe_upcycle.gates.capture import resolve_device
+    from moe_upcycle.gates.device import resolve_device
 
     if (prompts is None) == (labeled is None):
         raise ConfigError("route: give exactly one of --prompts FILE or --labeled FILE")

@@ -1,8 +1,8 @@
 """Texts into batches for a base model's forward pass: tokenize them (`Encoded`: ids and which tokens count), pad
 a batch, and put its inputs on the device in one copy (`Inputs`, whose `Batch` is what a layer's hook sees).
 
-Both ways of running the base use it: the whole model (`capture.run_batches`, `route`) and the streamed decoder
-(`stream.StreamedModel`), so both see the same tokens, the same padding and the same positions.
+Both models that run texts use it: the streamed base of the gates (`stream.StreamedModel`) and the built MoE that
+``route`` loads, so both see the same tokens, the same padding and the same positions.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class Batch:
 
     rows: list[int]  # indices of the batch's texts
     real: torch.Tensor  # (B, T) bool: the tokens that count
-    values: Optional[torch.Tensor]  # (B,) run_batches' row_values of these texts, if given
+    values: Optional[torch.Tensor]  # (B,) the row_values given for these texts (`StreamedModel.run`), if any
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(self.rows, self.real.to(device),

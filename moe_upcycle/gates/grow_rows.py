@@ -7,16 +7,20 @@
   input of the MoE base itself (each layer's ``post_attention_layernorm`` output, real tokens only), so a
   new row is measured on the same inputs the base's rows score; its length is the mean norm of the base's
   rows at that layer, so it competes with them on equal terms. The MoE base is loaded whole with
-  transformers (`capture.load_base`); the streamed skeleton (`stream`) runs dense layers only.
+  transformers (`moe_router_inputs`, one prompt at a time): the streamed skeleton (`stream`) reads the tensors of
+  dense layers only, and an MoE layer's experts are stored under other names than transformers 5's fused modules.
 
-An explicit ``gate_mode`` for copies (random, uniform...) is not made here: `router.compute_gates` makes it.
+An explicit ``gate_mode`` for copies (random, uniform...) is not made here: `router.compute_gate_rows` makes it.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.dtypes import DTYPES
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import GateParams
@@ -44,16 +48,51 @@ def grown_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, t
 def added_rows(params: GateParams, plan: Plan, base: Checkpoint,
                base_rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """One row per added expert and MoE layer, (n_added, H) fp32 (see the module doc)."""
-    from moe_upcycle.gates.capture import load_base
-    from moe_upcycle.gates.hidden_gates import prompt_router_inputs
-
-    loaded = load_base(base.path, params.device, params.dtype)
-    positive, negative, _ = prompt_router_inputs(loaded, params.experts, "mean", params.batch_size)
-    del loaded
-    has_negative = torch.tensor([bool(e.negative) for e in params.experts])
+    positive = moe_router_inputs(base, [e.positive for e in params.experts], plan.moe_layers, params.dtype)
+    negative = moe_router_inputs(base, [e.negative for e in params.experts], plan.moe_layers, params.dtype)
     out = {}
     for layer in plan.moe_layers:
-        direction = positive[layer] - torch.where(has_negative[:, None], negative[layer], 0)  # (n, H)
+        direction = positive[layer] - negative[layer]  # (n, H); an expert without negatives has zeros there
         unit = direction / direction.norm(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         out[layer] = unit * base_rows[layer].norm(dim=1).mean()
+    return out
+
+
+def moe_router_inputs(base: Checkpoint, prompt_sets: Sequence[Sequence[str]], layers: Sequence[int],
+                      dtype: Optional[str] = None) -> dict[int, torch.Tensor]:
+    """Per layer, (len(prompt_sets), H) fp32: for each set, the mean over its prompts of each prompt's mean router
+    input (the layer's ``post_attention_layernorm`` output over the prompt's tokens); zeros for an empty set.
+
+    The MoE base runs whole on the CPU, one prompt at a time (no padding: every token is a real one).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle.errors import SourceError
+    from moe_upcycle.gates.batches import load_tokenizer
+
+    torch_dtype = DTYPES.get(dtype or "", torch.float32)
+    tokenizer = load_tokenizer(base.path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype=torch_dtype).eval()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise SourceError(f"base_model: {base.path}: the MoE base does not load in transformers ({exc}); the added "
+                          f"experts' router rows are measured on it") from None
+    decoder_layers = model.model.layers
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [decoder_layers[layer].post_attention_layernorm.register_forward_hook(
+        lambda _m, _a, out, layer=layer: seen.__setitem__(layer, out[0].float().mean(dim=0)))  # (T, H) -> (H,)
+        for layer in layers]
+    hidden = model.config.hidden_size
+    out = {layer: torch.zeros(len(prompt_sets), hidden) for layer in layers}
+    try:
+        with torch.inference_mode():
+            for i, prompts in enumerate(prompt_sets):
+                for text in prompts:
+                    ids = tokenizer(text, return_tensors="pt").input_ids[:, :4096]
+                    model(input_ids=ids)
+                    for layer in layers:
+                        out[layer][i] += seen[layer] / len(prompts)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return out

@@ -1,17 +1,18 @@
 """Router weights from the base model's own router inputs (``hidden``, ``hidden_last``, ``kmeans``).
 
 A Mixtral router at layer *l* scores the output of layer *l*'s ``post_attention_layernorm`` (the
-MLP input). We capture exactly that tensor with forward hooks on every layer's norm, in one pass
-of the base model per batch of texts. This is not mergekit-moe 0.1.5's computation (the last token,
-or for ``hidden_avg`` a mean including pad positions, of each layer's input residual stream):
+MLP input). We capture exactly that tensor with forward hooks on every MoE layer's norm, in one
+streamed pass of the base model over every text the rows need. This is not mergekit-moe 0.1.5's
+computation (the last token, or for ``hidden_avg`` a mean including pad positions, of each layer's
+input residual stream):
 that one is `mergekit_gates`, chosen with ``gate_source: mergekit``.
 
 **The base model is never loaded whole**: it is streamed one decoder layer at a time from its
 checkpoint (`stream.StreamedModel`: each layer's tensors read, every prompt's hidden states run
 through it, the layer dropped), on the GPU when present, so any model size fits one GPU or the CPU.
 Memory is one layer of weights plus the prompts' hidden states between layers; hooks fold each
-batch into per-layer running sums (one (H,) vector per expert and layer). The rows are those the
-whole loaded model gives (the same batches through transformers' own layer modules). ``quantize:``
+batch into per-layer running sums (one (H,) vector per expert and MoE layer; a dense layer's rows are
+never computed, and no layer after the last MoE layer runs). ``quantize:``
 is no longer needed and is not applied (`stream.QUANTIZE_NOTE`). ``kmeans`` keeps a bounded, seeded sample
 of calibration tokens (`calibration.kmeans_sample_budget`).
 
@@ -31,8 +32,8 @@ measured mean router-input norm can get at most `MAX_TOKEN_LOGIT_GAP` = 16 nats 
 experts (reached only by a token parallel to the difference of their rows). Without the cap,
 near-identical experts (tiny gaps) would get huge rows that saturate on noise.
 
-Batching and the reduction live in `capture`, the layer-by-layer run in `stream`. It does not write
-anything; `gates.compute_gates` calls `compute_hidden_gates`.
+Batching lives in `batches`, the reduction in `capture`, the layer-by-layer run in `stream`. It does not write
+anything; `router.compute_gate_rows` calls `compute_hidden_gates`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch
 from moe_upcycle.recipe.calibration import kmeans_sample_budget, read_documents
 from moe_upcycle.recipe.params import ExpertPrompts, GateParams
 from moe_upcycle.gates.batches import Encoded, context_length, encode, encode_windows, load_tokenizer
-from moe_upcycle.gates.capture import LoadedModel, Reduce, RouterInputs, capture_router_inputs
+from moe_upcycle.gates.capture import Reduce, RouterInputs, capture_router_inputs
 from moe_upcycle.checkpoint.source import Checkpoint, open_checkpoint
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
@@ -113,37 +114,37 @@ def prompt_texts(experts: Sequence[ExpertPrompts]) -> tuple[list[str], list[int]
     return texts, groups, fields
 
 
-Runner = Union[LoadedModel, StreamedModel]  # a base that hands out router inputs batch by batch (`capture`)
-
-
-def prompt_router_inputs(loaded: Runner, experts: Sequence[ExpertPrompts], reduce: Reduce,
+def prompt_router_inputs(streamed: StreamedModel, experts: Sequence[ExpertPrompts], reduce: Reduce,
                          batch_size: int, padding_side: Optional[str] = None,
-                         encoded: Optional[list[Encoded]] = None) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
-    """Mean router input of each expert's positive and negative prompts: ((L, E, H), (L, E, H) or
-    zeros where an expert has no negatives, the raw `RouterInputs`).
+                         encoded: Optional[list[Encoded]] = None,
+                         layers: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
+    """Mean router input of each expert's positive and negative prompts: ((L', E, H), (L', E, H) or
+    zeros where an expert has no negatives, the raw `RouterInputs`), for `layers` (default all).
 
     `encoded`: the prompts as `encode` tokenized them in `prompt_texts` order, when the caller did it already."""
     texts, groups, fields = prompt_texts(experts)
     n = len(experts)
     if encoded is None:
-        encoded = encode(loaded.tokenizer, texts, loaded.max_length, fields=fields)
-    inputs = capture_router_inputs(loaded, encoded, groups, 2 * n, reduce, batch_size, padding_side)
+        encoded = encode(streamed.tokenizer, texts, streamed.max_length, fields=fields)
+    inputs = capture_router_inputs(streamed, encoded, groups, 2 * n, reduce, batch_size, padding_side, layers)
     means = inputs.means()
     return means[:, :n], means[:, n:], inputs
 
 
-def kmeans_router_inputs(loaded: Runner, calibration_text: str, num_experts: int, seed: int,
-                         batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cluster the calibration tokens' router inputs of each layer into `num_experts` clusters.
+def kmeans_router_inputs(streamed: StreamedModel, calibration_text: str, num_experts: int, seed: int,
+                         batch_size: int, layers: Optional[Sequence[int]] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cluster the calibration tokens' router inputs of each layer in `layers` (default all) into `num_experts`
+    clusters. The token sample is the same whichever layers are asked for (its budget counts every layer).
 
     Returns:
-        (centroids (L, E, H) unit, cluster means (L, E, H), mean token norm (L,)).
+        (centroids (L', E, H) unit, cluster means (L', E, H), mean token norm (L',)).
 
     Raises:
         ConfigError: too little calibration text for the number of experts.
     """
-    encoded = encode_windows(loaded.tokenizer, read_documents(calibration_text))
-    n_layers, hidden = len(loaded.norms), loaded.hidden_size
+    encoded = encode_windows(streamed.tokenizer, read_documents(calibration_text))
+    n_layers, hidden = len(streamed.norms), streamed.hidden_size
     total = sum(sum(e.real) for e in encoded)
     budget = kmeans_sample_budget(num_experts, n_layers, hidden)
     if total > budget:  # a seeded sample of token positions, fixed before the forward pass
@@ -160,10 +161,10 @@ def kmeans_router_inputs(loaded: Runner, calibration_text: str, num_experts: int
             if any(flags):
                 out.append(Encoded(e.ids, tuple(flags)))
         encoded = out
-    inputs = capture_router_inputs(loaded, encoded, [], num_experts, "tokens", batch_size)
+    inputs = capture_router_inputs(streamed, encoded, [], num_experts, "tokens", batch_size, layers=layers)
     centroids, means = [], []
     with stage("k-means", total=len(inputs.points or []) * RESTARTS, unit="runs") as st:
-        for layer, points in enumerate(inputs.points or []):
+        for layer, points in zip(inputs.layers, inputs.points or []):
             def on_run(iterations: int, layer: int = layer) -> None:
                 st.advance(note=f"layer {layer}: {iterations} iterations, {points.shape[0]} tokens")
             try:
@@ -177,17 +178,20 @@ def kmeans_router_inputs(loaded: Runner, calibration_text: str, num_experts: int
     return torch.stack(centroids), torch.stack(means), inputs.token_norm
 
 
-def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkpoint, Path, str]) -> dict[int, torch.Tensor]:
+def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkpoint, Path, str],
+                         layers: Optional[Sequence[int]] = None) -> dict[int, torch.Tensor]:
     """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``.
 
-    Streams the base model one layer at a time (see module docstring) on `params.device`; a
+    Streams the base model one layer at a time (see module docstring) on `params.device`, once; a
     ``model+lora`` base's adapter is merged into each tensor as it is read.
 
     Args:
+        num_layers: the base's layers, as config.json says (checked against the model transformers builds).
         base: the opened base checkpoint, or its folder.
+        layers: the layers to make rows for (the MoE layers); default every layer.
 
     Returns:
-        layer -> (num_experts, hidden) fp32 rows.
+        layer -> (num_experts, hidden) fp32 rows, for `layers` only.
 
     Raises:
         UpcycleError: the model cannot be built or read, the device is missing, or the
@@ -202,15 +206,19 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
         streamed = open_streamed(base, params.device, params.dtype, tokenizer, quantize=params.quantize)
     if len(streamed.norms) != num_layers:
         raise SourceError(f"base_model: transformers built {len(streamed.norms)} layers but config.json says {num_layers}")
+    wanted = sorted(set(range(num_layers) if layers is None else layers))
+    if not wanted:
+        return {}
     if params.mode == "kmeans":
         direction, own, token_norm = kmeans_router_inputs(streamed, str(params.calibration_text), len(params.experts),
-                                                          params.seed, params.batch_size)
+                                                          params.seed, params.batch_size, wanted)
     else:
         experts = params.experts
         reduce: Reduce = "last" if params.mode == "hidden_last" else "mean"
-        own, negative, inputs = prompt_router_inputs(streamed, experts, reduce, params.batch_size, encoded=encoded)
+        own, negative, inputs = prompt_router_inputs(streamed, experts, reduce, params.batch_size, encoded=encoded,
+                                                     layers=wanted)
         has_negative = torch.tensor([bool(e.negative) for e in experts])
         direction = own - negative * has_negative[None, :, None]
         token_norm = inputs.token_norm
-    rows = gate_rows(direction, own, token_norm, center=params.center, scale=params.scale)
-    return {layer: rows[layer].contiguous() for layer in range(num_layers)}
+    rows = gate_rows(direction, own, token_norm, center=params.center, scale=params.scale)  # (L', E, H)
+    return {layer: rows[i].contiguous() for i, layer in enumerate(wanted)}

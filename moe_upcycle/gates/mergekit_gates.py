@@ -24,21 +24,21 @@ input (each layer's ``post_attention_layernorm`` output), takes a masked mean ov
 (``hidden``/``hidden_avg``) or the last real token (``hidden_last``), and scales the rows.
 
 Shared-expert gates (qwen2_moe, one shared expert with prompts): mergekit computes the shared
-expert's row like a routed expert's and writes it as ``shared_expert_gate``; `shared_gate_rows`
-does the same (for ``hidden*`` modes this streams the base model a second time). With several
+expert's row like a routed expert's and writes it as ``shared_expert_gate``; `compute_mergekit_gates`
+does the same, in the same stream of the base as the routers' rows (``hidden*`` modes). With several
 shared experts (mergekit allows one) the native gate is kept.
 
-The ``hidden*`` modes never load the base whole: it is streamed one layer at a time
-(`stream.StreamedModel.layer_inputs`), every prompt batch's input to each layer reduced as it passes,
-through transformers' own layer modules on the same batches, so the rows are bit for bit those of a
-whole-model forward. It writes nothing.
+The ``hidden*`` modes never load the base whole: it is streamed one layer at a time, once
+(`stream.StreamedModel.layer_inputs`), every prompt batch's input to each MoE layer reduced as it passes,
+through transformers' own layer modules on the same batches, so the rows are those of a whole-model forward
+with ``output_hidden_states``. Rows of dense layers are never made. It writes nothing.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -97,12 +97,16 @@ def _unit(rows: torch.Tensor) -> torch.Tensor:
 
 
 def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers: int,
-                base: Checkpoint) -> torch.Tensor:
-    """(L, E, H) unit rows for ``hidden``, ``hidden_avg`` and ``hidden_last``, in the model dtype.
+                base: Checkpoint, layers: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """(L', E, H) unit rows for ``hidden``, ``hidden_avg`` and ``hidden_last``, in the model dtype, for `layers`
+    (default every layer; index i is the i-th of them in order).
 
-    Streams the base model (bfloat16 unless `gate_dtype` is set) one layer at a time on `params.device`; mergekit's
-    batches (each expert's positive prompts, then its negative prompts) all pass each layer before the next is read.
+    Streams the base model (bfloat16 unless `gate_dtype` is set) one layer at a time on `params.device`, once;
+    mergekit's batches (each expert's positive prompts, then its negative prompts) all pass each layer before the
+    next is read. A layer not in `layers` is run (its output feeds the next) but not reduced; none after the last
+    of them runs.
     """
+    wanted = sorted(set(range(num_layers) if layers is None else layers))
     tokenizer = mergekit_tokenizer(base.path)
     streamed = open_streamed(base, params.device, params.dtype or "bfloat16", tokenizer, quantize=params.quantize)
     if len(streamed.norms) != num_layers:
@@ -125,12 +129,15 @@ def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers
     def on_input(layer: int, h: torch.Tensor, batch: Batch) -> None:  # h: (B, T, H) in the model dtype
         per_prompt[index[id(batch)]].append(h.sum(dim=1) / h.shape[1] if average else h[:, -1, :])
 
-    streamed.layer_inputs(batches, on_input)
+    if wanted:
+        streamed.layer_inputs(batches, on_input, wanted)
 
-    def vector(k: int) -> torch.Tensor:  # (L, H): the mean over the set's prompts
-        stacked = torch.stack(per_prompt[k])  # (L, B, H)
+    def vector(k: int) -> torch.Tensor:  # (L', H): the mean over the set's prompts
+        stacked = torch.stack(per_prompt[k])  # (L', B, H)
         return stacked.sum(dim=1) / stacked.shape[1]
 
+    if not wanted:
+        return torch.zeros(0, len(experts), streamed.hidden_size, dtype=streamed.skeleton.dtype)
     rows, k = [], 0
     for expert in experts:  # as `_expert_rows`: positives minus negatives, unit length
         vec = vector(k)
@@ -139,7 +146,7 @@ def hidden_rows(params: GateParams, experts: Sequence[ExpertPrompts], num_layers
             vec = vec - vector(k)
             k += 1
         rows.append(_unit(vec))
-    return torch.stack(rows, dim=1).cpu()  # (L, E, H)
+    return torch.stack(rows, dim=1).cpu()  # (L', E, H)
 
 
 def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torch.Tensor:
@@ -155,50 +162,48 @@ def cheap_embed_rows(experts: Sequence[ExpertPrompts], base: Checkpoint) -> torc
     return torch.stack(_expert_rows(experts, summed))
 
 
-def compute_mergekit_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
-    """Router weights for every layer as mergekit-moe 0.1.5 computes them: layer -> (E, H) fp32.
+def compute_mergekit_gates(params: GateParams, plan: Plan, base: Checkpoint,
+                           shared: bool = False) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Router weights as mergekit-moe 0.1.5 computes them, and with `shared` the one shared expert's gate: (MoE layer
+    -> (E, H) fp32, MoE layer -> (1, H) fp32 or empty). Rows of dense layers are never returned; the ``hidden*``
+    modes stream the base once for both.
 
     Raises:
-        ConfigError: the mode has no mergekit counterpart, or the prompts give no tokens.
+        ConfigError: the mode has no mergekit counterpart (or no shared-expert gate), or the prompts give no tokens.
         UpcycleError: the base model cannot be loaded (``hidden*`` modes).
     """
     mode = params.mode
     experts = params.experts
     num_experts, hidden = len(experts), plan.base_config.hidden_size
     group_size = params.group_size
+    moe_layers = list(plan.moe_layers)
     if mode not in MERGEKIT_MODES:
         raise ConfigError(f"gate_mode: {mode} has no mergekit-moe counterpart; use gate_source: native, or one of "
                           f"{', '.join(MERGEKIT_MODES)}")
+    if shared and mode not in ("hidden", "hidden_avg", "hidden_last", "cheap_embed"):
+        raise ConfigError(f"shared_experts[0]: gate_source: mergekit computes a prompt gate for gate_mode hidden, "
+                          f"hidden_avg, hidden_last or cheap_embed, not {mode}; set shared_expert_gate: constant")
     if mode in ("random", "uniform_random"):
         gen = torch.Generator().manual_seed(params.seed)
         bound = 1.0 / math.sqrt(hidden)
         gates = {}
-        for layer in range(plan.num_layers):
+        for layer in range(plan.num_layers):  # drawn for every layer, so a layer's rows do not depend on moe_layers
             g = (torch.randn(num_experts, hidden, generator=gen) if mode == "random"
                  else torch.rand(num_experts, hidden, generator=gen) * (2 * bound) - bound)
-            gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
-        return gates
+            if layer in plan.moe_layers:
+                gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
+        return gates, {}
     if base.path is None:
         raise ConfigError(f"gate_mode: {mode} reads the base model, which needs a checkpoint folder")
     if mode == "cheap_embed":
         rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")
         rows = rows * params.scale if params.scale else rows
-        return {layer: rows.clone() for layer in range(plan.num_layers)}
-    stacked = hidden_rows(params, experts, plan.num_layers, base).float()
-    if params.scale:
-        stacked = stacked * params.scale
-    return {layer: stacked[layer].contiguous() for layer in range(plan.num_layers)}
-
-
-def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
-    """mergekit's gate for the one shared expert: its row computed as for a routed expert, layer -> (1, H) fp32."""
-    shared = params.shared_experts
-    if params.mode == "cheap_embed":
-        row = cheap_embed_rows(shared, base)
-        return {layer: row.clone() for layer in range(plan.num_layers)}
-    if params.mode not in ("hidden", "hidden_avg", "hidden_last"):
-        raise ConfigError(f"shared_experts[0]: gate_source: mergekit computes a prompt gate for gate_mode hidden, "
-                          f"hidden_avg, hidden_last or cheap_embed, not {params.mode}; set "
-                          f"shared_expert_gate: constant")
-    rows = hidden_rows(params, shared, plan.num_layers, base).float()  # (L, 1, H)
-    return {layer: rows[layer].contiguous() for layer in range(plan.num_layers)}
+        row = cheap_embed_rows(params.shared_experts, base) if shared else None
+        return ({layer: rows.clone() for layer in moe_layers},
+                {layer: row.clone() for layer in moe_layers} if shared else {})
+    # one stream for every row: the routed experts' and, after them, the shared expert's
+    everyone = tuple(experts) + (tuple(params.shared_experts[:1]) if shared else ())
+    stacked = hidden_rows(params, everyone, plan.num_layers, base, moe_layers).float()  # (L', E (+1), H)
+    routers = stacked[:, :num_experts] * params.scale if params.scale else stacked[:, :num_experts]
+    return ({layer: routers[i].contiguous() for i, layer in enumerate(moe_layers)},
+            {layer: stacked[i, num_experts:].contiguous() for i, layer in enumerate(moe_layers)} if shared else {})

@@ -15,12 +15,14 @@ With ``expert_init: split`` the rows are tied within each virtual group of G exp
 
 Hidden-state modes (``hidden``, ``hidden_avg``, ``hidden_last``, ``kmeans``) run the base model
 and live in `hidden_gates`. With ``gate_source: mergekit`` every mode is computed as mergekit-moe
-0.1.5 computes it, in `mergekit_gates`.
+0.1.5 computes it, in `mergekit_gates`. `compute_gate_rows` gives a build every row it writes (routers and the
+shared-expert gate) for its MoE layers, streaming the base at most once.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -33,8 +35,8 @@ from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
 from moe_upcycle.inputs.text import check_token_ids
 
-__all__ = ["PROMPT_MODES", "compute_gates", "shared_gate_rows", "cheap_embed_rows", "default_gate_scale",
-           "normalise_rows", "check_prompts"]
+__all__ = ["PROMPT_MODES", "GateRows", "compute_gate_rows", "compute_gates", "cheap_embed_rows",
+           "default_gate_scale", "normalise_rows", "check_prompts"]
 
 
 def default_gate_scale(hidden_size: int) -> float:
@@ -48,51 +50,83 @@ def default_gate_scale(hidden_size: int) -> float:
     return 16.0 / math.sqrt(hidden_size)
 
 
-def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
-                  device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
-    """Router weights for every MoE layer (`Plan.moe_layers`), fp32, shape (num_experts, hidden).
+@dataclass(frozen=True)
+class GateRows:
+    """What the gates give a build: the routers, MoE layer -> (num_experts, hidden) fp32, and the shared-expert gates,
+    MoE layer -> (1, hidden) fp32 (empty unless the plan has ``shared_gate`` steps). Dense layers have no entry."""
+
+    routers: dict[int, torch.Tensor]
+    shared: dict[int, torch.Tensor]
+
+
+def compute_gate_rows(params: GateParams, plan: Plan, base: Checkpoint,
+                      device: Optional[torch.device] = None) -> GateRows:
+    """Every gate row a build writes, for the MoE layers only (`Plan.moe_layers`), the base streamed at most once.
 
     `device` (default CPU) is where ``random``/``uniform_random``/``uniform`` rows are drawn, with a
-    generator of that device seeded with ``params.seed`` (CPU and CUDA draw different rows).
+    generator of that device seeded with ``params.seed`` (CPU and CUDA draw different rows). Those modes draw
+    every layer's rows in turn and keep the MoE layers', so a layer's router is the same whichever other layers
+    are MoE layers; the hidden-state modes reduce the MoE layers' router inputs only and stop after the last.
 
-    Rows are made for every layer and those of the dense layers (``moe_layers:``) dropped: a layer's router
-    is then the same whichever other layers are MoE layers (the random modes draw layer after layer from
-    one generator; the hidden-state modes run the whole base anyway).
+    The shared-expert gate (``shared_expert_gate: prompts``) is the normalised mean token embedding of the shared
+    experts' positive prompts (as `cheap_embed` does for routers; see `planning.shared_experts`); with
+    ``gate_source: mergekit`` and one shared expert, its row as mergekit computes it, in the routers' stream.
 
     Raises:
         ConfigError: prompts missing for a prompt-based mode, or a mode not available.
     """
-    gates = _every_layer(params, plan, base, device)
-    return {layer: gates[layer] for layer in plan.moe_layers}
-
-
-def _every_layer(params: GateParams, plan: Plan, base: Checkpoint,
-                 device: Optional[torch.device]) -> dict[int, torch.Tensor]:
-    """`compute_gates` for all `plan.num_layers` layers."""
-    experts = params.experts
-    num_experts, hidden = len(experts), plan.base_config.hidden_size
-    mode = params.mode
     check_prompts(params)
-    gen = torch.Generator(device=device or "cpu").manual_seed(params.seed)
-    group_size = params.group_size  # > 1 for expert_init: split
+    wants_shared = any(s.kind == "shared_gate" for s in plan.steps)
     if params.source == "mergekit":
         from moe_upcycle.gates.mergekit_gates import compute_mergekit_gates
 
-        return compute_mergekit_gates(params, plan, base)
-    gates: dict[int, torch.Tensor] = {}
+        routers, shared = compute_mergekit_gates(params, plan, base, wants_shared and len(params.shared_experts) == 1)
+        if shared or not wants_shared:
+            return GateRows(routers, shared)
+        return GateRows(routers, _shared_embedding_gates(params, plan, base))
+    routers = _routers(params, plan, base, device)
+    return GateRows(routers, _shared_embedding_gates(params, plan, base) if wants_shared else {})
+
+
+def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
+                  device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
+    """The routers of `compute_gate_rows` alone: MoE layer -> (num_experts, hidden) fp32 (no shared-expert gate is
+    computed).
+
+    Raises:
+        ConfigError: prompts missing for a prompt-based mode, or a mode not available.
+    """
+    check_prompts(params)
+    if params.source == "mergekit":
+        from moe_upcycle.gates.mergekit_gates import compute_mergekit_gates
+
+        return compute_mergekit_gates(params, plan, base)[0]
+    return _routers(params, plan, base, device)
+
+
+def _routers(params: GateParams, plan: Plan, base: Checkpoint,
+             device: Optional[torch.device]) -> dict[int, torch.Tensor]:
+    """Native routers (``gate_source: native``) of the MoE layers."""
+    experts = params.experts
+    num_experts, hidden = len(experts), plan.base_config.hidden_size
+    mode = params.mode
+    moe_layers = list(plan.moe_layers)
+    gen = torch.Generator(device=device or "cpu").manual_seed(params.seed)
+    group_size = params.group_size  # > 1 for expert_init: split
     if mode == "cheap_embed":
         rows = inits.tie_router_rows(cheap_embed_rows(experts, base), group_size, reduce="mean")  # (E, H)
         if params.center:  # remove what every expert's prompts share, as `hidden_gates.gate_rows` does
             rows = rows - rows.mean(dim=0, keepdim=True)
         shared = normalise_rows(rows, params.scale or default_gate_scale(hidden))
-        return {layer: shared.clone() for layer in range(plan.num_layers)}
+        return {layer: shared.clone() for layer in moe_layers}
     if mode in HIDDEN_MODES:
         from moe_upcycle.gates.hidden_gates import compute_hidden_gates
 
         if base.path is None:
             raise ConfigError(f"gate_mode: {mode} runs the base model, which needs a checkpoint folder")
-        return compute_hidden_gates(params, plan.num_layers, base)
-    for layer in range(plan.num_layers):
+        return compute_hidden_gates(params, plan.num_layers, base, moe_layers)
+    gates: dict[int, torch.Tensor] = {}
+    for layer in range(plan.num_layers):  # every layer drawn in turn, the MoE layers' kept
         if mode == "random":
             g = torch.randn(num_experts, hidden, generator=gen, device=gen.device) * params.init_std
         elif mode == "uniform_random":
@@ -100,7 +134,8 @@ def _every_layer(params: GateParams, plan: Plan, base: Checkpoint,
             g = torch.rand(num_experts, hidden, generator=gen, device=gen.device) * (2 * bound) - bound
         else:  # uniform
             g = torch.zeros(num_experts, hidden, device=gen.device)
-        gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
+        if layer in plan.moe_layers:
+            gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
     return gates
 
 
@@ -162,21 +197,12 @@ def normalise_rows(rows: torch.Tensor, scale: float) -> torch.Tensor:
     return rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-12) * scale
 
 
-def shared_gate_rows(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
-    """Prompt-initialised shared-expert gates, layer -> (1, H) fp32; empty unless the plan has ``shared_gate`` steps.
-
-    The gate is the normalised mean token embedding of the shared experts' positive prompts (as
-    `cheap_embed` does for routers); see `planning.shared_experts` for what the gate does.
+def _shared_embedding_gates(params: GateParams, plan: Plan, base: Checkpoint) -> dict[int, torch.Tensor]:
+    """The shared-expert gate from the shared experts' prompt embeddings, MoE layer -> (1, H) fp32.
 
     Raises:
         ConfigError: the base tokenizer does not load, or a prompt has no tokens.
     """
-    if not any(s.kind == "shared_gate" for s in plan.steps):
-        return {}
-    if params.source == "mergekit" and len(params.shared_experts) == 1:
-        from moe_upcycle.gates.mergekit_gates import shared_gate_rows as mergekit_rows
-
-        return mergekit_rows(params, plan, base)
     hidden = plan.base_config.hidden_size
     rows = cheap_embed_rows(params.shared_experts, base, "shared_experts")  # (n, H)
     row = normalise_rows(rows.mean(dim=0, keepdim=True), params.scale or default_gate_scale(hidden))

@@ -2,17 +2,18 @@
 
 `StreamedModel` is the base model as hidden-state gates run it, never loaded whole: a meta-device skeleton of
 transformers' own modules (`skeleton`), the checkpoint (`Checkpoint.read`: memory-mapped, a ``model+lora`` adapter
-merged in as read) and the tokenizer. `StreamedModel.run` hands out what `capture.run_batches` hands out on a loaded
-model — each layer's router input for every batch of texts — but loops over layers outside and batches inside:
+merged in as read) and the tokenizer. It is the only way the gates run the base. `StreamedModel.run` hands out each
+layer's router input for every batch of texts, looping over layers outside and batches inside:
 
-1. the texts are batched and padded exactly as `run_batches` does them (same shapes, same kernels, same numbers);
+1. the texts are sorted by length, batched and padded (`batches.pad_batch`), position ids taken from the attention
+   mask, so a text gives the same numbers alone or padded in a batch;
 2. each batch's embeddings are gathered from the mapped embedding matrix (only its rows are read) and the model's own
    forward runs once with recorders for layers (`skeleton.record_layer_kwargs`): the mask, rotary cos/sin and
    positions each layer gets;
 3. per layer: its tensors are read (`LayerReader`, which reads the next layer meanwhile), every batch's hidden states
    (B, T, H), kept between layers in the compute dtype, go through it, the hooks on ``post_attention_layernorm``
-   hand out the router inputs, and the layer is dropped. The last layer stops at its router input: its MLP is never
-   read. Neither is the final norm nor the LM head: no gate needs them.
+   hand out the router inputs, and the layer is dropped. The last layer asked for (the last MoE layer) stops at its
+   router input: its MLP is never read, nor any layer after it, the final norm or the LM head: no gate needs them.
 
 Memory is one layer of weights plus the batches' hidden states, which are bounded (`STREAMED_STATES_BYTES`): texts
 beyond the bound run in further passes, each reading the layers again. `StreamedModel.layer_inputs` hands out each
@@ -24,14 +25,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import SourceError, UpcycleWarning
 from moe_upcycle.gates.batches import Batch, Encoded, context_length, on_device, pad_batch, padding_id, to_device
-from moe_upcycle.gates.capture import resolve_device
+from moe_upcycle.gates.device import resolve_device
 from moe_upcycle.gates.layer_reader import LayerReader
 from moe_upcycle.gates.skeleton import Skeleton, build_skeleton, layer_keys, move_buffers, record_layer_kwargs
 from moe_upcycle.inputs.text import check_token_ids
@@ -92,7 +93,6 @@ class StreamedModel:
     max_length: int
     prefetch: bool = True
     states_bytes: int = STREAMED_STATES_BYTES
-    consecutive_layers = False  # the router inputs of one batch do not come layer after layer (`capture`)
 
     @property
     def norms(self) -> list[torch.nn.Module]:
@@ -103,9 +103,20 @@ class StreamedModel:
         return self.skeleton.hidden_size
 
     def run(self, encoded: list[Encoded], batch_size: int, on_output: Callable[[int, torch.Tensor, Batch], None],
-            padding_side: Optional[str] = None, row_values: Optional[torch.Tensor] = None) -> None:
-        """`capture.run_batches` streamed: ``on_output(layer, x, batch)`` with each layer's router input ``x``
-        (B, T, H) of every batch, layer by layer (batches in `run_batches`' order within a layer)."""
+            padding_side: Optional[str] = None, row_values: Optional[torch.Tensor] = None,
+            layers: Optional[Sequence[int]] = None) -> None:
+        """``on_output(layer, x, batch)`` with each layer's router input ``x`` (B, T, H) of every batch, layer by
+        layer (within a layer, batches of texts sorted by length).
+
+        Args:
+            encoded: the texts (`batches.encode`).
+            batch_size: texts per batch.
+            on_output: called per layer in `layers` and batch; ``batch.values`` holds the batch's `row_values`.
+            padding_side: override the tokenizer's (``left``/``right``).
+            row_values: (texts,) a value per text handed out with its batch (e.g. its group).
+            layers: the layers whose router inputs are handed out (default every layer); nothing after the last of
+                them runs or is read.
+        """
         tok = self.tokenizer
         side = padding_side or getattr(tok, "padding_side", "right")
         pad_id = padding_id(tok, self.skeleton.num_embeddings)
@@ -115,38 +126,47 @@ class StreamedModel:
             rows = order[start:start + batch_size]
             ids, attn, real = pad_batch([encoded[i] for i in rows], pad_id, side)
             check_token_ids(ids, self.skeleton.num_embeddings, tok)
-            on = on_device(rows, ids, attn, real, row_values, self.device)  # one copy, as `run_batches`
+            on = on_device(rows, ids, attn, real, row_values, self.device)  # one copy to the device
             batches.append(BatchInputs(ids, on.attn, on.positions, on.batch))
-        last = len(self.norms) - 1
+        wanted = set(range(len(self.norms)) if layers is None else layers)
+        last = max(wanted)
         current: dict = {}
 
         def hook_for(layer: int):
             def hook(module, args, output):
                 x = output[0] if isinstance(output, tuple) else output
-                on_output(layer, x, current["state"].batch)
+                if layer in wanted:
+                    on_output(layer, x, current["state"].batch)
                 if layer == last:
                     raise _StopForward
             return hook
 
-        handles = [norm.register_forward_hook(hook_for(i)) for i, norm in enumerate(self.norms)]
+        handles = [norm.register_forward_hook(hook_for(i)) for i, norm in enumerate(self.norms[:last + 1])]
         try:
-            self._stream(batches, current, router_inputs=True)
+            self._stream(batches, current, last + 1, router_inputs=True)
         finally:
             for h in handles:
                 h.remove()
 
-    def layer_inputs(self, batches: list[BatchInputs], on_input: Callable[[int, torch.Tensor, Batch], None]) -> None:
-        """``on_input(layer, h, batch)`` with the input hidden states ``h`` (B, T, H) of every layer (the output
-        of the embedding for layer 0), for every batch, layer by layer; the last layer itself never runs."""
-        self._stream(batches, {}, router_inputs=False, on_input=on_input)
+    def layer_inputs(self, batches: list[BatchInputs], on_input: Callable[[int, torch.Tensor, Batch], None],
+                     layers: Optional[Sequence[int]] = None) -> None:
+        """``on_input(layer, h, batch)`` with the input hidden states ``h`` (B, T, H) of every layer in `layers`
+        (default all; the output of the embedding for layer 0), for every batch, layer by layer; the last layer
+        asked for itself never runs, nor any after it."""
+        wanted = set(range(len(self.norms)) if layers is None else layers)
+
+        def on_wanted(layer: int, h: torch.Tensor, batch: Batch) -> None:
+            if layer in wanted:
+                on_input(layer, h, batch)
+
+        self._stream(batches, {}, max(wanted) + 1, router_inputs=False, on_input=on_wanted)
 
     # ------------------------------------------------------------------------------------------------ the stream
 
-    def _stream(self, batches: list[BatchInputs], current: dict, router_inputs: bool,
+    def _stream(self, batches: list[BatchInputs], current: dict, n: int, router_inputs: bool,
                 on_input: Optional[Callable[[int, torch.Tensor, Batch], None]] = None) -> None:
-        """Every batch through every layer, one layer's weights at a time, in passes of at most `states_bytes`."""
+        """Every batch through layers 0..n-1, one layer's weights at a time, in passes of at most `states_bytes`."""
         sk = self.skeleton
-        n = len(sk.layers)
         running = n if router_inputs else n - 1  # layers that run; the last only up to its router input
         texts = sum(len(b.batch.rows) for b in batches)
         with torch.inference_mode(), stage("router inputs", total=texts * n, unit="prompts×layers") as st:
@@ -237,7 +257,7 @@ def open_streamed(checkpoint: Checkpoint, device: str = "auto", dtype: Optional[
     Args:
         checkpoint: the opened base checkpoint (with its adapter, for a ``model+lora`` base).
         device: ``auto``, ``cpu``, ``cuda`` (GPU 0) or ``cuda:N``.
-        dtype: compute dtype name; default bfloat16 on a GPU, float32 on the CPU (as `capture.load_base`).
+        dtype: compute dtype name; default bfloat16 on a GPU, float32 on the CPU.
         tokenizer: the tokenizer to batch with; default the base's (`batches.load_tokenizer`).
         prefetch: read each next layer in a thread while one runs.
         quantize: the recipe's ``quantize:``, said to be unneeded and not applied (`QUANTIZE_NOTE`).

@@ -173,7 +173,7 @@ def gate_phase(plan: Plan, gating: GateParams, base: Checkpoint) -> tuple[int, i
     itemsize = DTYPES[dtype].itemsize
     gpu = gate_device(gating) == "gpu"
     stored, cast = layer_bytes(base, DTYPES[dtype], copied=gpu)
-    merge = merge_bytes(base)
+    merge = merge_bytes(base, plan, gating, gpu)
     states, passes = streamed_states(plan, gating)
     acts = activation_bytes(plan, gating)
     files += sum(t.nbytes for t in base.tensors.values() if t.key != names.LM_HEAD)  # every layer passes the page cache
@@ -227,13 +227,40 @@ def layer_bytes(base: Checkpoint, dtype: torch.dtype, copied: bool) -> tuple[int
     return max(stored.values(), default=0), max(made.values(), default=0)
 
 
-def merge_bytes(base: Checkpoint) -> int:
-    """Private bytes of merging a LoRA as a tensor is read (`lora.Adapter.merge`): the merged copy of the largest
-    adapted tensor and its fp32 work (W, the delta and their sum), or 0 without an adapter."""
+def merge_bytes(base: Checkpoint, plan: Plan, gating: GateParams, gpu: bool = False) -> int:
+    """Private bytes that merging a ``model+lora`` adapter holds while the gates stream the base, or 0 without one.
+
+    `Checkpoint.read` merges an adapted tensor as it reads it (`lora.Adapter.merge`), and the layer reader reads a
+    whole layer one layer ahead (`gates.layer_reader`). On the CPU two consecutive layers' merged tensors are alive:
+    the layer running (its merged tensors are its parameters when stored in the compute dtype; cast, the merged copies
+    live until the cast is done, while the next layer is read) and the one read ahead. On a GPU one: a layer's merged
+    tensors are dropped once copied to the device. The stream reads layers up to the last MoE layer only: for native
+    gates that layer without its MLP (it stops at the router input), for mergekit's not at all (its input is the
+    layer before's output). On top, the work of one merge: its fp32 delta (B @ A), and for a tensor not stored in
+    fp32 the fp32 copy of W and the fp32 sum besides the merged result. The embedding, when adapted, is merged for
+    the batches' embeddings while layer 0 is read ahead; it is dropped before layer 1 is read.
+    """
     if base.adapter is None:
         return 0
     adapted = [base.tensors[k] for k in [*base.adapter.pairs, *base.adapter.replaced] if k in base.tensors]
-    return max((t.nbytes + 12 * math.prod(t.shape) for t in adapted), default=0)
+    last = max(plan.moe_layers, default=plan.num_layers - 1)
+    full: dict[int, int] = {}
+    router_input: dict[int, int] = {}  # a layer read up to its router input: everything but its MLP
+    for info in adapted:
+        _, layer = names.split_layer(info.key)
+        if layer is not None:
+            full[layer] = full.get(layer, 0) + info.nbytes
+            if ".mlp." not in info.key:
+                router_input[layer] = router_input.get(layer, 0) + info.nbytes
+    if gating.source == "mergekit":
+        read = [full.get(layer, 0) for layer in range(last)]
+    else:
+        read = [full.get(layer, 0) for layer in range(last)] + [router_input.get(last, 0)]
+    pairs = [a + b for a, b in zip(read, read[1:])] or read
+    held = max(read, default=0) if gpu else max(pairs, default=0)
+    work = max(((4 if t.dtype == torch.float32 else 12) * math.prod(t.shape) for t in adapted), default=0)
+    embed = next((t.nbytes for t in adapted if t.key == names.EMBED), 0)
+    return max(held, embed + (read[0] if read else 0)) + work
 
 
 def batch_shape(gating: GateParams) -> tuple[int, int]:

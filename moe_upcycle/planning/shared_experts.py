@@ -123,5 +123,6 @@ def exactness_notes(config: UpcycleConfig, layout: names.OutputLayout) -> list[s
 def shared_gate(gates: Optional[dict[int, torch.Tensor]], step: Step) -> torch.Tensor:
     """The computed gate for a ``shared_gate`` step."""
     if not gates or step.layer not in gates:
-        raise RuntimeError(f"{step.name}: no shared expert gate computed; pass gates.router.shared_gate_rows(...) to iter_tensors")
+        raise RuntimeError(f"{step.name}: no shared expert gate computed; pass "
+                           f"gates.router.compute_gate_rows(...).shared to iter_tensors")
     return gates[step.layer]

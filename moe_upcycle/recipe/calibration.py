@@ -21,7 +21,6 @@ from moe_upcycle.terminal.hints import variable_hint, windows_path_hint
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 KMEANS_MAX_POINTS = 16384  # calibration tokens k-means keeps per layer, at most ...
 KMEANS_MAX_BYTES = 2 * 2**30  # ... and in all (fp32, every layer)
-HELD_ROUTER_INPUTS_BYTES = 64 << 20  # router inputs of consecutive layers a GPU capture holds to reduce together
 STREAMED_STATES_BYTES = 1 << 30  # hidden states streamed gates hold between layers; more texts run in further passes
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
