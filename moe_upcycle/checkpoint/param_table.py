@@ -87,6 +87,19 @@ class ParamTable:
         entry = self._by_name.get(name)
         return entry is not None and entry.name != name
 
+    def tie(self, model: torch.nn.Module) -> None:
+        """Register each entry's parameter (under its first name) under all its names again: ``to_empty`` gives a
+        tied parameter that FSDP does not manage a new tensor under each name, untying it."""
+        for entry in self.entries:
+            if len(entry.names) < 2:
+                continue
+            param = model.get_parameter(entry.name)
+            for alias in entry.names[1:]:
+                owner, _, leaf = alias.rpartition(".")
+                module = model.get_submodule(owner)
+                if module._parameters.get(leaf) is not param:
+                    module._parameters[leaf] = param
+
     def to_hf(self) -> Iterator[tuple[ParamEntry, HfTensor]]:
         """Every tensor of the folder with its entry, entry by entry (a tied head right after its embedding)."""
         for entry in self.entries:

@@ -59,6 +59,7 @@ def build_like_dense(model: torch.nn.Module, plan: Plan, source: ShardedSource, 
     if layout is not None:
         with all_or_none("sharding the MoE"):
             shard_like(model, layout)
+        table.tie(model)  # a tied head FSDP does not manage (root not wrapped) was untied by to_empty
         device = layout.mesh_device
         init_buffers(model, lambda name: device, made)
     else:
