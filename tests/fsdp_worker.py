@@ -9,6 +9,7 @@ one-process `upcycle_model` and with transformers loading the published folders.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -18,8 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_upcycle import upcycle_model
-from moe_upcycle.distributed.dcp_export import save_hf_folder
+from moe_upcycle import save_hf_folder, upcycle_model
 from moe_upcycle.distributed.fsdp_layout import reshard
 from moe_upcycle.distributed.rank_failures import all_or_none
 from moe_upcycle.errors import ConfigError, UpcycleError
@@ -391,6 +391,7 @@ def main() -> None:
         raise
     finally:
         torch.save(results, out / f"rank{rank}.pt")
+        gc.collect()  # the scenarios' FSDP models (reference cycles) freed while Python is whole: see the example
         dist.destroy_process_group()
 
 
