@@ -133,7 +133,7 @@ def param_table(model: torch.nn.Module, written_aliases: Iterable[str] = ()) -> 
 
     Example:
         >>> lin = torch.nn.Linear(2, 3, bias=False)
-        >>> pair = torch.nn.ModuleDict({"a": lin, "b": torch.nn.Linear(3, 2, bias=False)})
+        >>> pair = torch.nn.ModuleDict({"a": lin, "b": torch.nn.Linear(2, 3, bias=False)})
         >>> pair["b"].weight = lin.weight  # tied: one entry
         >>> [e.names for e in param_table(pair).entries]
         [('a.weight', 'b.weight')]
