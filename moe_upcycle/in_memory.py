@@ -49,18 +49,18 @@ from moe_upcycle.checkpoint.param_table import param_table
 from moe_upcycle.checkpoint.placement import dense_placement, dispatch_like
 from moe_upcycle.planning.model_config import experts_implementation_for
 from moe_upcycle.distributed.fsdp_layout import fsdp_layout
-from moe_upcycle.distributed.local_fill import ShardedSource
+from moe_upcycle.distributed.local_fill import ModelSource
 from moe_upcycle.distributed.sharded_model import build_like_dense
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
 
 
-def state_dict_source(model: torch.nn.Module) -> ShardedSource:
+def state_dict_source(model: torch.nn.Module) -> ModelSource:
     """Wrap a dense transformers model (Llama, Mistral...) as a plan source, without copying tensors.
 
     Its tied parameters (one `param_table` entry: a tied head) are one `shared_groups` entry, read once; a
-    sharded model's DTensors are gathered as the plan reads them (`ShardedSource`).
+    sharded model's DTensors are gathered as the plan reads them (`ModelSource`).
     """
     state = model.state_dict()
     config = model.config.to_dict()
@@ -72,7 +72,7 @@ def state_dict_source(model: torch.nn.Module) -> ShardedSource:
     # a family no output takes is named as such first (a GPT-2 config has none of the fields checked)
     names.input_family(config.get("model_type", ""), "dense_model")
     ties = [group for group in param_table(model).ties if all(name in state for name in group)]
-    return ShardedSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
+    return ModelSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
                          tensors=infos, shared_groups=ties, state=state)
 
 
@@ -289,7 +289,7 @@ def _recipe(dense_model: torch.nn.Module, *, num_experts: int, experts_per_token
     }, unknown_option=None, name="upcycle_model")
 
 
-def checked_plan(config: Any, source: ShardedSource, dense_model: torch.nn.Module) -> Plan:
+def checked_plan(config: Any, source: ModelSource, dense_model: torch.nn.Module) -> Plan:
     """The plan of the MoE, after every check a build makes of its base, against the model in memory.
 
     Raises:

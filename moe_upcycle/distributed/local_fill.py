@@ -31,7 +31,7 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -69,8 +69,9 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class ShardedSource(Checkpoint):
-    """A dense model's state dict (DTensors and plain tensors) as a plan source.
+class ModelSource(Checkpoint):
+    """A dense model's state dict (DTensors and plain tensors: sharded or not) as a plan source
+    (`in_memory.state_dict_source` makes it).
 
     `read` returns whole tensors: a DTensor is gathered on the spot (a collective), except inside `gathered`, where
     only the tensors gathered on entry may be read — so no rank ever issues a collective the others do not.
@@ -80,12 +81,6 @@ class ShardedSource(Checkpoint):
 
     state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _whole: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
-
-    @classmethod
-    def of(cls, source: Checkpoint, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> "ShardedSource":
-        """Wrap `source` (its headers and config) over `model`'s `state`, its ties from `model`'s table."""
-        return cls(ref=source.ref, path=None, config=source.config, tensors=source.tensors,
-                   shared_groups=param_table(model).ties, state=state)
 
     def first_name(self, key: str) -> str:
         """The name `key`'s storage is read under: the first of its tied group (itself when untied)."""
@@ -118,7 +113,7 @@ class ShardedSource(Checkpoint):
             self._whole = None
 
 
-def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ShardedSource, gates: dict[int, torch.Tensor],
+def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ModelSource, gates: dict[int, torch.Tensor],
                       seed: int, table: Optional[ParamTable] = None) -> None:
     """Write every planned tensor's part in this rank's shards of `model` (allocated, uninitialised; sharded or not).
 
@@ -233,7 +228,7 @@ def _overlap(where: Place, params: dict[str, torch.Tensor], boxes: dict[str, Box
     return tuple(local_index), tuple(step_index)
 
 
-def _direct(step: Step, where: Place, source: ShardedSource, params: dict[str, torch.Tensor]) -> bool:
+def _direct(step: Step, where: Place, source: ModelSource, params: dict[str, torch.Tensor]) -> bool:
     """Whether `step` is a plain copy whose MoE parameter is sharded exactly like the dense tensor it copies."""
     from torch.distributed.tensor import DTensor
 

@@ -27,19 +27,19 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.param_table import ParamTable, param_table
 from moe_upcycle.checkpoint.placement import DensePlacement, allocate, init_buffers
 from moe_upcycle.distributed.fsdp_layout import FsdpLayout
-from moe_upcycle.distributed.local_fill import ShardedSource, fill_local_shards
+from moe_upcycle.distributed.local_fill import ModelSource, fill_local_shards
 from moe_upcycle.distributed.rank_failures import all_or_none
 from moe_upcycle.planning.steps import Plan
 
 
-def build_like_dense(model: torch.nn.Module, plan: Plan, source: ShardedSource, gates: dict[int, torch.Tensor],
+def build_like_dense(model: torch.nn.Module, plan: Plan, source: ModelSource, gates: dict[int, torch.Tensor],
                      seed: int, layout: Optional[FsdpLayout], placement: DensePlacement) -> ParamTable:
     """Give `model` (an MoE on the meta device) storage as the dense model has it, its buffers, and its values.
 
     Args:
         model: from `in_memory.empty_moe_model`.
         plan, gates, seed: the plan, its routers and seed.
-        source: the dense model's state dict (`ShardedSource`).
+        source: the dense model's state dict (`ModelSource`).
         layout: the dense model's FSDP2 sharding (`fsdp_layout`), or None: not sharded.
         placement: the dense model's devices (`placement.dense_placement`), used when not sharded.
 
