@@ -5,7 +5,7 @@ from moe_upcycle.errors import ConfigError, OutputError, PlanError, SourceError,
 # Imported on first use (PEP 562): `import moe_upcycle` stays cheap, so the command line can set up
 # its signal handling before torch and transformers load (see `terminal.signals.quiet_startup`).
 _LAZY = {"BuildResult": "build", "upcycle": "build", "UpcycleConfig": "recipe.schema", "load_config": "recipe.schema",
-         "upcycle_model": "in_memory"}
+         "upcycle_model": "in_memory", "save_hf_folder": "distributed.dcp_export"}
 
 
 def __getattr__(name: str):
@@ -33,5 +33,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "BuildResult", "ConfigError", "OutputError", "PlanError", "SourceError", "UpcycleConfig", "UpcycleError",
-    "UpcycleWarning", "__version__", "load_config", "upcycle", "upcycle_model",
+    "UpcycleWarning", "__version__", "load_config", "save_hf_folder", "upcycle", "upcycle_model",
 ]

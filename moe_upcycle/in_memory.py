@@ -1,7 +1,7 @@
 """Upcycle a loaded dense `transformers` model into an in-memory MoE model, for training scripts.
 
 `upcycle_model(dense_model, num_experts=8, ...)` runs the same machinery as a build — config
-validation, `plan.make_plan`, `gates.compute_gates`, `execute.iter_tensors` with the `inits`
+validation, `plan.make_plan`, `gates.compute_gate_rows`, `execute.iter_tensors` with the `inits`
 transforms — but reads tensors from the model's state dict and places them into a freshly built
 ``MixtralForCausalLM`` instead of writing files. Every output parameter gets its own storage:
 nothing aliases the dense model or another expert, so training one expert never moves another.
@@ -30,62 +30,51 @@ from __future__ import annotations
 
 import copy
 import inspect
-import re
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from moe_upcycle.recipe.resolve import gate_params, router_fields
+from moe_upcycle.recipe.resolved import resolved
+from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.recipe.schema import ExpertInit, load_config
 from moe_upcycle.errors import ConfigError
-from moe_upcycle.planning.execute import iter_tensors
-from moe_upcycle.gates.router import compute_gates
+from moe_upcycle.gates.router import compute_gate_rows
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.planning.guards import check_tied_head, refuse_non_float
 from moe_upcycle.planning.plan import Plan, make_plan
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.dense_config import dense_config
-from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
-from moe_upcycle.checkpoint.writer import TensorParts
-from moe_upcycle.checkpoint.placement import DensePlacement, dense_placement, dispatch_like, move_buffers
+from moe_upcycle.checkpoint.param_table import param_table
+from moe_upcycle.checkpoint.placement import dense_placement, dispatch_like
 from moe_upcycle.planning.model_config import experts_implementation_for
 from moe_upcycle.distributed.fsdp_layout import fsdp_layout
-from moe_upcycle.distributed.local_fill import ShardedSource
-from moe_upcycle.distributed.sharded_model import build_sharded_moe
+from moe_upcycle.distributed.local_fill import ModelSource
+from moe_upcycle.distributed.sharded_model import build_like_dense
 
 IN_MEMORY_REF = "<in-memory dense model>"
 GATE_MODES = ("random", "uniform_random", "uniform")
-_FUSED_EXPERT = re.compile(
-    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<w>w[123]|gate_proj|up_proj|down_proj)\.weight$")
-_PROJ_AS_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}  # Qwen MoE names -> Mixtral's
 
 
-@dataclass
-class StateDictSource(Checkpoint):
-    """A `Checkpoint` whose tensors come from an in-memory state dict instead of files."""
+def state_dict_source(model: torch.nn.Module) -> ModelSource:
+    """Wrap a dense transformers model (Llama, Mistral...) as a plan source, without copying tensors.
 
-    state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def read(self, key: str) -> torch.Tensor:
-        return self.state[key].detach()
-
-
-def state_dict_source(model: torch.nn.Module) -> StateDictSource:
-    """Wrap a dense transformers model (Llama, Mistral) as a plan source, without copying tensors."""
+    Its tied parameters (one `param_table` entry: a tied head) are one `shared_groups` entry, read once; a
+    sharded model's DTensors are gathered as the plan reads them (`ModelSource`).
+    """
     state = model.state_dict()
     config = model.config.to_dict()
     # the weights' real dtype wins over whatever config.json said when the model was saved
-    config["dtype"] = str(model_dtype(model)).removeprefix("torch.")
+    config["dtype"] = dtype_name(model_dtype(model))
     config.pop("torch_dtype", None)
     infos = {k: TensorInfo(k, tuple(t.shape), t.dtype, "") for k, t in state.items()}
     # checked as a config.json is: a field set by hand (model.config.head_dim = "64") is named, not a traceback;
     # a family no output takes is named as such first (a GPT-2 config has none of the fields checked)
     names.input_family(config.get("model_type", ""), "dense_model")
-    return StateDictSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
-                           tensors=infos, state=state)
+    ties = [group for group in param_table(model).ties if all(name in state for name in group)]
+    return ModelSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
+                         tensors=infos, shared_groups=ties, state=state)
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -117,11 +106,11 @@ def _dtype_warnings(dense_model: torch.nn.Module, dtype: Optional[str]) -> None:
         if param.is_floating_point() and param.dtype != chosen:
             others.setdefault(param.dtype, name)
     if others and dtype is None:
-        shown = ", ".join(f"{str(d).removeprefix('torch.')} (e.g. {n})" for d, n in others.items())
+        shown = ", ".join(f"{dtype_name(d)} (e.g. {n})" for d, n in others.items())
         warnings.warn(UpcycleWarning(
-            f"dense_model holds parameters of several dtypes: most are {str(chosen).removeprefix('torch.')}, some "
-            f"{shown}; the MoE is {str(chosen).removeprefix('torch.')} throughout — pass dtype= to choose"),
-            stacklevel=3)
+            f"dense_model holds parameters of several dtypes: most are {dtype_name(chosen)}, some "
+            f"{shown}; the MoE is {dtype_name(chosen)} throughout — pass dtype= to choose"),
+            stacklevel=4)  # upcycle_model's caller (through `_recipe`)
 
 
 def _python_values(**given: Any) -> None:
@@ -168,7 +157,7 @@ def check_installed_runtime(plan: Plan) -> None:
                           f"install transformers>=5, or pass another architecture=")
     if verdict.status == RUNS:
         warnings.warn(UpcycleWarning(f"{where} run this MoE, but not as the dense model computes: {verdict.why}; "
-                                     f"transformers>=5 runs it exactly"), stacklevel=3)
+                                     f"transformers>=5 runs it exactly"), stacklevel=4)  # through `checked_plan`
 
 
 def warn_inexact(plan: Plan) -> None:
@@ -179,7 +168,7 @@ def warn_inexact(plan: Plan) -> None:
     from moe_upcycle.errors import UpcycleWarning
 
     for caution in plan.inexact:
-        warnings.warn(UpcycleWarning(caution), stacklevel=3)  # at the caller of upcycle_model
+        warnings.warn(UpcycleWarning(caution), stacklevel=4)  # at the caller of upcycle_model (via `checked_plan`)
 
 
 def upcycle_model(
@@ -242,13 +231,49 @@ def upcycle_model(
     if isinstance(dense_model, torch.nn.Module) and isinstance(getattr(dense_model, "_orig_mod", None), torch.nn.Module):
         dense_model = dense_model._orig_mod  # torch.compile's wrapper: the model itself holds the weights
     check_dense_model(dense_model)
+    config = _recipe(dense_model, num_experts=num_experts, experts_per_token=experts_per_token,
+                     expert_init=expert_init, gate=gate, seed=seed, router_init_std=router_init_std,
+                     router_jitter_noise=router_jitter_noise, router_aux_loss_coef=router_aux_loss_coef,
+                     output_router_logits=output_router_logits, dtype=dtype, architecture=architecture,
+                     moe_layers=moe_layers)
+    # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
+    # which autograd refuses: the model could never be trained. It is built as ordinary tensors.
+    with torch.inference_mode(False):
+        # the same steps for a model in one process and one sharded with FSDP2 (then each rank makes its own shards)
+        layout = fsdp_layout(dense_model)  # None unless sharded with FSDP2 (DTensors): then so is the MoE
+        placement = dense_placement(dense_model)
+        source = state_dict_source(dense_model)
+        plan = checked_plan(config, source, dense_model)
+        recipe = resolved(config)
+        gates = compute_gate_rows(recipe.gates, plan, source, device=placement.main).routers
+        router = recipe.router
+        cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise)  # output_router_logits: false
+        model = empty_moe_model(cfg, plan, getattr(dense_model.config, "_attn_implementation", None))
+        build_like_dense(model, plan, source, gates, config.seed, layout, placement)
+        keep_frozen(model, plan, dense_model)
+        keep_checkpointing(model, dense_model)
+        keep_generation_config(model, dense_model)
+        model = dispatch_like(model, placement)  # accelerate's hooks for a spread model; nothing else changes
+        if output_router_logits:
+            router_logits_while_training(model)
+        return model.train()
+
+
+def _recipe(dense_model: torch.nn.Module, *, num_experts: int, experts_per_token: int, expert_init: Any, gate: Any,
+            seed: int, router_init_std: float, router_jitter_noise: float, router_aux_loss_coef: Optional[float],
+            output_router_logits: bool, dtype: Any, architecture: Optional[str], moe_layers: Any) -> Any:
+    """`upcycle_model`'s arguments checked and turned into the validated recipe a build reads from YAML.
+
+    Raises:
+        ConfigError: an argument of the wrong kind or value, named as `upcycle_model` takes it.
+    """
     if not isinstance(gate, str) or gate not in GATE_MODES:
         raise ConfigError(f"gate: {gate!r} is not available in memory; use one of {', '.join(GATE_MODES)} "
                           f"(prompt-based modes need model files: use moe_upcycle.upcycle)")
     if isinstance(expert_init, ExpertInit):
         expert_init = expert_init.model_dump(exclude_unset=True)
     if isinstance(dtype, torch.dtype):  # torch.bfloat16 as well as "bfloat16"
-        dtype = str(dtype).removeprefix("torch.")
+        dtype = dtype_name(dtype)
     if dtype == "auto":  # from_pretrained's word for "as stored": here, the dense model's dtype
         dtype = None
     _python_values(num_experts=num_experts, experts_per_token=experts_per_token, expert_init=expert_init, seed=seed,
@@ -257,44 +282,29 @@ def upcycle_model(
     # output_router_logits is this call's training switch, never the recipe's: a recipe's would be written into
     # config.json, which the recipe refuses (see `router_logits_while_training`)
     _dtype_warnings(dense_model, dtype)
-    config = load_config({
+    return load_config({
         "base_model": IN_MEMORY_REF, "num_experts": num_experts, "experts_per_token": experts_per_token,
         "expert_init": expert_init, "gate_mode": gate, "seed": seed, "router_init_std": router_init_std,
         "router_jitter_noise": router_jitter_noise, "router_aux_loss_coef": router_aux_loss_coef, "dtype": dtype,
         **({"architecture": architecture} if architecture else {}),
         **({"moe_layers": moe_layers} if moe_layers is not None else {}),
     }, unknown_option=None, name="upcycle_model")
-    # called under torch.inference_mode, the MoE's parameters and buffers would be inference tensors,
-    # which autograd refuses: the model could never be trained. It is built as ordinary tensors.
-    with torch.inference_mode(False):
-        layout = fsdp_layout(dense_model)  # None unless sharded with FSDP2 (DTensors): then so is the MoE
-        placement = dense_placement(dense_model)
-        source = state_dict_source(dense_model)
-        if layout is not None:
-            source = ShardedSource.of(source, source.state)
-        sources = {IN_MEMORY_REF: source}
-        plan = make_plan(config, sources)
-        refuse_unused_parameters(plan, dense_model)  # a head bias the MoE has no place for
-        warn_inexact(plan)  # a split whose top-k cannot hold whole groups, ties deciding uniform gates
-        check_installed_runtime(plan)  # the MoE is made by, and runs in, the transformers installed here
-        refuse_non_float(plan, sources)  # an integer parameter would be copied into float experts as numbers
-        check_tied_head(plan, source, IN_MEMORY_REF)  # a head untied in memory under a config that ties it
-        gates = compute_gates(gate_params(config), plan, source, device=placement.main)
-        router = router_fields(config)
-        cfg = moe_config(plan, router.aux_loss_coef, router.jitter_noise)  # output_router_logits: false
-        model = empty_moe_model(cfg, plan, getattr(dense_model.config, "_attn_implementation", None))
-        if layout is not None:  # each rank makes its own shards (moe_upcycle.distributed)
-            build_sharded_moe(model, plan, source, gates, config.seed, layout, _place)
-        else:
-            fill_model(model, plan, iter_tensors(plan, sources, gates, "clone", config.seed), placement)
-            move_buffers(model, placement)
-        keep_frozen(model, plan, dense_model)
-        keep_checkpointing(model, dense_model)
-        keep_generation_config(model, dense_model)
-        model = model if layout is not None else dispatch_like(model, placement)
-        if output_router_logits:
-            router_logits_while_training(model)
-        return model.train()
+
+
+def checked_plan(config: Any, source: ModelSource, dense_model: torch.nn.Module) -> Plan:
+    """The plan of the MoE, after every check a build makes of its base, against the model in memory.
+
+    Raises:
+        ConfigError, PlanError: what a build would refuse, and what only a model in memory can get wrong.
+    """
+    sources = {IN_MEMORY_REF: source}
+    plan = make_plan(config, sources)
+    refuse_unused_parameters(plan, dense_model)  # a head bias the MoE has no place for
+    warn_inexact(plan)  # a split whose top-k cannot hold whole groups, ties deciding uniform gates
+    check_installed_runtime(plan)  # the MoE is made by, and runs in, the transformers installed here
+    refuse_non_float(plan, sources)  # an integer parameter would be copied into float experts as numbers
+    check_tied_head(plan, source, IN_MEMORY_REF)  # a head untied in memory under a config that still ties it
+    return plan
 
 
 def router_logits_while_training(model: torch.nn.Module) -> None:
@@ -359,10 +369,11 @@ def keep_frozen(model: torch.nn.Module, plan: Plan, dense_model: torch.nn.Module
     if all(trainable.values()):
         return
     params = dict(model.named_parameters(remove_duplicate=False))
+    table = param_table(model)
     feeds: dict[str, dict[str, bool]] = {}  # MoE parameter -> {dense source: trainable}
     for step in plan.steps:
         leaves = step.parts or (step,)
-        target, _ = _place(step.name, params)
+        target, _ = table.from_hf(step.name)
         for leaf in leaves:
             name = leaf.source[1] if leaf.source else f"(new) {leaf.name}"
             feeds.setdefault(target, {})[name] = trainable.get(name, True) if leaf.source else True
@@ -497,73 +508,3 @@ def keep_legacy_fields(hf_config: Any, cfg: dict) -> None:
     for key in LEGACY_FIELDS:
         if key in cfg and key not in written:
             hf_config.__dict__[key] = cfg[key]
-
-
-def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[DensePlacement] = None) -> None:
-    """Place every planned tensor into `model`, each parameter in storage of its own.
-
-    Each parameter is allocated on ``placement.device_for(name)`` (the CPU without a placement).
-
-    Checkpoint names (``block_sparse_moe.experts.3.w1.weight``) are placed directly when the
-    model has them (transformers 4.x), else into the fused 3-D expert parameters of
-    transformers ≥ 5 (``mlp.experts.gate_up_proj[e] = cat(w1, w3)``, ``mlp.experts.down_proj[e] = w2``).
-
-    Raises:
-        RuntimeError: a planned tensor has no place in the model, or a parameter was left unset
-            (a bug: the plan and the model class disagree).
-    """
-    params = dict(model.named_parameters())
-    places = {step.name: _place(step.name, params) for step in plan.steps}
-    # allocated before iterating: `iter_tensors` runs under inference_mode, and tensors made
-    # there could never become trainable parameters
-    fresh = {target: torch.empty(params[target].shape, dtype=plan.dtype,
-                                 device=placement.device_for(target) if placement else "cpu")
-             for target, _ in places.values()}
-    filled = dict.fromkeys(fresh, 0)
-    for step, tensor in tensors:
-        target, index = places[step.name]
-        view = fresh[target][index] if index is not None else fresh[target]
-        if isinstance(tensor, TensorParts):  # a fused plan (Qwen3.5-MoE): the parts' bytes in order, one at a time
-            flat, offset = view.view(-1), 0
-            for part in tensor.parts:
-                flat[offset:offset + part.numel()].copy_(part.reshape(-1))
-                offset += part.numel()
-            filled[target] += offset
-            continue
-        view.copy_(tensor)
-        filled[target] += tensor.numel()
-    for name, data in fresh.items():
-        module_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(data))
-    if plan.tied_embeddings:
-        model.tie_weights()
-    unset = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    partial = [n for n, count in filled.items() if count != fresh[n].numel()]
-    if unset or partial:
-        raise RuntimeError(f"in-memory upcycle left parameters unset {unset} or partly set {partial}; "
-                           f"this is a bug: the plan and {type(model).__name__} disagree")
-
-
-_GRANITE_NAMES = ((".input_linear.weight", ".experts.gate_up_proj"), (".output_linear.weight", ".experts.down_proj"),
-                  (".router.layer.weight", ".router.weight"))
-
-
-def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
-    """(parameter name, index into it) for one output tensor name."""
-    if name in params:
-        return name, None
-    renamed = name.replace(".block_sparse_moe.", ".mlp.")
-    if renamed in params:
-        return renamed, None
-    for old, new in _GRANITE_NAMES:  # Granite-MoE's checkpoint names as transformers 5 loads them
-        if name.endswith(old) and name[:-len(old)] + new in params:
-            return name[:-len(old)] + new, None
-    m = _FUSED_EXPERT.match(renamed)
-    if m:
-        e, w, prefix = int(m["expert"]), _PROJ_AS_W.get(m["w"], m["w"]), m["prefix"]
-        if w == "w2":
-            return f"{prefix}.down_proj", (e,)
-        gate_up = f"{prefix}.gate_up_proj"
-        half = params[gate_up].shape[1] // 2
-        return gate_up, (e, slice(0, half) if w == "w1" else slice(half, 2 * half))
-    raise RuntimeError(f"output tensor {name} has no parameter in the in-memory model; this is a bug")

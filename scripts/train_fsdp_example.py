@@ -17,6 +17,7 @@ bit for bit, and the published folder.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -27,8 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from moe_upcycle import upcycle_model
-from moe_upcycle.distributed.dcp_export import save_hf_folder
+from moe_upcycle import save_hf_folder, upcycle_model
 from moe_upcycle.recipe.prompt_sets import load_prompts
 
 SEQ_LEN = 32
@@ -64,6 +64,22 @@ def sharded_moe(model_ref: str, device: torch.device, experts: int, seed: int = 
 def main() -> None:
     args = parse()
     dist.init_process_group(args.backend or ("nccl" if args.device == "cuda" else "gloo"))
+    report = train_and_publish(args)
+    if dist.get_rank() == 0:
+        print(json.dumps(report))
+    # FSDP2 modules hold reference cycles (hooks, states, meshes): the models made in train_and_publish outlive its
+    # return until the garbage collector runs (measured: alive after the return, gone after gc.collect()). Left to
+    # the interpreter's shutdown, their tensors and the backend's objects are freed while Python is torn down, where
+    # a C++ thread that needs the GIL is stopped mid-destructor: "terminate called without an active exception"
+    # (SIGABRT) after the results were printed. Freed here, while Python is whole and the group still exists; then
+    # the ranks leave together.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train_and_publish(args: argparse.Namespace) -> dict:
+    """Everything between joining and leaving the process group; returns rank 0's report (the JSON line)."""
     rank = dist.get_rank()
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else \
         torch.device("cpu")
@@ -106,11 +122,8 @@ def main() -> None:
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
 
     folder = save_hf_folder(restored, out / "hf", tokenizer=args.model if Path(args.model).is_dir() else tokenizer)
-    if rank == 0:
-        print(json.dumps({"world_size": dist.get_world_size(), "losses": losses, "checkpoint_round_trip": bool(same),
-                          "published": str(folder)}))
-    dist.barrier()  # leave together: a rank that tears its group down while rank 0 still writes may abort at exit
-    dist.destroy_process_group()
+    return {"world_size": dist.get_world_size(), "losses": losses, "checkpoint_round_trip": bool(same),
+            "published": str(folder)}
 
 
 if __name__ == "__main__":

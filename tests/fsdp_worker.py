@@ -9,6 +9,7 @@ one-process `upcycle_model` and with transformers loading the published folders.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -18,8 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_upcycle import upcycle_model
-from moe_upcycle.distributed.dcp_export import save_hf_folder
+from moe_upcycle import save_hf_folder, upcycle_model
 from moe_upcycle.distributed.fsdp_layout import reshard
 from moe_upcycle.distributed.rank_failures import all_or_none
 from moe_upcycle.errors import ConfigError, UpcycleError
@@ -29,10 +29,10 @@ PROMPTS = ["Once upon a time there was a little dragon.", "def add(a, b):\n    r
 RANDOM_INIT = {"method": "drop", "ratio": 0.5}
 
 
-def load_dense(path: Path):
+def load_dense(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
 
 
 def shard(model, mesh=None, **kwargs):
@@ -222,6 +222,105 @@ def train_qwen3(out: Path, qwen3: Path, rank: int) -> dict:
             "dcp_restored": restored}
 
 
+class GatherSpy:
+    """Records every ``DTensor.full_tensor`` call as (phase, this rank's storage address, global shape): the test
+    asserts no storage is gathered twice in one phase. Patched on the class, so every caller is seen."""
+
+    def __init__(self):
+        from torch.distributed.tensor import DTensor
+
+        self.calls: list[tuple[str, int, tuple]] = []
+        self.phase = ""
+        self._original = DTensor.full_tensor
+        spy = self
+
+        def full_tensor(dtensor, *args, **kwargs):
+            spy.calls.append((spy.phase, dtensor.to_local().untyped_storage().data_ptr(), tuple(dtensor.shape)))
+            return spy._original(dtensor, *args, **kwargs)
+
+        DTensor.full_tensor = full_tensor
+
+    def close(self):
+        from torch.distributed.tensor import DTensor
+
+        DTensor.full_tensor = self._original
+
+
+class MadeBuffers:
+    """Records the buffers of every model ``AutoModelForCausalLM.from_config`` makes (the MoE as constructed,
+    before its storage is allocated), to tell them from the buffers the MoE ends up with."""
+
+    def __init__(self):
+        from transformers import AutoModelForCausalLM
+
+        self.made: list[dict[str, torch.Tensor]] = []
+        self._original = AutoModelForCausalLM.from_config.__func__
+        recorder = self
+
+        def from_config(cls, *args, **kwargs):
+            model = recorder._original(cls, *args, **kwargs)
+            recorder.made.append(dict(model.named_buffers()))
+            return model
+
+        AutoModelForCausalLM.from_config = classmethod(from_config)
+
+    def close(self):
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_config = classmethod(self._original)
+
+
+def buffers_of(model, made: dict[str, torch.Tensor]) -> dict:
+    """Each buffer's values (CPU), device, and whether it is a tensor the constructed model held."""
+    params = {str(p.device) for p in model.parameters()}
+    constructed = {id(b) for b in made.values()}
+    return {"params": params, **{n: {"values": b.detach().cpu().clone(), "device": str(b.device),
+                                     "constructed": id(b) in constructed} for n, b in model.named_buffers()}}
+
+
+def ties(out: Path, qwen2: Path, rank: int) -> dict:
+    """Tied Qwen2 under FSDP2: which storages upcycle_model and save_hf_folder gather (fp32, then bf16 with a
+    vocabulary and an expert count that 2 ranks do not divide), the logits, and the buffers of an MoE whose root is
+    not wrapped."""
+    from moe_upcycle.checkpoint.tiny import make_dense_model
+
+    uneven = out / "qwen2_uneven"
+    if rank == 0:
+        make_dense_model(uneven, family="qwen2", seed=8, tie_word_embeddings=True, random_norms_and_biases=True,
+                         vocab_size=301)
+    dist.barrier()
+    result = {}
+    spy, made = GatherSpy(), MadeBuffers()
+    try:
+        for case, path, dtype, experts in (("fp32", qwen2, torch.float32, 4), ("bf16", uneven, torch.bfloat16, 3)):
+            dense = shard(load_dense(path, dtype))
+            spy.phase = f"{case} upcycle_model"
+            moe = upcycle_model(dense, num_experts=experts, experts_per_token=2, seed=5)
+            spy.phase = f"{case} save_hf_folder"
+            save_hf_folder(moe, out / f"ties_{case}_hf", tokenizer=path)
+            spy.phase = ""
+            ids = ids_of(path, PROMPTS[1])
+            result[case] = {"logits": logits(moe.eval(), ids).float(), "dtypes": sorted({str(p.dtype) for p in
+                                                                                       moe.parameters()}),
+                            "tied": moe.lm_head.weight is moe.model.embed_tokens.weight}
+        from torch.distributed.fsdp import fully_shard
+
+        dense = load_dense(qwen2)
+        for layer in dense.model.layers:  # the root is not wrapped: FSDP moves no buffer of it
+            fully_shard(layer)
+        made.made.clear()
+        spy.phase = "unwrapped root upcycle_model"
+        moe = upcycle_model(dense, num_experts=2, experts_per_token=1)
+        spy.phase = ""
+        result["buffers"] = buffers_of(moe, made.made[-1])
+        result["rope"] = {"theta": float(moe.config.rope_parameters["rope_theta"]), "head_dim": moe.config.head_dim}
+    finally:
+        spy.close()
+        made.close()
+    result["gathers"] = spy.calls
+    return result
+
+
 def refusals(out: Path, llama: Path, rank: int) -> dict:
     """Tensor parallelism is refused, naming the parameter and the fix; failures stop every rank."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -269,7 +368,7 @@ def _error(call) -> tuple[str, str]:
     return "none", ""
 
 
-SCENARIOS = {"copy_llama": (copy_llama, "llama"), "tied_qwen2": (tied_qwen2, "qwen2"),
+SCENARIOS = {"copy_llama": (copy_llama, "llama"), "tied_qwen2": (tied_qwen2, "qwen2"), "ties": (ties, "qwen2"),
              "random_llama": (random_llama, "llama"),
              "hsdp_llama": (hsdp_llama, "llama"), "wrappings": (wrappings, "llama"), "train_qwen3": (train_qwen3, "qwen3"),
              "refusals": (refusals, "llama")}
@@ -292,6 +391,7 @@ def main() -> None:
         raise
     finally:
         torch.save(results, out / f"rank{rank}.pt")
+        gc.collect()  # the scenarios' FSDP models (reference cycles) freed while Python is whole: see the example
         dist.destroy_process_group()
 
 

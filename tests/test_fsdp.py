@@ -148,6 +148,103 @@ def test_a_tied_qwen2_keeps_its_tie_and_publishes_the_builds_tensors(run, tiny_q
     assert not [k for k in published if not torch.equal(published[k], expected[k])]
 
 
+BF16_REL = 3e-2  # bf16 keeps 8 bits of mantissa (eps 7.8e-3): a few roundings of the largest logit
+
+
+def test_no_storage_is_gathered_twice_on_a_tied_qwen2(run, tiny_qwen2_tied):
+    """A spy on DTensor.full_tensor in every rank: upcycle_model and save_hf_folder gather each storage at most
+    once (the tied embedding was gathered twice in each), and the MoE still computes the dense logits."""
+    from collections import Counter
+
+    for rank in (0, 1):
+        calls = run[rank]["ties"]["gathers"]
+        phases = {phase for phase, _, _ in calls}
+        assert phases == {"fp32 upcycle_model", "fp32 save_hf_folder", "bf16 upcycle_model", "bf16 save_hf_folder",
+                          "unwrapped root upcycle_model"}
+        twice = {key: n for key, n in Counter((phase, ptr) for phase, ptr, _ in calls).items() if n > 1}
+        assert not twice, twice
+        # the embedding (300 x 64, tied to the head) is gathered exactly once to be written, lm_head.weight with it
+        assert [shape for phase, _, shape in calls if phase == "fp32 save_hf_folder"].count((300, 64)) == 1
+        assert run[rank]["ties"]["fp32"]["tied"] and run[rank]["ties"]["bf16"]["tied"]
+    dense, tok = load(tiny_qwen2_tied)
+    for rank in (0, 1):
+        assert_close_rel(run[rank]["ties"]["fp32"]["logits"], logits(dense, tok, PROMPTS[1]))
+    uneven = run["out"] / "qwen2_uneven"
+    from transformers import AutoModelForCausalLM
+
+    dense16 = AutoModelForCausalLM.from_pretrained(str(uneven), dtype=torch.bfloat16).eval()
+    expected = logits(dense16, load(uneven)[1], PROMPTS[1]).float()
+    assert run[0]["ties"]["bf16"]["dtypes"] == ["torch.bfloat16"]
+    assert_close_rel(run[0]["ties"]["bf16"]["logits"], expected, rel=BF16_REL)
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16"])
+def test_save_hf_folder_writes_the_builds_dtypes_and_bytes(run, tiny_qwen2_tied, case, tmp_path):
+    """bf16 and a vocabulary (301) and expert count (3) that 2 ranks do not divide: every tensor written is the file
+    build's, same dtype, same bytes (the bf16 build casts the fp32 files as transformers cast the dense model)."""
+    base = tiny_qwen2_tied if case == "fp32" else run["out"] / "qwen2_uneven"
+    recipe = {"base_model": str(base), "num_experts": 4 if case == "fp32" else 3, "experts_per_token": 2,
+              "gate_mode": "random", "seed": 5, "report_init_drift": False,
+              **({"dtype": "bfloat16"} if case == "bf16" else {})}
+    built = tensors(upcycle(recipe, tmp_path / "moe").output)
+    published = tensors(run["out"] / f"ties_{case}_hf")
+    assert sorted(published) == sorted(built) and "lm_head.weight" in published
+    want = torch.float32 if case == "fp32" else torch.bfloat16
+    assert {str(t.dtype) for t in published.values()} == {str(want)}
+    assert published["model.embed_tokens.weight"].shape == ((300, 64) if case == "fp32" else (301, 64))
+    different = [k for k in published if published[k].dtype != built[k].dtype
+                 or not torch.equal(published[k].view(torch.uint8), built[k].view(torch.uint8))]
+    assert not different, different
+    config = json.loads((run["out"] / f"ties_{case}_hf" / "config.json").read_text())
+    assert config["torch_dtype"] == str(want).removeprefix("torch.")
+
+
+def test_buffers_are_computed_on_the_mesh_device_after_allocation(run):
+    """Layers wrapped, root not (FSDP moves no root buffer): every buffer is a new tensor, on the parameters'
+    device, holding the rotary formula inv_freq[i] = 1 / theta ** (2i / d) — not the tensors the MoE was
+    constructed with, restored after to_empty."""
+    for rank in (0, 1):
+        got = run[rank]["ties"]["buffers"]
+        rope = run[rank]["ties"]["rope"]
+        params = got.pop("params")
+        assert set(got) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+        d = rope["head_dim"]
+        formula = 1.0 / (rope["theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        for name, buf in got.items():
+            assert not buf["constructed"], name
+            assert {buf["device"]} == params == {"cpu"}
+            assert buf["values"].dtype == torch.float32
+            torch.testing.assert_close(buf["values"].double(), formula, rtol=2 * torch.finfo(torch.float32).eps,
+                                       atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_buffers_of_a_sharded_moe_are_on_the_gpu_when_the_root_is_not_wrapped(tiny_llama):
+    """One NCCL rank, layers wrapped, root not: the rotary buffers are on the GPU, as every parameter is, and the MoE
+    computes the dense logits there. Not run on the CPU machine this was written on."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        dense, tok = load(tiny_llama)
+        dense = dense.to(device)
+        ids = tok(PROMPTS[0], return_tensors="pt")["input_ids"].to(device)
+        with torch.no_grad():
+            expected = dense(input_ids=ids).logits.float().cpu()
+        for layer in dense.model.layers:
+            fully_shard(layer)
+        moe = upcycle_model(dense, num_experts=2, experts_per_token=1)
+        assert {str(b.device) for b in moe.buffers()} == {"cuda:0"}
+        assert {str(p.device) for p in moe.parameters()} == {"cuda:0"}
+        with torch.no_grad():
+            assert_close_rel(moe.eval()(input_ids=ids).logits.float().cpu(), expected)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
 def test_hsdp_is_mirrored_with_the_dense_settings(run, tiny_llama, shape):
     got = run[0]["hsdp_llama"][shape]

@@ -483,3 +483,35 @@ def test_a_model_with_the_flag_in_its_config_fails_a_padded_generate(stories, tm
         continue_prompts(flagged, same_length, 2, 0, "cpu")  # the extra, shorter row pads the batch
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
     assert [c.shape for c in continue_prompts(saved, same_length, 2, 0, "cpu")] == [(2,), (2,)]
+
+
+def test_buffers_are_computed_anew_and_ties_are_one_parameter(tiny_qwen2_tied, monkeypatch):
+    """One process: the MoE's rotary buffers are new tensors (not those the empty MoE was constructed with) holding
+    inv_freq[i] = 1 / theta ** (2i / d) on the parameters' device, and its tied head is one parameter with the
+    embedding's values."""
+    from transformers import AutoModelForCausalLM
+
+    made = []
+    original = AutoModelForCausalLM.from_config.__func__
+
+    def from_config(cls, *args, **kwargs):
+        model = original(cls, *args, **kwargs)
+        made.append({id(b) for b in model.buffers()})
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", classmethod(from_config))
+    dense, ids = load(tiny_qwen2_tied)
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, seed=5)
+    monkeypatch.undo()
+    buffers = dict(moe.named_buffers())
+    assert set(buffers) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+    assert not {id(b) for b in buffers.values()} & made[-1]
+    d, theta = moe.config.head_dim, float(moe.config.rope_parameters["rope_theta"])
+    formula = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    for name, buf in buffers.items():
+        assert buf.device == moe.model.embed_tokens.weight.device and buf.dtype == torch.float32, name
+        torch.testing.assert_close(buf.double(), formula, rtol=2 * torch.finfo(torch.float32).eps, atol=0)
+    assert buffers["model.rotary_emb.inv_freq"].data_ptr() != buffers["model.rotary_emb.original_inv_freq"].data_ptr()
+    assert moe.lm_head.weight is moe.model.embed_tokens.weight
+    assert torch.equal(moe.lm_head.weight, dense.model.embed_tokens.weight)
+    assert_close_rel(logits(moe.eval(), ids), logits(dense, ids))

@@ -8,6 +8,12 @@ spread model stays spread the same way and no layer changes device. `dispatch_li
 the MoE the dense model's accelerate hooks (activations moved between devices), from the same
 ``hf_device_map``.
 
+The MoE is made on the meta device; `allocate` gives each `param_table` entry (a tied head and its embedding are
+one) uninitialised storage where it belongs, and `init_buffers` then computes the buffers (rotary ``inv_freq``) on
+their device — torchtitan's order: storage first, then values where they live, never CPU buffers left beside GPU
+parameters. A sharded MoE is allocated by ``to_empty`` instead (`distributed.sharded_model`) and gets its buffers
+the same way.
+
 It does not move the dense model, and it refuses dense models whose weights are offloaded
 (parameters on the ``meta`` device): their bytes are not in the model.
 """
@@ -16,10 +22,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from moe_upcycle.checkpoint.param_table import ParamTable
 from moe_upcycle.errors import ConfigError
 
 
@@ -74,14 +81,62 @@ def dense_placement(model: torch.nn.Module) -> DensePlacement:
     return DensePlacement(main, modules, spread)
 
 
-def move_buffers(model: torch.nn.Module, placement: DensePlacement) -> None:
-    """Put every buffer (rotary ``inv_freq``...) on the device of its module in the dense model."""
-    for name, buf in list(model.named_buffers()):
-        device = placement.device_for(name)
-        if buf.device != device:
-            module_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_name) if module_name else model
-            module._buffers[leaf] = buf.to(device)
+def allocate(model: torch.nn.Module, table: ParamTable, device_for: Callable[[str], torch.device]) -> None:
+    """Give every parameter of `model` new, uninitialised storage on ``device_for(name)``, one per table entry.
+
+    A tied parameter gets one ``Parameter`` registered under all its names, as the model tied it.
+    """
+    for entry in table.entries:
+        data = torch.empty(entry.shape, dtype=entry.dtype, device=device_for(entry.name))
+        param = torch.nn.Parameter(data)
+        for name in entry.names:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, param)
+
+
+def init_buffers(model: torch.nn.Module, device_for: Callable[[str], torch.device],
+                 made: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """Compute every buffer of `model` again, on ``device_for(name)``.
+
+    A rotary embedding's ``inv_freq`` (and ``original_inv_freq``) is computed by the module's own rope function
+    with the device given, as the module's constructor computed it on the CPU. Any other buffer takes its values
+    from `made` (the buffers as the model was constructed, before ``to_empty`` replaced them), else from itself,
+    moved to its device.
+    """
+    made = made if made is not None else dict(model.named_buffers())
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        owned = [leaf for leaf, buf in module._buffers.items() if buf is not None]
+        if not owned:
+            continue
+        device = device_for(prefix + owned[0])
+        inv_freq = _rope_inv_freq(module, device)
+        for leaf in owned:
+            if inv_freq is not None and leaf in ("inv_freq", "original_inv_freq"):
+                value = inv_freq.clone() if leaf == "original_inv_freq" else inv_freq
+            else:
+                value = made.get(prefix + leaf, module._buffers[leaf]).to(device, copy=True)
+            module._buffers[leaf] = value
+        if inv_freq is not None and "original_inv_freq" not in owned and hasattr(module, "original_inv_freq"):
+            module.original_inv_freq = module.inv_freq  # transformers 4.x keeps it as an attribute, not a buffer
+
+
+def _rope_inv_freq(module: torch.nn.Module, device: torch.device) -> Optional[torch.Tensor]:
+    """A rotary embedding module's inverse frequencies computed on `device`, or None for any other module."""
+    config, rope_type = getattr(module, "config", None), getattr(module, "rope_type", None)
+    if config is None or rope_type is None or "inv_freq" not in module._buffers:
+        return None
+    compute = getattr(module, "rope_init_fn", None)  # transformers 4.x keeps the module's function
+    if compute is None:  # transformers 5: the module's own default, or the library's for other rope types
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        own = getattr(module, "compute_default_rope_parameters", None) if rope_type == "default" else None
+        compute = own or ROPE_INIT_FUNCTIONS.get(rope_type)
+    if compute is None:
+        return None
+    with torch.device(device):  # tensors the function makes without a device are made there too
+        inv_freq, _ = compute(config, device=device)
+    return inv_freq
 
 
 def dispatch_like(model: torch.nn.Module, placement: DensePlacement) -> torch.nn.Module:

@@ -1,11 +1,12 @@
 """Publish a sharded MoE as the Hugging Face folder a build writes, one parameter at a time.
 
 `save_hf_folder(model, output)` is a collective: every rank of the job calls it. Each parameter is gathered whole
-(``full_tensor``; a plain parameter is used as it is) and rank 0 streams it into the build's safetensors layout
-(`checkpoint.writer.ShardedWriter`): the names a build writes (`hf_entries`: transformers 5's fused
-``mlp.experts.gate_up_proj`` (E, 2I, H) becomes ``...experts.{e}.w1.weight`` / ``w3`` (Mixtral) or
-``gate_proj`` / ``up_proj`` (Qwen-MoE), its router ``mlp.gate`` Mixtral's ``block_sparse_moe.gate``), shards of at
-most `max_shard_size`, the index. Then config.json and generation_config.json (transformers' own, from the
+once (``full_tensor``; a plain parameter is used as it is) and rank 0 streams every tensor made from it into the
+build's safetensors layout (`checkpoint.writer.ShardedWriter`): the names a build writes, from the model's
+`param_table` (transformers 5's fused ``mlp.experts.gate_up_proj`` (E, 2I, H) becomes ``...experts.{e}.w1.weight``
+/ ``w3`` (Mixtral) or ``gate_proj`` / ``up_proj`` (Qwen-MoE), its router ``mlp.gate`` Mixtral's
+``block_sparse_moe.gate``; a tied head is its embedding's entry, written right after it where llama.cpp needs
+``lm_head.weight``), in the parameters' own dtypes, shards of at most `max_shard_size`, the index. Then config.json and generation_config.json (transformers' own, from the
 model), the tokenizer, and our manifest (``moe_upcycle.json``: every file's sha256, so ``force=True`` may later
 replace the folder). The folder is staged beside the target and renamed into place only when complete
 (`output_dir.staged_output`); a failure on any rank stops every rank and nothing is published.
@@ -20,16 +21,15 @@ call this. It writes no optimizer state (DCP keeps that) and no model card.
 
 from __future__ import annotations
 
-import itertools
 import os
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from moe_upcycle.checkpoint import names
+from moe_upcycle.checkpoint.param_table import ParamTable, param_table
 from moe_upcycle.checkpoint.output_dir import check_target, made_parent, staged_output
 from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.distributed.fsdp_layout import reshard
@@ -42,48 +42,12 @@ from moe_upcycle.publish.model_files import copy_tokenizer_files, write_config
 from moe_upcycle.recipe.schema import parse_size
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of the published folder: its name there, and where it is in the model."""
-
-    key: str  # the name a build writes
-    param: str  # the model's parameter
-    index: Optional[tuple]  # into the parameter (None: all of it)
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def hf_entries(model: torch.nn.Module) -> list[Entry]:
-    """Every tensor a build writes for `model`'s architecture, in the model's parameter order.
-
-    A fused expert parameter gives one entry per (projection, expert), projections in the dense order (gate, up,
-    down) as a build writes them; a tied head gets its own entry only where a build writes one (llama.cpp's
-    Qwen2-MoE needs ``lm_head.weight``). Other parameters keep their names.
-    """
+def hf_table(model: torch.nn.Module) -> ParamTable:
+    """`model`'s `param_table` with the tensors a build writes: a tied head gets its own tensor only where a build
+    writes one (llama.cpp's Qwen2-MoE needs ``lm_head.weight``)."""
     layout = names.OUTPUT_LAYOUTS.get(getattr(model.config, "model_type", None))
-    entries = []
-    for name, param in model.named_parameters():
-        shape, dtype = tuple(param.shape), param.dtype
-        template, layer = names.split_layer(name)
-        projs = layout.fused_expert.get(template) if layout else None
-        if projs:  # (E, len(projs) * I, H) or (E, H, I): expert e's projections, one after the other on dim 1
-            rows = shape[1] // len(projs)
-            for i, proj in enumerate(projs):
-                for e in range(shape[0]):
-                    index = (e, slice(i * rows, (i + 1) * rows)) if len(projs) > 1 else (e,)
-                    part = (rows, *shape[2:]) if len(projs) > 1 else shape[1:]
-                    entries.append(Entry(names.fill(layout.expert[proj], layer=layer, expert=e), name, index, part,
-                                         dtype))
-        elif layout and layer is not None and template == layout.fused_router:
-            entries.append(Entry(names.fill(layout.router, layer=layer), name, None, shape, dtype))
-        else:
-            entries.append(Entry(name, name, None, shape, dtype))
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    known = {e.key for e in entries}
-    if tied and layout and LLAMACPP[layout.model_type].needs_lm_head and names.LM_HEAD not in known:
-        embed = next(e for e in entries if e.key == names.EMBED)
-        entries.append(Entry(names.LM_HEAD, embed.param, None, embed.shape, embed.dtype))
-    return entries
+    head = layout is not None and LLAMACPP[layout.model_type].needs_lm_head
+    return param_table(model, written_aliases=(names.LM_HEAD,) if head else ())
 
 
 def save_hf_folder(model: torch.nn.Module, output: Union[str, Path], *, tokenizer: Any = None,
@@ -132,7 +96,7 @@ def save_hf_folder(model: torch.nn.Module, output: Union[str, Path], *, tokenize
         raise ConfigError(f"tokenizer: expected a folder or a tokenizer with save_pretrained, not "
                           f"{type(tokenizer).__name__}")
     reshard(model)  # after an evaluation forward the root's parameters are whole: each rank gathers its shards
-    entries = hf_entries(model)
+    table = hf_table(model)
     params = dict(model.named_parameters())
     rank, size = world()
     with ExitStack() as stack:
@@ -142,15 +106,15 @@ def save_hf_folder(model: torch.nn.Module, output: Union[str, Path], *, tokenize
                 stack.enter_context(made_parent(target))
                 check_target(target, force, inputs=[folder] if folder else [])
                 stage = stack.enter_context(staged_output(target, force))
-                writer = ShardedWriter(stage, [TensorSpec(e.key, e.shape, e.dtype) for e in entries], max_bytes,
-                                       checksums)
+                writer = ShardedWriter(stage, [TensorSpec(t.key, t.shape, e.dtype) for e, t in table.to_hf()],
+                                       max_bytes, checksums)
                 stack.enter_context(_aborted_on_error(writer))
-        for name, group in itertools.groupby(entries, key=lambda e: e.param):
-            whole = full_tensor(params[name])  # every rank, in the same order
-            with all_or_none(f"writing {name} into {target}"):
+        for entry in table.entries:  # each storage gathered once (a tied head is its embedding's entry)
+            whole = full_tensor(params[entry.name])  # every rank, in the same order
+            with all_or_none(f"writing {entry.name} into {target}"):
                 if writer is not None:
-                    for entry in group:
-                        writer.write(entry.key, whole if entry.index is None else whole[entry.index])
+                    for tensor in entry.hf:
+                        writer.write(tensor.key, whole if tensor.index is None else whole[tensor.index])
             del whole
         with all_or_none(f"finishing {target}"):
             if writer is not None:

@@ -63,6 +63,16 @@ class FsdpLayout:
     device: torch.device
     unmanaged: frozenset[str]
 
+    @property
+    def mesh_device(self) -> torch.device:
+        """The device the mesh computes on (this rank's GPU, or the CPU), where buffers belong: the shards' own
+        `device` is the CPU under a ``CPUOffloadPolicy`` while the forward still runs on the mesh's device."""
+        mesh = next((u.mesh for u in self.units if u.mesh is not None), None)
+        kind = mesh.device_type if mesh is not None else self.device.type
+        if kind == "cpu":
+            return torch.device("cpu")
+        return torch.device(kind, torch.get_device_module(kind).current_device())
+
 
 def holds_dtensors(model: torch.nn.Module) -> bool:
     """Whether any parameter of `model` is a DTensor (FSDP2, tensor parallelism)."""

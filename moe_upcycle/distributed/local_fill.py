@@ -16,8 +16,11 @@ Steps are taken one group at a time (the embedding, each decoder layer, the norm
   shards.
 
 Random transforms are seeded per (seed, tensor name) (`execute.slot_generator`) and routers are drawn whole, so
-the values do not depend on the world size or on which steps a rank computes. It does not shard the model (see
-`sharded_model`).
+the values do not depend on the world size or on which steps a rank computes. A model that holds no DTensor
+(one process) is filled by the same code: each parameter is then one whole box, every step intersects it, and no
+collective is issued (a process group may exist: its other ranks are not asked). Which parameter a step fills, and
+which names are one tied parameter, come from the model's `param_table`: a tied alias (``lm_head.weight``) is
+filled, gathered and read as the one parameter it names. It does not shard the model (see `sharded_model`).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
+from moe_upcycle.checkpoint.param_table import ParamTable, param_table
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.writer import TensorParts
 from moe_upcycle.distributed.rank_failures import all_or_none, world
@@ -41,7 +45,7 @@ from moe_upcycle.planning.guards import nonfinite_line
 from moe_upcycle.planning.steps import Plan, Step
 
 Box = tuple[tuple[int, int], ...]  # per dimension [start, stop) in the global parameter
-Place = tuple[str, Optional[tuple]]  # (MoE parameter name, index into it), as `in_memory._place` gives
+Place = tuple[str, Optional[tuple]]  # (MoE parameter name, index into it), as `ParamTable.from_hf` gives
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -65,27 +69,22 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class ShardedSource(Checkpoint):
-    """The dense model's state dict (DTensors and plain tensors) as a plan source.
+class ModelSource(Checkpoint):
+    """A dense model's state dict (DTensors and plain tensors: sharded or not) as a plan source
+    (`in_memory.state_dict_source` makes it).
 
     `read` returns whole tensors: a DTensor is gathered on the spot (a collective), except inside `gathered`, where
     only the tensors gathered on entry may be read — so no rank ever issues a collective the others do not.
-    Parameters that are one object under two names (a tied head) form a `shared_groups` entry, as one storage
-    in a ``.bin`` does.
+    The names of one parameter (a tied head and its embedding: one `param_table` entry) form a `shared_groups`
+    entry, as one storage in a ``.bin`` does, and are gathered once, under the first name.
     """
 
     state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _whole: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
 
-    @classmethod
-    def of(cls, source: Checkpoint, state: dict[str, torch.Tensor]) -> "ShardedSource":
-        """Wrap the in-memory `source` (its headers and config) over `state`."""
-        by_object: dict[int, list[str]] = {}
-        for key, value in state.items():
-            by_object.setdefault(id(value), []).append(key)
-        shared = [keys for keys in by_object.values() if len(keys) > 1]
-        return cls(ref=source.ref, path=None, config=source.config, tensors=source.tensors, shared_groups=shared,
-                   state=state)
+    def first_name(self, key: str) -> str:
+        """The name `key`'s storage is read under: the first of its tied group (itself when untied)."""
+        return next((group[0] for group in self.shared_groups if key in group), key)
 
     def is_sharded(self, key: str) -> bool:
         from torch.distributed.tensor import DTensor
@@ -93,6 +92,7 @@ class ShardedSource(Checkpoint):
         return isinstance(self.state[key], DTensor)
 
     def read(self, key: str) -> torch.Tensor:
+        key = self.first_name(key)
         if self._whole is not None:
             if key in self._whole:
                 return self._whole[key]
@@ -103,37 +103,45 @@ class ShardedSource(Checkpoint):
 
     @contextmanager
     def gathered(self, keys: list[str]) -> Iterator[None]:
-        """Gather `keys` (in this order, on every rank), serve them to `read`, and free them on exit."""
-        self._whole = {key: full_tensor(self.state[key]) for key in keys}
+        """Gather `keys` (each storage once, in this order, on every rank), serve them to `read`, free them on
+        exit."""
+        firsts = list(dict.fromkeys(self.first_name(key) for key in keys))
+        self._whole = {key: full_tensor(self.state[key]) for key in firsts}
         try:
             yield
         finally:
             self._whole = None
 
 
-def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ShardedSource, gates: dict[int, torch.Tensor],
-                      seed: int, place: Callable[[str, dict], Place]) -> None:
-    """Write every planned tensor's part in this rank's shards of `model` (sharded, allocated, uninitialised).
+def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ModelSource, gates: dict[int, torch.Tensor],
+                      seed: int, table: Optional[ParamTable] = None) -> None:
+    """Write every planned tensor's part in this rank's shards of `model` (allocated, uninitialised; sharded or not).
+
+    Args:
+        table: `model`'s `param_table` (made here when not given): which parameter, and part of it, each step fills.
 
     Raises:
         RuntimeError: a local element was left unset or set twice (a bug: the plan and the model disagree).
-        The first error of any rank, on every rank (`rank_failures.all_or_none`).
+        The first error of any rank, on every rank (`rank_failures.all_or_none`), when `model` is sharded.
     """
-    # every name: a tied head is the embedding under a second name, which a plan may fill too (with the same values)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    places = {step.name: place(step.name, params) for step in plan.steps}
+    table = table or param_table(model)
+    params = dict(model.named_parameters())  # one name per parameter: a tied alias is filled as its first name
+    sharded = any(_is_dtensor(p) for p in params.values())
+    together = all_or_none if sharded else _alone  # an unsharded model is this process's own: no collective
+    steps = [s for s in plan.steps if not table.is_alias(s.name)]  # a tied head's step: the embedding's values
+    places = {step.name: table.from_hf(step.name) for step in steps}
     locals_ = {name: _local(p) for name, p in params.items()}
     boxes = {name: local_box(p) for name, p in params.items()}
     written: Counter = Counter()
     rank = world()[0]
-    for layer, group in itertools.groupby(plan.steps, key=lambda s: s.layer):
+    for layer, group in itertools.groupby(steps, key=lambda s: s.layer):
         group = list(group)
         direct = [s for s in group if _direct(s, places[s.name], source, params)]
         computed = [s for s in group if not any(s is d for d in direct)]
         keys = sorted({leaf.source[1] for s in computed for leaf in s.leaves()
                        if leaf.source is not None and source.is_sharded(leaf.source[1])})
-        with source.gathered(keys), all_or_none("filling " + (f"layer {layer}" if layer is not None else
-                                                              ", ".join(s.name for s in group))):
+        with source.gathered(keys), together("filling " + (f"layer {layer}" if layer is not None else
+                                                           ", ".join(s.name for s in group))):
             for step in direct:
                 target = places[step.name][0]
                 raw = _local(source.state[step.source[1]])
@@ -141,7 +149,8 @@ def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ShardedSource,
                     locals_[target].copy_(raw)
                 line = nonfinite_line(locals_[target], raw, step.source[1], source)
                 if line:  # the part this rank holds (a gathered tensor is checked whole by iter_tensors)
-                    warnings.warn(UpcycleWarning(f"{line} (in rank {rank}'s shard)"), stacklevel=4)
+                    warnings.warn(UpcycleWarning(f"{line} (in rank {rank}'s shard)" if sharded else line),
+                                  stacklevel=4)
                 written[target] += locals_[target].numel()
             needed = [s for s in computed if _overlap(places[s.name], params, boxes) is not None]
             if needed:
@@ -155,13 +164,23 @@ def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ShardedSource,
                         view = locals_[target][local_index]
                         view.copy_(tensor[step_index])
                     written[target] += view.numel()
-    primary = dict(model.named_parameters())  # a second name of a tied parameter may be left to the first
-    wrong = {n: (written[n], t.numel()) for n, t in locals_.items()
-             if written[n] != t.numel() and (n in primary or written[n])}
-    with all_or_none("checking its shards"):  # else the other ranks would go on to train, and wait for this one
+    wrong = {n: (written[n], t.numel()) for n, t in locals_.items() if written[n] != t.numel()}
+    with together("checking its shards"):  # else the other ranks would go on to train, and wait for this one
         if wrong:
-            raise RuntimeError(f"sharded upcycle set these local shards partly or twice (elements written, held): "
+            raise RuntimeError(f"upcycle set these local shards partly or twice (elements written, held): "
                                f"{wrong}; this is a bug: the plan and {type(model).__name__} disagree")
+
+
+@contextmanager
+def _alone(what: str) -> Iterator[None]:
+    """`all_or_none` for a model no other rank shares: the block runs, its error is this process's alone."""
+    yield
+
+
+def _is_dtensor(value: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -209,7 +228,7 @@ def _overlap(where: Place, params: dict[str, torch.Tensor], boxes: dict[str, Box
     return tuple(local_index), tuple(step_index)
 
 
-def _direct(step: Step, where: Place, source: ShardedSource, params: dict[str, torch.Tensor]) -> bool:
+def _direct(step: Step, where: Place, source: ModelSource, params: dict[str, torch.Tensor]) -> bool:
     """Whether `step` is a plain copy whose MoE parameter is sharded exactly like the dense tensor it copies."""
     from torch.distributed.tensor import DTensor
 

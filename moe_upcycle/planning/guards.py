@@ -107,11 +107,11 @@ def check_tied_head(plan: Plan, base: Checkpoint, ref: str) -> None:
     if not plan.tied_embeddings or base.from_config or head is None or embed is None:
         return
     if any(LM_HEAD in group and EMBED in group for group in base.shared_groups):
-        return  # one storage in the .bin: the same tensor
+        return  # one storage in a .bin, one parameter in memory (`param_table`): the same tensor, never read
     if head.shape == embed.shape:
         stored, embedding = base.read(LM_HEAD), base.read(EMBED)
-        if stored.data_ptr() == embedding.data_ptr() or torch.equal(stored.to(embedding.device), embedding):
-            return  # in memory, a tied model's state_dict() gives both names the one storage
+        if torch.equal(stored.to(embedding.device), embedding):
+            return
     if base.path is None:
         gap = (f"max |difference| {float((stored.float().to(embedding.device) - embedding.float()).abs().max()):.3g}"
                if head.shape == embed.shape else f"shapes {list(head.shape)} and {list(embed.shape)}")
