@@ -2,7 +2,8 @@
 
 `DTYPES` maps ``float32`` / ``float16`` / ``bfloat16`` (a recipe's ``dtype:`` and ``gate_dtype:``, config.json's
 ``torch_dtype`` / ``dtype``) to torch; `dtype_name` is its inverse, for any torch dtype (``torch.int8`` reads
-``int8``), as messages, cards and config.json write it. The recipe's spellings (``bf16``, ``torch.bfloat16``) are
+``int8``), as messages, cards and config.json write it; `model_dtype` is the dtype a model in memory is
+of (most of its floating-point elements). The recipe's spellings (``bf16``, ``torch.bfloat16``) are
 normalised by `recipe.schema` before they get here. Nothing here reads a tensor.
 """
 
@@ -22,3 +23,21 @@ def dtype_name(dtype: torch.dtype) -> str:
         ('bfloat16', 'int8')
     """
     return str(dtype).removeprefix("torch.")
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of most of `model`'s floating-point parameters (by element count; float32 for none).
+
+    A model is not always of one dtype: peft's ``prepare_model_for_kbit_training`` and many training scripts keep
+    norms or the head in float32 beside bfloat16 weights; the first parameter's dtype would then decide by accident.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4).bfloat16(), torch.nn.LayerNorm(4))
+        >>> model_dtype(m)
+        torch.bfloat16
+    """
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=counts.get) if counts else torch.float32

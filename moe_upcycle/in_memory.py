@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from moe_upcycle.recipe.resolved import resolved
-from moe_upcycle.dtypes import dtype_name
+from moe_upcycle.dtypes import dtype_name, model_dtype
 from moe_upcycle.recipe.schema import ExpertInit, load_config
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.gates.router import compute_gate_rows
@@ -75,19 +75,6 @@ def state_dict_source(model: torch.nn.Module) -> ModelSource:
     ties = [group for group in param_table(model).ties if all(name in state for name in group)]
     return ModelSource(ref=IN_MEMORY_REF, path=None, config=dense_config(config, "dense_model.config"),
                          tensors=infos, shared_groups=ties, state=state)
-
-
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype of most of `model`'s floating-point parameters (by element count).
-
-    A model is not always of one dtype: peft's ``prepare_model_for_kbit_training`` and many training scripts keep
-    norms or the head in float32 beside bfloat16 weights; the first parameter's dtype would then decide by accident.
-    """
-    counts: dict[torch.dtype, int] = {}
-    for param in model.parameters():
-        if param.is_floating_point():
-            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
-    return max(counts, key=counts.get) if counts else torch.float32
 
 
 def _dtype_warnings(dense_model: torch.nn.Module, dtype: Optional[str]) -> None:

@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-import torch
 
 from moe_upcycle.checkpoint.config_checks import value_problems
 from moe_upcycle.dtypes import DTYPES

@@ -35,6 +35,7 @@ from moe_upcycle.checkpoint.writer import ShardedWriter, TensorSpec
 from moe_upcycle.distributed.fsdp_layout import reshard
 from moe_upcycle.distributed.local_fill import full_tensor
 from moe_upcycle.distributed.rank_failures import all_or_none, world
+from moe_upcycle.dtypes import dtype_name, model_dtype
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.planning.llamacpp import LLAMACPP
 from moe_upcycle.publish.manifest import write_recipe
@@ -136,10 +137,7 @@ def hf_config(model: torch.nn.Module) -> dict:
     layout = names.OUTPUT_LAYOUTS.get(config.get("model_type"))
     config["architectures"] = [layout.class_name if layout else type(model).__name__.removeprefix("FSDP")]
     # the weights' dtype as written (most bytes), not the one the model was made with: it may have been cast since
-    sizes: dict[torch.dtype, int] = {}
-    for param in model.parameters():
-        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
-    config["dtype"] = config["torch_dtype"] = str(max(sizes, key=sizes.get)).removeprefix("torch.")
+    config["dtype"] = config["torch_dtype"] = dtype_name(model_dtype(model))
     return dict(sorted(config.items()))
 
 

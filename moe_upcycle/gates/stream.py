@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.dtypes import DTYPES, dtype_name
 from moe_upcycle.errors import SourceError, UpcycleWarning
 from moe_upcycle.gates.batches import Batch, Encoded, context_length, on_device, pad_batch, padding_id, to_device
 from moe_upcycle.gates.device import resolve_device
@@ -39,7 +40,6 @@ from moe_upcycle.inputs.text import check_token_ids
 from moe_upcycle.recipe.calibration import STREAMED_STATES_BYTES, streamed_batch_bytes
 from moe_upcycle.terminal.progress import stage
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # `quantize:` made a whole base fit a GPU in 4/8 bit; streamed, it always fits, at full precision
 QUANTIZE_NOTE = ("quantize: {quantize} is not applied: hidden-state gates stream the base model one layer at a time, "
                  "so its weights never need to fit in memory at once, and the routers are computed at full precision "
@@ -273,7 +273,7 @@ def open_streamed(checkpoint: Checkpoint, device: str = "auto", dtype: Optional[
         dev = torch.device("cuda", torch.cuda.current_device())
     torch_dtype = DTYPES.get(dtype or "", torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if quantize:
-        warnings.warn(QUANTIZE_NOTE.format(quantize=quantize, dtype=str(torch_dtype).removeprefix("torch.")),
+        warnings.warn(QUANTIZE_NOTE.format(quantize=quantize, dtype=dtype_name(torch_dtype)),
                       UpcycleWarning, stacklevel=3)
     tokenizer = load_tokenizer(checkpoint.path) if tokenizer is None else tokenizer
     skeleton = build_skeleton(checkpoint.path, torch_dtype)

@@ -29,7 +29,7 @@ import torch
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.moe_base import MoeBase, dense_family_problem, moe_base
 from moe_upcycle.checkpoint.source import Checkpoint
-from moe_upcycle.dtypes import DTYPES
+from moe_upcycle.dtypes import DTYPES, dtype_name
 from moe_upcycle.errors import PlanError
 from moe_upcycle.planning import fused, inits
 from moe_upcycle.planning.steps import Plan, Step, source_layer
@@ -256,7 +256,7 @@ def _notes(info: GrowInfo, k: int, router: str, copy_transforms: bool, init_of: 
     if m > 1:
         notes.append(f"experts 0-{e_count - 1} are the base's, byte for byte; expert j ≥ {e_count} is a copy of base "
                      f"expert j mod {e_count}")
-        notes.append(f"router: {router}" + (f" (gate_mode left out: each copy gets its expert's row)"
+        notes.append(f"router: {router}" + (" (gate_mode left out: each copy gets its expert's row)"
                                             if router == BASE_ROUTERS else " (every row replaced)"))
     if info.added:
         notes.append(f"router: the base's {e_count} rows kept; the {len(info.added)} new rows from the new experts' "
@@ -309,7 +309,7 @@ def grown_config(plan: Plan, router_aux_loss_coef: Optional[float] = None,
     for key in dict.fromkeys((*info.base.experts_key, info.base.layout.experts_key)):
         cfg[key] = info.num_experts
     cfg["num_experts_per_tok"] = plan.experts_per_token
-    dtype = str(plan.dtype).removeprefix("torch.")
+    dtype = dtype_name(plan.dtype)
     for key in ("dtype", "torch_dtype"):
         if key in cfg or key == "dtype":
             cfg[key] = dtype
