@@ -282,3 +282,20 @@ def test_dense_layers_kept_and_plan_from_config_alone(tmp_path, write_yaml):
     assert not any(k.startswith("model.layers.0.mlp.experts.") for k in got)
     assert out.plan.dense_layers == (0,) and json.loads((out.output / "config.json").read_text())["mlp_only_layers"] == [0]
     assert_same_function(base, out.output)
+
+
+@pytest.mark.skipif(not __import__("tf4_logits").TF4_PYTHON.is_file(), reason=__import__("tf4_logits").NO_TF4)
+def test_grown_models_run_the_bases_function_in_transformers_4(tmp_path, write_yaml, hub_mixtral, hub_qwen3):
+    """transformers 4.57 reads Qwen3-MoE's num_experts, which transformers 5 saves as num_local_experts only: the
+    grown config.json spells both, and 4.57 computes the (transformers 5) base's logits."""
+    from tf4_logits import tf4_logits, tf5_logits
+
+    ids = IDS[0].tolist()
+    grown = {base: upcycle(write_yaml({"base_model": str(base), "num_experts": 8}, f"{base.name}.yaml"),
+                           tmp_path / base.name).output for base in (hub_mixtral, hub_qwen3)}
+    got = tf4_logits(ids, [str(g) for g in grown.values()])
+    for base, folder in grown.items():
+        assert isinstance(got[str(folder)], list), got[str(folder)]
+        want = tf5_logits(base, ids)
+        diff = (torch.tensor(got[str(folder)]) - want).abs().max()
+        assert diff <= 1e-5 * want.abs().max(), diff
