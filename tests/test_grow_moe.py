@@ -251,6 +251,7 @@ def test_verify_compares_a_grown_model_with_its_moe_base(tmp_path, write_yaml, h
     assert checked.ok and checked.base == str(hub_mixtral)
     assert checked.comparison.max_abs_diff <= 1e-5 * 30  # the MoE base's logits, to summation order
     assert checked.comparison.top1_agreement == 1.0
+    assert "the base is an MoE (4 experts): the grown model is compared with the MoE it grew" in checked.notes
     assert verify(out.output, base=hub_mixtral).ok  # the MoE it grew, named explicitly: fewer experts
     same = CliRunner().invoke(app, ["verify", str(out.output), "--base", str(out.output)])
     assert same.exit_code == 1 and "is itself a Mixture-of-Experts (8 experts)" in same.output  # never itself
