@@ -234,7 +234,7 @@ def test_bf16_base_grown_keeps_its_bytes(tmp_path, write_yaml, layout):
     base = make_dense_model(tmp_path / "bf16", seed=14, dtype=torch.bfloat16, **MIX)
     out = upcycle(write_yaml({"base_model": str(base), "num_experts": 12, "layout": layout}), tmp_path / "g")
     got, had = tensors(out.output), tensors(base)
-    router = "model.layers.1.block_sparse_moe.gate.weight" if layout == "per_expert" else "model.layers.1.mlp.gate.weight"
+    router = "model.layers.1." + ("block_sparse_moe.gate.weight" if layout == "per_expert" else "mlp.gate.weight")
     assert got[router].dtype == torch.bfloat16 and torch.equal(got[router], had[
         "model.layers.1.block_sparse_moe.gate.weight"].repeat(3, 1))
     assert json.loads((out.output / "config.json").read_text())["num_experts_per_tok"] == 6
@@ -281,7 +281,8 @@ def test_dense_layers_kept_and_plan_from_config_alone(tmp_path, write_yaml):
     dense = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
     assert all(torch.equal(got[k], had[k]) for k in dense)
     assert not any(k.startswith("model.layers.0.mlp.experts.") for k in got)
-    assert out.plan.dense_layers == (0,) and json.loads((out.output / "config.json").read_text())["mlp_only_layers"] == [0]
+    assert out.plan.dense_layers == (0,)
+    assert json.loads((out.output / "config.json").read_text())["mlp_only_layers"] == [0]
     assert_same_function(base, out.output)
 
 
