@@ -234,7 +234,7 @@ def test_bf16_base_grown_keeps_its_bytes(tmp_path, write_yaml, layout):
     base = make_dense_model(tmp_path / "bf16", seed=14, dtype=torch.bfloat16, **MIX)
     out = upcycle(write_yaml({"base_model": str(base), "num_experts": 12, "layout": layout}), tmp_path / "g")
     got, had = tensors(out.output), tensors(base)
-    router = "model.layers.1.block_sparse_moe.gate.weight" if layout == "per_expert" else "model.layers.1.mlp.gate.weight"
+    router = "model.layers.1." + ("block_sparse_moe.gate.weight" if layout == "per_expert" else "mlp.gate.weight")
     assert got[router].dtype == torch.bfloat16 and torch.equal(got[router], had[
         "model.layers.1.block_sparse_moe.gate.weight"].repeat(3, 1))
     assert json.loads((out.output / "config.json").read_text())["num_experts_per_tok"] == 6
@@ -251,6 +251,7 @@ def test_verify_compares_a_grown_model_with_its_moe_base(tmp_path, write_yaml, h
     assert checked.ok and checked.base == str(hub_mixtral)
     assert checked.comparison.max_abs_diff <= 1e-5 * 30  # the MoE base's logits, to summation order
     assert checked.comparison.top1_agreement == 1.0
+    assert "the base is an MoE (4 experts): the grown model is compared with the MoE it grew" in checked.notes
     assert verify(out.output, base=hub_mixtral).ok  # the MoE it grew, named explicitly: fewer experts
     same = CliRunner().invoke(app, ["verify", str(out.output), "--base", str(out.output)])
     assert same.exit_code == 1 and "is itself a Mixture-of-Experts (8 experts)" in same.output  # never itself
@@ -280,5 +281,23 @@ def test_dense_layers_kept_and_plan_from_config_alone(tmp_path, write_yaml):
     dense = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
     assert all(torch.equal(got[k], had[k]) for k in dense)
     assert not any(k.startswith("model.layers.0.mlp.experts.") for k in got)
-    assert out.plan.dense_layers == (0,) and json.loads((out.output / "config.json").read_text())["mlp_only_layers"] == [0]
+    assert out.plan.dense_layers == (0,)
+    assert json.loads((out.output / "config.json").read_text())["mlp_only_layers"] == [0]
     assert_same_function(base, out.output)
+
+
+@pytest.mark.skipif(not __import__("tf4_logits").TF4_PYTHON.is_file(), reason=__import__("tf4_logits").NO_TF4)
+def test_grown_models_run_the_bases_function_in_transformers_4(tmp_path, write_yaml, hub_mixtral, hub_qwen3):
+    """transformers 4.57 reads Qwen3-MoE's num_experts, which transformers 5 saves as num_local_experts only: the
+    grown config.json spells both, and 4.57 computes the (transformers 5) base's logits."""
+    from tf4_logits import tf4_logits, tf5_logits
+
+    ids = IDS[0].tolist()
+    grown = {base: upcycle(write_yaml({"base_model": str(base), "num_experts": 8}, f"{base.name}.yaml"),
+                           tmp_path / base.name).output for base in (hub_mixtral, hub_qwen3)}
+    got = tf4_logits(ids, [str(g) for g in grown.values()])
+    for base, folder in grown.items():
+        assert isinstance(got[str(folder)], list), got[str(folder)]
+        want = tf5_logits(base, ids)
+        diff = (torch.tensor(got[str(folder)]) - want).abs().max()
+        assert diff <= 1e-5 * want.abs().max(), diff

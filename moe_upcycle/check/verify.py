@@ -386,6 +386,10 @@ def _checked(folder: Path, base, base_given: Optional[tuple[Path, Optional[Adapt
     dense_run = None
     if base_path is not None:
         result.base = str(base if base is not None else check.base_model if check is not None else base_path)
+        grown_from = _moe_experts(base_path)
+        if grown_from:  # a grown MoE (`planning.grow`): "dense base" below is the MoE it grew
+            result.notes.append(f"the base is an MoE ({grown_from} experts): the grown model is compared with the MoE "
+                                f"it grew")
         problems, notes = tokenizer_differences(base_path, folder, ours=recipe is not None)
         result.problems += problems
         result.notes += notes
@@ -505,6 +509,15 @@ def _check_options(device: str, max_new_tokens: int, max_kl: Optional[float],
         raise ConfigError(*problems)
 
 
+def _moe_experts(path: Path) -> Optional[int]:
+    """The routed-expert count of model folder `path` when it is an MoE, else None (dense, or unreadable: the load
+    says why)."""
+    try:
+        return require_moe(path, "--base")
+    except SourceError:
+        return None
+
+
 def _explicit_base(base, folder: Path, experts: int) -> Optional[tuple[Path, Optional[Adapter]]]:
     """The folder (and LoRA adapter) of an explicitly given --base, which must be a model; None when not given.
     An MoE is a base only for a grown MoE (`planning.grow`): one with fewer experts than `folder`'s `experts`."""
@@ -513,10 +526,7 @@ def _explicit_base(base, folder: Path, experts: int) -> Optional[tuple[Path, Opt
     path, adapter = _model_and_adapter(str(base), "--base")  # given explicitly: an error if absent
     if not (path / "config.json").is_file():
         raise SourceError(f"--base: {path} is not a model folder (no config.json); give the dense model's folder")
-    try:
-        count = require_moe(path, "--base")
-    except SourceError:  # dense, as it should be (or an unreadable config.json, which the load reports)
-        count = None
+    count = _moe_experts(path)  # None: dense, as it should be (or an unreadable config.json, which the load reports)
     grown = count is not None and count < experts and path.resolve() != folder  # a grown MoE against its base
     if count is not None and not grown:  # an MoE as the reference: the MoE itself (a typo) would PASS against itself
         raise SourceError(f"--base: {path} is itself a Mixture-of-Experts ({count} experts), not a dense model; "

@@ -70,7 +70,8 @@ def is_moe(ckpt: Checkpoint) -> bool:
 
     Example:
         >>> from moe_upcycle.checkpoint.source import meta_checkpoint
-        >>> is_moe(meta_checkpoint("m", {"model_type": "mixtral"}, {})), is_moe(meta_checkpoint("d", {"model_type": "llama"}, {}))
+        >>> mixtral, llama = meta_checkpoint("m", {"model_type": "mixtral"}, {}), meta_checkpoint("d", {"model_type": "llama"}, {})
+        >>> is_moe(mixtral), is_moe(llama)
         (True, False)
     """
     kind = ckpt.model_type

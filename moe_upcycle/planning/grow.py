@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from moe_upcycle.checkpoint import names
-from moe_upcycle.checkpoint.moe_base import MoeBase, dense_family_problem, moe_base
+from moe_upcycle.checkpoint.moe_base import MoeBase, dense_family_problem, is_moe, moe_base
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.dtypes import DTYPES, dtype_name
 from moe_upcycle.errors import PlanError
@@ -75,8 +75,6 @@ class GrowInfo:
 
 def is_grow(base: Checkpoint) -> bool:
     """Whether a build on `base` grows an MoE (the base is one)."""
-    from moe_upcycle.checkpoint.moe_base import is_moe
-
     return is_moe(base)
 
 
@@ -120,6 +118,8 @@ def make_grow_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Pla
         problems.append(f"gate_mode: {config.gate_mode} with added experts: the base's router rows are kept and the "
                         f"new experts' rows come from their prompts on the MoE's router inputs (hidden); leave "
                         f"gate_mode out or write hidden")
+    if config.layout == "fused" and (problem := fused.installed_transformers_problem()):
+        problems.append(problem)
     if problems:
         raise PlanError(*problems)
 
@@ -241,7 +241,8 @@ def _steps(config: UpcycleConfig, base: MoeBase, ckpt: Checkpoint, sources: dict
                 transforms = inits.slot_transforms(init_of[i], proj, j)
                 if expert.residual_scale is not None and proj == "down_proj" and expert.residual_scale != 1.0:
                     transforms.append(("scale", float(expert.residual_scale)))
-                steps.append(Step(base.expert_key(layer, j, proj), tuple(sources[expert.source_model].tensors[key].shape),
+                shape = tuple(sources[expert.source_model].tensors[key].shape)
+                steps.append(Step(base.expert_key(layer, j, proj), shape,
                                   dtype, "expert", (expert.source_model, key), layer, j, tuple(transforms)))
     steps += [copied(k) for k in per_layer.get(None, []) if k != names.EMBED]
     return steps

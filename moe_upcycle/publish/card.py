@@ -179,8 +179,11 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
                   f"{'only the hub models' if bases else 'none'}; add their hub ids before publishing if they are "
                   f"published.\n" if local else "")
     how = "\n".join(grow_card.making_of(plan) if plan.grow else making_of(config))
+    heading = f"{plan.architecture} MoE upcycled from {named.plain(config.base_model)}"
+    router = f"gate mode `{config.gate_mode}`"
     if plan.grow:  # a grown MoE: its experts are the base's and their copies (`grow_card`)
         rows = grow_card.expert_rows(config, plan, named.name, cell)
+        heading, router = grow_card.title(plan, named.plain(config.base_model)), grow_card.router_words(plan)
     recipe = recipe_block(config, plan, named.shown)
     notes = "\n".join(f"- {named.without_paths(n, sources or {})}" for n in build_notes(config, plan))
     notes = f"\n## Notes from the build\n\n{notes}\n" if notes else ""
@@ -192,10 +195,10 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
 {front_text}
 ---
 
-# {grow_card.title(plan, named.plain(config.base_model)) if plan.grow else f"{plan.architecture} MoE upcycled from {named.plain(config.base_model)}"}
+# {heading}
 {note}{local_note}
 Built with moe-upcycle {__version__}: {len(plan.expert_names)} experts,
-{plan.experts_per_token} active per token, {grow_card.router_words(plan) if plan.grow else f"gate mode `{config.gate_mode}`"}, dtype `{dtype_name(plan.dtype)}`.{_layers(plan)}
+{plan.experts_per_token} active per token, {router}, dtype `{dtype_name(plan.dtype)}`.{_layers(plan)}
 
 | parameters | count |
 |---|---|
