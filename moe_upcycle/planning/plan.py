@@ -17,7 +17,7 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, inits, llamacpp, shared_experts, source_checks, sparsity
+from moe_upcycle.planning import arch, compat, fused, glm4, inits, llamacpp, shared_experts, source_checks, sparsity
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import unused_prompts_note
 from moe_upcycle.recipe.resolve import expert_inits, moe_layers
@@ -149,6 +149,9 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
         hidden = bcfg.hidden_size
         steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), hidden), dtype, "router",
                           layer=layer))
+        if layout.router_bias:  # GLM-4-MoE's e_score_correction_bias: zeros, fp32 as transformers keeps it
+            steps.append(Step(names.fill(layout.router_bias, layer=layer), (len(experts),), torch.float32, "zeros",
+                              layer=layer))
         for proj in names.PROJS:
             for e, expert in enumerate(experts):
                 src = sources[expert.source_model]
@@ -191,7 +194,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     cautions = (arch.choice_notes(config, base, layout) + arch.mergekit_choice_notes(config, base, layout)
                 + compat.source_notes(config, sources)
                 + source_checks.expert_setting_notes(config.base_model, used, sources) + dropped
-                + unused_prompts_note(config))
+                + unused_prompts_note(config) + glm4.window_notes(layout, base.config))
     notes += cautions
     if split_inexact:  # a caution (printed by build, warned by upcycle_model), beside the split's notes
         cautions.append(split_inexact)
