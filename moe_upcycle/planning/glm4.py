@@ -48,7 +48,7 @@ def misfits(layout: names.OutputLayout, config: "UpcycleConfig", dense: tuple[in
 
     Example:
         >>> lay = names.OUTPUT_LAYOUTS["glm4_moe"]
-        >>> misfits(lay, None, (0, 1), "{start: 2}"), misfits(lay, None, (1, 3), "[0, 2]")[0][1]
+        >>> misfits(lay, None, (0, 1), "{every: 1, start: 2}"), misfits(lay, None, (1, 3), "[0, 2]")[0][1]
         ([], 'moe_layers')
     """
     out: list[tuple[str, str]] = []
@@ -58,7 +58,8 @@ def misfits(layout: names.OutputLayout, config: "UpcycleConfig", dense: tuple[in
         out.append((f"{layout.label} keeps only its first layers dense (first_k_dense_replace: layers 0..k-1 "
                     f"dense, every later layer MoE), but moe_layers: {chosen_text} keeps layers "
                     f"{', '.join(map(str, dense))} dense; make the MoE layers a suffix (moe_layers: "
-                    f"{{start: N}})", "moe_layers"))
+                    f"{{every: 1, start: N}}, or a list such as [2, 3]); qwen2_moe and qwen3_moe keep any layers dense "
+                    f"(mlp_only_layers)", "moe_layers"))
     if config is not None and config.shared_expert_gate:
         out.append((f"{layout.label}'s shared experts are ungated (always added at full weight), but "
                     f"shared_expert_gate: {config.shared_expert_gate} is set; leave it out (with shared experts, "
