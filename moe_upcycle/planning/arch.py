@@ -134,7 +134,8 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
             raise PlanError(*[f"architecture: {label}: {text}{_suggest(config, base, key, name)}"
                               for text, key in reasons])
         return layout
-    order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output]
+    order = [family.default_output] + [n for n, lay in names.OUTPUT_LAYOUTS.items()
+                                       if n != family.default_output and lay.automatic]
     report = []
     for name in order:
         reasons = misfits(names.OUTPUT_LAYOUTS[name], config, base)
@@ -242,9 +243,11 @@ def _suggest(config: UpcycleConfig, base: Checkpoint, key: str, current: str) ->
     """" → use architecture: X" naming the outputs that fit; else those that at least avoid this problem."""
     problems = {n: misfits(layout, config, base) for n, layout in names.OUTPUT_LAYOUTS.items() if n != current}
     fits = [n for n, reasons in problems.items() if not reasons]
+    named = [n for n in fits if names.OUTPUT_LAYOUTS[n].automatic] or fits  # GLM-4-MoE when nothing else fits
     if fits:
-        return " → use architecture: " + " or ".join(fits)
+        return " → use architecture: " + " or ".join(named)
     partial = [n for n, reasons in problems.items() if key not in {k for _, k in reasons}]
+    partial = [n for n in partial if names.OUTPUT_LAYOUTS[n].automatic] or partial
     if partial:
         return f" (only {' and '.join(partial)} can, and {'it does' if len(partial) == 1 else 'they do'} not fit either)"
     return " → no supported output architecture can hold it"
@@ -272,7 +275,7 @@ def config_fields(plan: "Plan") -> dict:
         fields["norm_topk_prob"] = plan.norm_topk_prob
     if layout.dense_mlp and not layout.leading_dense_only:
         fields.update(sparse_layer_fields(plan.moe_layers, plan.num_layers))
-    fields.update(EXTRA_FIELDS.get(layout.model_type, dict)(plan))
+    fields.update(EXTRA_FIELDS[layout.model_type](plan) if layout.model_type in EXTRA_FIELDS else {})
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})
