@@ -197,3 +197,32 @@ def test_transformers_457_loads_the_same_function(tiny_qwen3, tiny_qwen2, tmp_pa
     for out, base in zip(outs, (tiny_qwen3, tiny_qwen2, tiny_qwen2)):
         assert isinstance(got[str(out)], list), got[str(out)]
         assert_close_rel(torch.tensor(got[str(out)]), torch.tensor(got[str(base)]))
+
+
+PROMPTS = [["Once upon a time"], ["def add(a, b):"], ["import numpy as np"], ["for i in range(10): print(i)"]]
+
+
+def test_prompt_gates_are_a_quarter_as_long_for_the_sigmoid_router(tiny_llama, tmp_path):
+    """Same directions as the softmax router's rows, a quarter of the length: sigmoid(w.x) stays below saturation."""
+    def build(arch, name, **extra):
+        cfg = _cfg(tiny_llama, architecture=arch, gate_mode="cheap_embed", **extra)
+        for e, prompts in zip(cfg["experts"], PROMPTS):
+            e["positive_prompts"] = prompts
+        return upcycle(cfg, tmp_path / name).output
+
+    glm, mixtral = build("glm4_moe", "glm"), build("mixtral", "mixtral")
+    for layer in range(2):
+        rows = tensor(mixtral, f"model.layers.{layer}.block_sparse_moe.gate.weight")
+        assert torch.equal(tensor(glm, f"model.layers.{layer}.mlp.gate.weight"), rows / 4)
+        assert torch.allclose(rows.norm(dim=1), torch.full((4,), 16 / 64 ** 0.5))  # 16/sqrt(H), H = 64
+    # the router logits on real tokens (captured from transformers' own Glm4MoeTopkRouter): sigmoid not saturated
+    from transformers import AutoTokenizer
+
+    model, logits = _load(glm), []
+    model.model.layers[1].mlp.gate.register_forward_hook(lambda m, i, out: logits.append(out[0]))
+    with torch.inference_mode():
+        model(**AutoTokenizer.from_pretrained(str(glm))("Once upon a time. def add(a, b):", return_tensors="pt"))
+    scores = torch.sigmoid(logits[0])
+    assert float(scores.max()) < 0.999 and float(scores.min()) > 0.001, scores
+    explicit = build("glm4_moe", "explicit", gate_scale=2.0)  # a given gate_scale is the row length as given
+    assert torch.allclose(tensor(explicit, "model.layers.0.mlp.gate.weight").norm(dim=1), torch.full((4,), 2.0))

@@ -110,6 +110,7 @@ class OutputLayout:
     shared_size_key: Optional[str] = "shared_expert_intermediate_size"
     # tried without `architecture:` and suggested in errors; False: only when named (or when nothing else fits)
     automatic: bool = True
+    router_scoring: str = "softmax"  # "sigmoid": each expert's score on its own (GLM-4-MoE, `planning.glm4`)
 
     def holds(self, suffix: str) -> bool:
         """Whether a dense per-layer non-MLP tensor (suffix) has a place in this layout."""
@@ -208,6 +209,7 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         leading_dense_only=True,
         shared_size_key=None,
         automatic=False,
+        router_scoring="sigmoid",
         config={"norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                 "partial_rotary_factor": 1.0, "num_nextn_predict_layers": 0},
         dense_mlp={p: DENSE_MLP.replace("{proj}", p) for p in PROJS},  # Glm4MoeMLP below first_k_dense_replace

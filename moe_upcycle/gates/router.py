@@ -28,7 +28,7 @@ import torch
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import ConfigError, reraise_if_out_of_memory
-from moe_upcycle.planning import inits
+from moe_upcycle.planning import glm4, inits
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
 from moe_upcycle.inputs.text import check_token_ids
@@ -63,6 +63,9 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
         ConfigError: prompts missing for a prompt-based mode, or a mode not available.
     """
     gates = _every_layer(params, plan, base, device)
+    if params.source != "mergekit":  # a sigmoid router (GLM-4-MoE) gets shorter default rows: `glm4.sigmoid_rows`
+        gates = glm4.sigmoid_rows(names.output_layout(plan.architecture), gates, params.mode, bool(params.scale),
+                                  PROMPT_MODES + HIDDEN_MODES)
     return {layer: gates[layer] for layer in plan.moe_layers}
 
 

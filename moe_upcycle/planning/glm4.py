@@ -24,6 +24,14 @@ shared half is added at full weight. `exactness_notes` says which case a build i
 Llama) when ``partial_rotary_factor`` is 1; q/k/v carry biases when ``attention_bias`` (Qwen2), o_proj
 never; ``use_qk_norm`` adds Qwen3's per-head RMSNorm (head_dim wide, ``rms_norm_eps``) before rope.
 
+**Prompt and hidden-state routers.** Their rows are computed as for softmax routers (unit directions: the
+expert's prompt centroid), but a sigmoid scores each expert on its own, not against the others, and
+saturates: the default row length (a logit gap of about 4 nats, logits up to ~16 for a token along its
+expert's row) would round sigmoid to 1 for every well-matched expert, tying them. So without ``gate_scale``
+the rows are a quarter as long (`SIGMOID_SHRINK`, a power of two: the same directions, exactly): sigmoid(w.x)
+is then each expert's affinity with x — about sigmoid(4 cos(x, centroid)), between 0.02 and 0.98 — and the
+choice is the top-k of it, the same ranking the softmax router gives (a positive scale keeps the order).
+
 **Dense layers.** ``first_k_dense_replace: k`` makes layers 0..k-1 dense ``Glm4MoeMLP`` (intermediate_size
 wide) and every later layer MoE: `misfits` refuses any other ``moe_layers:`` pattern.
 
@@ -40,6 +48,23 @@ from moe_upcycle.planning.rope import rope_fields
 if TYPE_CHECKING:
     from moe_upcycle.planning.steps import Plan
     from moe_upcycle.recipe.schema import UpcycleConfig
+
+
+SIGMOID_SHRINK = 4.0  # default prompt / hidden-state rows are divided by it for sigmoid routers
+
+
+def sigmoid_rows(layout: names.OutputLayout, gates: dict, mode: str, scale_given: bool, prompt_modes: tuple) -> dict:
+    """Default-length prompt / hidden-state router rows made for a sigmoid router (see the module docstring).
+
+    Example:
+        >>> import torch
+        >>> sigmoid_rows(names.OUTPUT_LAYOUTS["glm4_moe"], {0: torch.ones(2, 2)}, "hidden", False, ("hidden",))[0]
+        tensor([[0.2500, 0.2500],
+                [0.2500, 0.2500]])
+    """
+    if layout.router_scoring != "sigmoid" or scale_given or mode not in prompt_modes:
+        return gates
+    return {layer: rows / SIGMOID_SHRINK for layer, rows in gates.items()}
 
 
 def misfits(layout: names.OutputLayout, config: "UpcycleConfig", dense: tuple[int, ...],
