@@ -512,7 +512,11 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
             (a bug: the plan and the model class disagree).
     """
     params = dict(model.named_parameters())
-    places = {step.name: _place(step.name, params) for step in plan.steps}
+    # planned buffers (GLM-4-MoE's e_score_correction_bias, fp32 zeros) keep their own dtype and stay buffers
+    buffers = {step.name: torch.empty(step.shape, dtype=step.dtype, device=placement.device_for(step.name)
+                                      if placement else "cpu")
+               for step in plan.steps if step.name in dict(model.named_buffers())}
+    places = {step.name: _place(step.name, params) for step in plan.steps if step.name not in buffers}
     # allocated before iterating: `iter_tensors` runs under inference_mode, and tensors made
     # there could never become trainable parameters
     fresh = {target: torch.empty(params[target].shape, dtype=plan.dtype,
@@ -520,6 +524,9 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
              for target, _ in places.values()}
     filled = dict.fromkeys(fresh, 0)
     for step, tensor in tensors:
+        if step.name in buffers:
+            buffers[step.name].copy_(tensor)
+            continue
         target, index = places[step.name]
         view = fresh[target][index] if index is not None else fresh[target]
         view.copy_(tensor)
@@ -527,6 +534,9 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
     for name, data in fresh.items():
         module_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(data))
+    for name, data in buffers.items():
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name).register_buffer(leaf, data)
     if plan.tied_embeddings:
         model.tie_weights()
     unset = [n for n, p in model.named_parameters() if p.device.type == "meta"]

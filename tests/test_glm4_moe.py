@@ -226,3 +226,24 @@ def test_prompt_gates_are_a_quarter_as_long_for_the_sigmoid_router(tiny_llama, t
     assert float(scores.max()) < 0.999 and float(scores.min()) > 0.001, scores
     explicit = build("glm4_moe", "explicit", gate_scale=2.0)  # a given gate_scale is the row length as given
     assert torch.allclose(tensor(explicit, "model.layers.0.mlp.gate.weight").norm(dim=1), torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_qwen2"])
+def test_upcycle_model_in_memory(fixture, request, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from moe_upcycle import upcycle_model
+
+    dense = AutoModelForCausalLM.from_pretrained(str(request.getfixturevalue(fixture)), dtype=torch.float32).eval()
+    moe = upcycle_model(dense, num_experts=4, experts_per_token=2, architecture="glm4_moe").eval()
+    assert type(moe).__name__ == "Glm4MoeForCausalLM"
+    assert [type(layer.mlp).__name__ for layer in moe.model.layers] == ["Glm4MoeMoE", "Glm4MoeMoE"]
+    gate = moe.model.layers[1].mlp.gate
+    assert "e_score_correction_bias" in dict(gate.named_buffers())  # still a buffer, fp32 zeros
+    assert gate.e_score_correction_bias.dtype == torch.float32 and not gate.e_score_correction_bias.any()
+    ids = torch.tensor([[1, 17, 40, 99, 5, 250, 3, 77]])
+    with torch.inference_mode():
+        assert_close_rel(moe(ids).logits, dense(ids).logits)
+    moe.save_pretrained(str(tmp_path / "saved"))  # what training publishes loads back with every tensor
+    with torch.inference_mode():
+        assert_close_rel(_load(tmp_path / "saved")(ids).logits, dense(ids).logits)
