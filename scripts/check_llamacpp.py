@@ -13,8 +13,8 @@ a verdict that does not match llama.cpp.
 
 llama.cpp comes from ``scripts/build_llamacpp.sh`` (the pinned llama-cpp-python sdist, built outside
 the repo); this script imports its converter, gguf-py and ctypes bindings from there. Nothing from it
-is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); its 65 cases (93 rows with
-the dense models) take ~13 min::
+is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); its 75 cases (103 rows with
+the dense models) take ~13 min, plus ~20 min for the 10 glm4_moe ones (``--only glm4``: 1157 s on 2 shared cores)::
 
     scripts/build_llamacpp.sh /tmp/llamacpp
     python scripts/check_llamacpp.py --llamacpp /tmp/llamacpp [--only qwen2] [--json out.json]

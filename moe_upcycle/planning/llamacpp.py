@@ -37,6 +37,13 @@ measures them (convert with ``convert_hf_to_gguf.py``, compare logits with trans
   ``mlp_only_layers`` / ``decoder_sparse_step``. Such a folder does not convert; converted with dense names
   forced into the converter's table, the GGUF does not load ("tensor 'blk.0.ffn_gate_inp.weight' not found").
 
+- ``glm4moe`` (``conversion/glm.py``, ``src/models/glm4-moe.cpp``): sigmoid gating with ``exp_probs_b`` (the
+  correction bias) for the choice, ``expert_weights_norm`` / ``expert_weights_scale`` from ``norm_topk_prob`` /
+  ``routed_scaling_factor``, a leading dense block (``first_k_dense_replace``), q/k/v biases and q/k norms, and
+  shared-expert tensors only when ``n_shared_experts`` > 0 (0-wide ones make "wrong number of tensors"). Its
+  converter's vocabulary step looks up GLM's special tokens (``[gMASK]`` ...), a KeyError for any other
+  tokenizer: `verdict` says "will not load", and what the weights do once the vocabulary is written otherwise.
+
 So we write (a) a shared expert at least 1 wide, zeros when there is none (adds exactly 0 in both
 runtimes), (b) the "constant" shared gate as tiny equal entries `half_gate_value` instead of zeros:
 sigmoid(z) = 1/2 to fp32 rounding for any realistic x and z != 0, so llama.cpp's silu(z)/z is 1/2
