@@ -115,6 +115,10 @@ def test_moe_layers_suffix_is_first_k_dense_replace(models, tmp_path):
     assert torch.equal(tensor(out, "model.layers.1.mlp.up_proj.weight"),
                        dense_tensor(base, "model.layers.1.mlp.up_proj.weight"))
     assert_close_rel(model_logits(out), model_logits(base))
+    from moe_upcycle.check.verify import verify
+
+    report = verify(out, base, max_new_tokens=1)  # the layers transformers built as MoE blocks, against the recipe
+    assert report.ok and report.moe_layers == [2, 3] and report.loaded_class == "Glm4MoeForCausalLM", report.problems
 
 
 @pytest.mark.parametrize("layers", [[0, 2], {"every": 2}, [1, 2]])
