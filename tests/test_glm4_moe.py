@@ -161,6 +161,13 @@ def test_every_expert_init_builds_and_loads(tiny_qwen2, init, size, experts, tmp
     assert torch.isfinite(model_logits(out)).all()
 
 
+@pytest.mark.parametrize("spelling", ["glm4_moe", "GLM4 MoE", "glm4moe", "GLM-4-MoE"])
+def test_spellings_of_the_architecture(spelling):
+    from moe_upcycle.recipe.mergekit_names import architecture_name
+
+    assert architecture_name(spelling) == "glm4_moe"
+
+
 def test_shared_expert_gate_is_refused(tiny_llama, tmp_path):
     cfg = _cfg(tiny_llama, shared_experts=[{"source_model": str(tiny_llama)}], shared_expert_gate="constant")
     with pytest.raises(PlanError, match=r"GLM-4-MoE's shared experts are ungated .* shared_expert_gate: constant"):
