@@ -66,11 +66,22 @@ def test_copies_reproduce_the_dense_logits_with_glm4_modules_and_config(fixture,
     assert_close_rel(model_logits(out), model_logits(base))
 
 
-def test_bf16_output_matches_the_bf16_dense_model(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("split", [False, True])
+def test_bf16_output_matches_the_bf16_dense_model(tiny_qwen3, split, tmp_path):
+    """In bf16 too: halving (the shared split) is exact in every dtype, so only the runtime's rounding differs."""
     from transformers import AutoModelForCausalLM
 
-    out = upcycle(_cfg(tiny_qwen3, dtype="bfloat16"), tmp_path / "moe").output
+    cfg = _cfg(tiny_qwen3, dtype="bfloat16")
+    if split:
+        cfg["shared_experts"] = [{"source_model": str(tiny_qwen3), "residual_scale": 0.5}]
+        for e in cfg["experts"]:
+            e["residual_scale"] = 0.5
+    out = upcycle(cfg, tmp_path / "moe").output
     assert tensor(out, "model.layers.0.mlp.experts.3.up_proj.weight").dtype == torch.bfloat16
+    if split:
+        down = dense_tensor(tiny_qwen3, "model.layers.0.mlp.down_proj.weight").to(torch.bfloat16)
+        for key in ("experts.1.down_proj", "shared_experts.down_proj"):
+            assert torch.equal(tensor(out, f"model.layers.0.mlp.{key}.weight"), down * 0.5)
     assert tensor(out, "model.layers.0.mlp.gate.e_score_correction_bias").dtype == torch.float32
     ids = torch.tensor([[1, 17, 40, 99, 5, 250, 3, 77]])
     dense = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.bfloat16).eval()
