@@ -269,3 +269,18 @@ def test_upcycle_model_in_memory(fixture, request, tmp_path):
     moe.save_pretrained(str(tmp_path / "saved"))  # what training publishes loads back with every tensor
     with torch.inference_mode():
         assert_close_rel(_load(tmp_path / "saved")(ids).logits, dense(ids).logits)
+
+
+def test_plan_prints_the_runtime_table_with_the_token_names(tiny_qwen2, write_yaml):
+    """Through the CLI: the llama.cpp reason names [gMASK] (rich markup escaped, not swallowed as a tag)."""
+    from typer.testing import CliRunner
+
+    from moe_upcycle.cli import app
+
+    split = _cfg(tiny_qwen2, shared_experts=[{"source_model": str(tiny_qwen2), "residual_scale": 0.5}])
+    for e in split["experts"]:
+        e["residual_scale"] = 0.5
+    result = CliRunner().invoke(app, ["plan", str(write_yaml(split))], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("│ llama.cpp"))  # the table's row
+    assert "will not load" in row and "special tokens [gMASK], <|user|>" in row
