@@ -13,8 +13,8 @@ a verdict that does not match llama.cpp.
 
 llama.cpp comes from ``scripts/build_llamacpp.sh`` (the pinned llama-cpp-python sdist, built outside
 the repo); this script imports its converter, gguf-py and ctypes bindings from there. Nothing from it
-is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); its 65 cases (93 rows with
-the dense models) take ~13 min::
+is installed. Not part of pytest: it needs that build (5.5 min on 2 shared cores); its 75 cases (103 rows with
+the dense models) take ~13 min, plus ~20 min for the 10 glm4_moe ones (``--only glm4``: 1157 s on 2 shared cores)::
 
     scripts/build_llamacpp.sh /tmp/llamacpp
     python scripts/check_llamacpp.py --llamacpp /tmp/llamacpp [--only qwen2] [--json out.json]
@@ -83,6 +83,12 @@ for arch in (gguf.MODEL_ARCH.QWEN2MOE, gguf.MODEL_ARCH.QWEN3MOE):
     gguf.MODEL_TENSORS[arch] += [gguf.MODEL_TENSOR.FFN_GATE, gguf.MODEL_TENSOR.FFN_UP, gguf.MODEL_TENSOR.FFN_DOWN]
 """
 
+# the converter's GLM-4-MoE vocabulary step looks up GLM's own special tokens ([gMASK], <|user|>, ...), which a
+# Llama / Qwen tokenizer lacks: write the vocabulary by its plain gpt2 path instead, to measure the weights
+GLM_VOCAB = """
+import conversion.glm as glm
+glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
+"""
 
 @dataclass
 class Case:
@@ -97,6 +103,7 @@ class Case:
     outtype: str = "f32"  # convert_hf_to_gguf --outtype
     experts_from: tuple = ()  # per expert: (dense model name, extra fields); default: copies of `base`
     dense_names: bool = False  # convert with `DENSE_NAMES` patched in
+    glm_vocab: bool = False  # convert with `GLM_VOCAB` patched in
     result: dict = field(default_factory=dict)
 
 
@@ -259,6 +266,28 @@ def cases() -> list[Case]:
         Case("qwen3_5->qwen3_5_moe bf16 shared split (bf16 gguf)", "qwen3_5", {"architecture": "qwen3_5_moe",
              "shared_expert_gate": "constant", "dtype": "bfloat16"}, routed_scale=0.5, shared=1, outtype="bf16"),
     ]
+    # GLM-4-MoE (DeepSeek-V3 router: sigmoid scores, correction bias, routed_scaling_factor; ungated shared MLP)
+    glm_vocab = ("convert_hf_to_gguf.py's Glm4MoeModel looks up GLM's special tokens ([gMASK], <|user|>, ...) in "
+                 "the tokenizer: a Llama / Qwen one has none (KeyError)")
+    split = dict(routed_scale=0.5, shared=1)
+    out += [
+        Case("llama->glm4_moe shared split (stock converter)", "llama", {"architecture": "glm4_moe"}, **split,
+             expect="fails", why=glm_vocab),
+        Case("llama->glm4_moe shared split, k=2", "llama", {"architecture": "glm4_moe"}, **split, glm_vocab=True),
+        Case("mistral->glm4_moe shared split, k=2", "mistral", {"architecture": "glm4_moe"}, **split, glm_vocab=True),
+        Case("qwen2->glm4_moe shared split, k=2", "qwen2", {"architecture": "glm4_moe"}, **split, glm_vocab=True),
+        Case("qwen3->glm4_moe shared split, k=2", "qwen3", {"architecture": "glm4_moe"}, **split, glm_vocab=True),
+        Case("qwen3->glm4_moe 2 shared, norm_topk_prob false", "qwen3", {"architecture": "glm4_moe",
+             "norm_topk_prob": False}, routed_scale=0.5, shared=2, glm_vocab=True),
+        Case("llama 4L->glm4_moe first 2 layers dense", "llama_4l", {"architecture": "glm4_moe",
+             "moe_layers": {"every": 1, "start": 2}}, **split, glm_vocab=True),
+        Case("llama->glm4_moe split 2 + shared", "llama", {"architecture": "glm4_moe",
+             "expert_init": {"method": "split", "granularity": 2}}, **split, glm_vocab=True),
+        Case("qwen3->glm4_moe bf16 shared split (bf16 gguf)", "qwen3", {"architecture": "glm4_moe",
+             "dtype": "bfloat16"}, **split, glm_vocab=True, outtype="bf16"),
+        Case("llama->glm4_moe no shared (0-wide shared MLP)", "llama", {"architecture": "glm4_moe"},
+             glm_vocab=True, expect="fails", why="n_shared_experts 0: the 0-wide shared-MLP tensors"),
+    ]
     return out
 
 
@@ -363,13 +392,15 @@ class LlamaCpp:
         ll.llama_log_set(self._log_cb, ctypes.c_void_p())
         ll.llama_backend_init()
 
-    def convert(self, model: Path, out: Path, outtype: str = "f32", dense_names: bool = False) -> None:
+    def convert(self, model: Path, out: Path, outtype: str = "f32", dense_names: bool = False,
+                glm_vocab: bool = False) -> None:
         # Qwen3.5's converter counts on multi-token-prediction layers (mtp.*), which no upcycled model has
         flags = ["--no-mtp"] if json.loads((model / "config.json").read_text())["model_type"].startswith("qwen3_5") \
             else []
+        extra = (DENSE_NAMES if dense_names else "") + (GLM_VOCAB if glm_vocab else "")
         code = CONVERT.format(src=str(self.src), gguf=str(self.src / "gguf-py"), pydeps=str(self.pydeps),
                               model=str(model), out=str(out), outtype=outtype, flags=flags,
-                              script=str(self.src / "convert_hf_to_gguf.py"), extra=DENSE_NAMES if dense_names else "")
+                              script=str(self.src / "convert_hf_to_gguf.py"), extra=extra)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError("convert_hf_to_gguf failed: " + proc.stderr.strip().splitlines()[-1])
@@ -441,6 +472,10 @@ def upcycle(case: Case, dense: dict[str, Path], out: Path) -> tuple[str, str]:
 
     plan = plan_only(str(config), dry_run=True).plan
     found = next(v for v in compatibility(plan) if v.runtime == "llama.cpp")
+    if case.glm_vocab and "[gMASK]" in found.why:  # the vocabulary step patched: the weights' own verdict
+        from moe_upcycle.planning.llamacpp import verdict
+
+        return verdict(plan, vocab=False)
     return found.status, found.why
 
 
@@ -504,7 +539,7 @@ def main() -> int:
                 planned = upcycle(case, dense, out)
                 case.result["plan"], case.result["plan_why"] = planned
             gguf = work / f"{slug}.gguf"
-            lcpp.convert(out, gguf, case.outtype, case.dense_names)
+            lcpp.convert(out, gguf, case.outtype, case.dense_names, case.glm_vocab)
             diff = rel_diff(hf_logits(out, ids), lcpp.logits(gguf, ids))
             tol = TOLERANCE_16.get(case.outtype, TOLERANCE)
             verdict = ("equal" if diff <= tol else "NaN" if np.isnan(diff) else "differs")

@@ -126,8 +126,9 @@ def test_unsupported_architecture_lists_supported():
                    meta("llama"))
     assert got == ["architecture: deepseek: mergekit-moe writes DeepSeek-MoE (v1) checkpoints, which transformers can "
                    "only load with trust_remote_code and code from deepseek-ai/deepseek-moe-16b-base; moe-upcycle "
-                   "writes only architectures transformers ships (mixtral, qwen2_moe, qwen3_moe, qwen3_5_moe_text) → use architecture: "
-                   "mixtral (or leave architecture: out), which transformers loads natively"]
+                   "writes only architectures transformers ships (mixtral, qwen2_moe, qwen3_moe, qwen3_5_moe_text, "
+                   "granitemoeshared, glm4_moe) → use architecture: mixtral (or leave architecture: out), which "
+                   "transformers loads natively"]
 
 
 # ---- unsupported families

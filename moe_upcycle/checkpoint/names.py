@@ -112,9 +112,21 @@ class OutputLayout:
     # written with the ordinary safetensors "pt" format, not the transformers-5-only fused layout's
     native_fused: bool = False
 
+    # GLM-4-MoE (`planning.glm4`): tensors held when the base has them (q/k norms, its config switch use_qk_norm),
+    # the router's (E,) score-correction bias (zeros), dense layers only as a prefix (first_k_dense_replace),
+    # and the config.json field for the shared expert's size (None: n_shared_experts x moe_intermediate_size)
+    optional_tensors: tuple[str, ...] = ()
+    router_bias: Optional[str] = None
+    leading_dense_only: bool = False
+    shared_size_key: Optional[str] = "shared_expert_intermediate_size"
+    # tried without `architecture:` and suggested in errors; False: only when named (or when nothing else fits)
+    automatic: bool = True
+    router_scoring: str = "softmax"  # "sigmoid": each expert's score on its own (GLM-4-MoE, `planning.glm4`)
+
+
     def holds(self, suffix: str) -> bool:
         """Whether a dense per-layer non-MLP tensor (suffix) has a place in this layout."""
-        return (suffix in self.layer_tensors or suffix in self.bias_tensors
+        return (suffix in self.layer_tensors or suffix in self.bias_tensors or suffix in self.optional_tensors
                 or any(suffix in kind for kind in self.layer_kinds.values()))
 
 
@@ -246,6 +258,29 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         input_families=("granite",),
         fused_only=True,
         native_fused=True,
+    ),
+    # DeepSeek-V3's router (sigmoid scores, e_score_correction_bias, group-limited top-k, routed_scaling_factor) and
+    # one ungated shared-experts MLP; attention as the base's with partial_rotary_factor 1 (`planning.glm4`)
+    "glm4_moe": OutputLayout(
+        model_type="glm4_moe",
+        class_name="Glm4MoeForCausalLM",
+        label="GLM-4-MoE",
+        router="model.layers.{layer}.mlp.gate.weight",
+        expert={p: "model.layers.{layer}.mlp.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER,
+        bias_tensors=QKV_BIAS,  # no o_proj bias in Glm4MoeAttention
+        bias_config_key="attention_bias",
+        optional_tensors=QK_NORM,
+        shared_expert={p: "model.layers.{layer}.mlp.shared_experts." + p + ".weight" for p in PROJS},
+        experts_key="n_routed_experts",
+        router_bias="model.layers.{layer}.mlp.gate.e_score_correction_bias",
+        leading_dense_only=True,
+        shared_size_key=None,
+        automatic=False,
+        router_scoring="sigmoid",
+        config={"norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                "partial_rotary_factor": 1.0, "num_nextn_predict_layers": 0},
+        dense_mlp={p: DENSE_MLP.replace("{proj}", p) for p in PROJS},  # Glm4MoeMLP below first_k_dense_replace
     ),
 }
 

@@ -129,6 +129,9 @@ def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ModelSource, g
     sharded = any(_is_dtensor(p) for p in params.values())
     together = all_or_none if sharded else _alone  # an unsharded model is this process's own: no collective
     steps = [s for s in plan.steps if not table.is_alias(s.name)]  # a tied head's step: the embedding's values
+    buffers = dict(model.named_buffers())
+    _fill_buffers(model, plan, [s for s in steps if s.name in buffers], source, gates, seed)
+    steps = [s for s in steps if s.name not in buffers]
     places = {step.name: table.from_hf(step.name) for step in steps}
     locals_ = {name: _local(p) for name, p in params.items()}
     boxes = {name: local_box(p) for name, p in params.items()}
@@ -169,6 +172,19 @@ def fill_local_shards(model: torch.nn.Module, plan: Plan, source: ModelSource, g
         if wrong:
             raise RuntimeError(f"upcycle set these local shards partly or twice (elements written, held): "
                                f"{wrong}; this is a bug: the plan and {type(model).__name__} disagree")
+
+
+def _fill_buffers(model: torch.nn.Module, plan: Plan, steps: list[Step], source: ModelSource,
+                  gates: dict[int, torch.Tensor], seed: int) -> None:
+    """Planned buffers (GLM-4-MoE's fp32 ``e_score_correction_bias``): every rank holds them whole, as FSDP
+    shards parameters only; they keep their own dtype."""
+    if not steps:
+        return
+    buffers = dict(model.named_buffers())
+    sub = dataclasses.replace(plan, steps=tuple(steps))
+    for step, tensor in iter_tensors(sub, {source.ref: source}, gates, "share", seed):
+        with torch.no_grad():
+            buffers[step.name].copy_(tensor)
 
 
 @contextmanager

@@ -30,7 +30,7 @@ import torch
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import ConfigError, reraise_if_out_of_memory
-from moe_upcycle.planning import inits
+from moe_upcycle.planning import glm4, inits
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
 from moe_upcycle.inputs.text import check_token_ids
@@ -84,7 +84,7 @@ def compute_gate_rows(params: GateParams, plan: Plan, base: Checkpoint,
         if shared or not wants_shared:
             return GateRows(routers, shared)
         return GateRows(routers, _shared_embedding_gates(params, plan, base))
-    routers = _routers(params, plan, base, device)
+    routers = _native_routers(params, plan, base, device)
     return GateRows(routers, _shared_embedding_gates(params, plan, base) if wants_shared else {})
 
 
@@ -101,7 +101,15 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
         from moe_upcycle.gates.mergekit_gates import compute_mergekit_gates
 
         return compute_mergekit_gates(params, plan, base)[0]
-    return _routers(params, plan, base, device)
+    return _native_routers(params, plan, base, device)
+
+
+def _native_routers(params: GateParams, plan: Plan, base: Checkpoint,
+                    device: Optional[torch.device]) -> dict[int, torch.Tensor]:
+    """`_routers`, with a sigmoid router's (GLM-4-MoE's) shorter default rows (`glm4.sigmoid_rows`)."""
+    gates = _routers(params, plan, base, device)
+    return glm4.sigmoid_rows(names.output_layout(plan.architecture), gates, params.mode, bool(params.scale),
+                             PROMPT_MODES + HIDDEN_MODES)
 
 
 def _routers(params: GateParams, plan: Plan, base: Checkpoint,

@@ -17,13 +17,15 @@ from __future__ import annotations
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import hybrid, windows
+from moe_upcycle.planning import glm4, hybrid, windows
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import UpcycleConfig
 
 # mergekit-moe's names for outputs, mapped onto ours
 ALIASES = {"qwen": "qwen2_moe", "qwen3_5_moe": "qwen3_5_moe_text"}  # and Qwen3.5-MoE's text model_type
+# config.json fields an output derives from the plan beyond `config_fields`' own (dense prefix, shared count)
+EXTRA_FIELDS = {"glm4_moe": glm4.config_fields}
 
 
 def layer_suffixes(model: Checkpoint) -> list[str]:
@@ -83,6 +85,7 @@ def misfits(layout: names.OutputLayout, config: UpcycleConfig, base: Checkpoint)
     if dense and not layout.dense_mlp:
         out.append((f"{layout.label} makes every layer an MoE layer (it has no dense-MLP layers), but moe_layers: "
                     f"{chosen.text()} keeps {len(dense)} of the {depth} layers dense ({_listed(dense)})", "moe_layers"))
+    out += glm4.misfits(layout, config, tuple(dense), chosen.text())
     if config.norm_topk_prob is False and "norm_topk_prob" not in layout.config:
         out.append((f"{layout.label} always renormalises the top-k router weights (it has no norm_topk_prob), but "
                     f"norm_topk_prob: false is set", "norm_topk_prob"))
@@ -133,8 +136,9 @@ def choose_layout(config: UpcycleConfig, base: Checkpoint) -> names.OutputLayout
             raise PlanError(*[f"architecture: {label}: {text}{_suggest(config, base, key, name)}"
                               for text, key in reasons])
         return layout
-    order = [family.default_output] + [n for n in names.OUTPUT_LAYOUTS if n != family.default_output
-                                       and not hybrid.family_misfit(names.OUTPUT_LAYOUTS[n], base.model_type)]
+    order = [family.default_output] + [n for n, lay in names.OUTPUT_LAYOUTS.items()
+                                       if n != family.default_output and lay.automatic
+                                       and not hybrid.family_misfit(lay, base.model_type)]
     report = []
     for name in order:
         reasons = misfits(names.OUTPUT_LAYOUTS[name], config, base)
@@ -243,9 +247,11 @@ def _suggest(config: UpcycleConfig, base: Checkpoint, key: str, current: str) ->
     problems = {n: misfits(layout, config, base) for n, layout in names.OUTPUT_LAYOUTS.items()
                 if n != current and not hybrid.family_misfit(layout, base.model_type)}  # Qwen3.5-MoE: its bases only
     fits = [n for n, reasons in problems.items() if not reasons]
+    named = [n for n in fits if names.OUTPUT_LAYOUTS[n].automatic] or fits  # GLM-4-MoE when nothing else fits
     if fits:
-        return " → use architecture: " + " or ".join(fits)
+        return " → use architecture: " + " or ".join(named)
     partial = [n for n, reasons in problems.items() if key not in {k for _, k in reasons}]
+    partial = [n for n in partial if names.OUTPUT_LAYOUTS[n].automatic] or partial
     if partial:
         return f" (only {' and '.join(partial)} can, and {'it does' if len(partial) == 1 else 'they do'} not fit either)"
     return " → no supported output architecture can hold it"
@@ -265,14 +271,15 @@ def config_fields(plan: "Plan") -> dict:
     fields = dict(layout.config)
     fields[layout.experts_key] = len(plan.expert_names)
     fields[layout.expert_size_key] = gate0.shape[0] if gate0 else base.intermediate_size
-    if layout.shared_expert:
+    if layout.shared_expert and layout.shared_size_key:
         top = {s.name: s for s in plan.steps}  # several shared experts are one step made of parts
         shared = top.get(names.fill(layout.shared_expert["gate_proj"], layer=first_moe))
-        fields["shared_expert_intermediate_size"] = shared.shape[0] if shared else 0
+        fields[layout.shared_size_key] = shared.shape[0] if shared else 0
     if "norm_topk_prob" in layout.config:
         fields["norm_topk_prob"] = plan.norm_topk_prob
-    if layout.dense_mlp:
+    if layout.dense_mlp and not layout.leading_dense_only:
         fields.update(sparse_layer_fields(plan.moe_layers, plan.num_layers))
+    fields.update(EXTRA_FIELDS[layout.model_type](plan) if layout.model_type in EXTRA_FIELDS else {})
     if layout.bias_config_key:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})

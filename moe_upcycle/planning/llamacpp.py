@@ -40,6 +40,13 @@ measures them (convert with ``convert_hf_to_gguf.py``, compare logits with trans
   ``mlp_only_layers`` / ``decoder_sparse_step``. Such a folder does not convert; converted with dense names
   forced into the converter's table, the GGUF does not load ("tensor 'blk.0.ffn_gate_inp.weight' not found").
 
+- ``glm4moe`` (``conversion/glm.py``, ``src/models/glm4-moe.cpp``): sigmoid gating with ``exp_probs_b`` (the
+  correction bias) for the choice, ``expert_weights_norm`` / ``expert_weights_scale`` from ``norm_topk_prob`` /
+  ``routed_scaling_factor``, a leading dense block (``first_k_dense_replace``), q/k/v biases and q/k norms, and
+  shared-expert tensors only when ``n_shared_experts`` > 0 (0-wide ones make "wrong number of tensors"). Its
+  converter's vocabulary step looks up GLM's special tokens (``[gMASK]`` ...), a KeyError for any other
+  tokenizer: `verdict` says "will not load", and what the weights do once the vocabulary is written otherwise.
+
 So we write (a) a shared expert at least 1 wide, zeros when there is none (adds exactly 0 in both
 runtimes), (b) the "constant" shared gate as tiny equal entries `half_gate_value` instead of zeros:
 sigmoid(z) = 1/2 to fp32 rounding for any realistic x and z != 0, so llama.cpp's silu(z)/z is 1/2
@@ -78,6 +85,13 @@ class LlamaCppArch:
     llama3_rope: bool = False  # the converter writes rope_freqs for rope_type llama3 (only its llama does)
     converts_fused: bool = True  # the converter splits transformers-5 fused experts (gate_up_proj, down_proj)
     convert_flags: str = ""  # what convert_hf_to_gguf.py must be told for our output
+    # GLM-4-MoE (`glm4`): routing as the GGUF says (expert_weights_norm / _scale from norm_topk_prob and
+    # routed_scaling_factor, sigmoid gating, exp_probs_b), a leading dense block (first_k_dense_replace), and a
+    # converter whose vocabulary step needs the model's tokenizer to hold these special tokens
+    reads_norm_topk_prob: bool = False
+    loads_leading_dense: bool = False
+    gating: str = "softmax over all experts, then top-k"
+    vocab_tokens: tuple[str, ...] = ()
 
 
 LLAMACPP: dict[str, LlamaCppArch] = {
@@ -92,6 +106,12 @@ LLAMACPP: dict[str, LlamaCppArch] = {
     # src/models/granite.cpp (LLM_ARCH_GRANITE_MOE): softmax, top-k, norm_w = true; the converter's GraniteMoeModel
     # splits input_linear and writes the multipliers as attention / embedding / residual / logit scales
     "granitemoeshared": LlamaCppArch("granitemoe", renormalises_top_k=True),
+    # conversion/glm.py's Glm4MoeModel and src/models/glm4-moe.cpp
+    "glm4_moe": LlamaCppArch("glm4moe", renormalises_top_k=True, converts_fused=False, reads_norm_topk_prob=True,
+                             loads_leading_dense=True,
+                             gating="sigmoid scores (+ e_score_correction_bias for the choice), top-k, weights from "
+                                    "the sigmoid scores times routed_scaling_factor",
+                             vocab_tokens=("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>")),
 }
 GATING = "softmax over all experts, then top-k"
 
@@ -117,14 +137,21 @@ def half_gate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, half_gate_value(dtype), dtype=dtype)
 
 
-def verdict(plan: "Plan") -> tuple[str, str]:
+def verdict(plan: "Plan", vocab: bool = True) -> tuple[str, str]:
     """How the planned output runs in llama.cpp: ("exact" | "runs, not exact" | "will not load", why).
 
     "exact" means llama.cpp computes what transformers computes (logits equal to fp32 rounding);
-    whether that is the dense model's function is the plan's other notes' business.
+    whether that is the dense model's function is the plan's other notes' business. `vocab`: False judges the
+    weights alone, as if the converter's vocabulary step had passed (`scripts/check_llamacpp.py` measures both).
     """
     arch = LLAMACPP[plan.architecture]
-    if plan.dense_layers:
+    if vocab and arch.vocab_tokens:
+        return ("will not load", f"convert_hf_to_gguf.py's {plan.architecture} converter (Glm4MoeModel._set_vocab_glm) "
+                                 f"looks up GLM's special tokens {', '.join(arch.vocab_tokens)} in the tokenizer, which "
+                                 f"a {plan.base_config.model_type} tokenizer lacks (KeyError '[gMASK]'); with the "
+                                 f"vocabulary written by the converter's gpt2 path instead, llama.cpp "
+                                 f"{verdict(plan, vocab=False)[0]}")
+    if plan.dense_layers and not (arch.loads_leading_dense and plan.dense_layers == tuple(range(len(plan.dense_layers)))):
         first = plan.dense_layers[0]
         return ("will not load", f"dense layers between MoE layers (moe_layers): convert_hf_to_gguf.py's {arch.name} "
                                  f"has no GGUF name for a dense MLP (\"Can not map tensor "
@@ -160,14 +187,17 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                                    f"(rope_freqs) for llama only, so llama.cpp's {arch.name} rotates with unscaled "
                                    f"frequencies; use architecture: mixtral")
     experts = len(plan.expert_names)
-    if not arch.renormalises_top_k and plan.norm_topk_prob and plan.experts_per_token < experts:
+    if arch.reads_norm_topk_prob:
+        pass  # the GGUF carries norm_topk_prob (expert_weights_norm): llama.cpp does what transformers does
+    elif not arch.renormalises_top_k and plan.norm_topk_prob and plan.experts_per_token < experts:
         return ("runs, not exact",
                 f"llama.cpp's {arch.name} never renormalises the top-{plan.experts_per_token} router weights "
                 f"(it ignores norm_topk_prob: true), so each MoE layer's routed output is scaled by the top-"
                 f"{plan.experts_per_token} softmax mass (< 1, per token) there; exact only with "
                 f"experts_per_token: {experts} (all experts active), norm_topk_prob: false (transformers then "
                 f"computes what llama.cpp does) or architecture: qwen3_moe / mixtral")
-    if arch.renormalises_top_k and not plan.norm_topk_prob and plan.experts_per_token < experts:
+    if arch.renormalises_top_k and not plan.norm_topk_prob and plan.experts_per_token < experts \
+            and not arch.reads_norm_topk_prob:
         return ("runs, not exact",
                 f"llama.cpp's {arch.name} always renormalises the top-{plan.experts_per_token} router weights, and "
                 f"this config says norm_topk_prob: false (transformers does not); exact with norm_topk_prob: true "
@@ -186,10 +216,11 @@ def verdict(plan: "Plan") -> tuple[str, str]:
                                    f"2 and 3); these experts differ, so the outputs do; exact with "
                                    f"experts_per_token: {experts}")
     how = ("renormalised as in transformers" if arch.renormalises_top_k and plan.norm_topk_prob else
+           "not renormalised, as norm_topk_prob: false says" if arch.reads_norm_topk_prob else
            "not renormalised, as in transformers with norm_topk_prob: false" if not arch.renormalises_top_k
            and not plan.norm_topk_prob else "all experts active, so the weights already sum to 1")
     flags = f"; convert with {arch.convert_flags}" if arch.convert_flags else ""
-    return ("exact", f"{GATING}, {how}{flags}")
+    return ("exact", f"{arch.gating}, {how}{flags}")
 
 
 def plan_note(plan: "Plan") -> str:

@@ -18,7 +18,8 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, grow, hybrid, inits, llamacpp, shared_experts, source_checks, sparsity
+from moe_upcycle.planning import (arch, compat, fused, glm4, grow, hybrid, inits, llamacpp, shared_experts, source_checks,
+                                  sparsity)
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import MoeLayers, unused_prompts_note
 from moe_upcycle.recipe.resolved import resolved
@@ -233,6 +234,9 @@ def _plan_mlp(draft: _Draft, layer: int) -> None:
     experts, layout = draft.experts, draft.layout
     draft.steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), draft.base.fields.hidden_size),
                             draft.dtype, "router", layer=layer))
+    if layout.router_bias:  # GLM-4-MoE's e_score_correction_bias: zeros, fp32 as transformers keeps it
+        draft.steps.append(Step(names.fill(layout.router_bias, layer=layer), (len(experts),), torch.float32, "zeros",
+                                layer=layer))
     for proj in names.PROJS:
         for e, expert in enumerate(experts):
             src = draft.sources[expert.source_model]
@@ -298,7 +302,7 @@ def _gather_notes(draft: _Draft, used: list[tuple[str, str]]) -> None:
     draft.cautions = (arch.choice_notes(config, base, layout) + arch.mergekit_choice_notes(config, base, layout)
                       + compat.source_notes(config, sources)
                       + source_checks.expert_setting_notes(config.base_model, used, sources) + dropped
-                      + unused_prompts_note(config))
+                      + unused_prompts_note(config) + glm4.window_notes(layout, base.config))
     draft.notes += draft.cautions
     if split_inexact:  # a caution (printed by build, warned by upcycle_model), beside the split's notes
         draft.cautions.append(split_inexact)

@@ -267,7 +267,7 @@ def print_summary(summary: PlanSummary, console: Console) -> None:
         for col in ("runtime", "verdict", "why", "basis"):
             rt.add_column(col, overflow="fold")
         for v in s.runtimes:
-            rt.add_row(v.runtime, v.status, v.why, v.basis)
+            rt.add_row(v.runtime, v.status, escape(v.why), v.basis)  # "[gMASK]" is text, not markup
         console.print(rt)
     if s.disk_free_bytes is None:
         console.print("Disk: no output folder given, free space not checked.", highlight=False)

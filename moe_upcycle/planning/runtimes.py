@@ -29,8 +29,11 @@ rules per runtime are plain functions in `RULES`; what they encode:
   qwen2_moe with experts_per_token < num_experts runs but is not exact; its qwen3moe refuses an
   o_proj bias; it has no sliding window; head_dim, llama3 rope and the fused layout per architecture), each
   case measured by ``scripts/check_llamacpp.py``.
+- GLM-4-MoE (`glm4`): transformers 5 and 4.57 (measured); vLLM's ``models/glm4_moe.py`` (sigmoid grouped
+  top-k with the correction bias, ``renormalize=norm_topk_prob``, ``routed_scaling_factor``,
+  ``first_k_dense_replace``); llama.cpp as `llamacpp` says (its converter wants GLM's tokenizer).
 - ExLlamaV2: MixtralForCausalLM and Qwen3MoeForCausalLM (always renormalises top-k); no
-  Qwen2MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only. MoE is
+  Qwen2MoeForCausalLM or Glm4MoeForCausalLM (it falls back to Llama and finds no dense MLP); per-expert names only. MoE is
   a per-architecture switch (``is_moe``: ``model.py`` builds every layer's MLP as ``ExLlamaV2MoEMLP``)
   and ``config.py`` reads no ``mlp_only_layers``, so dense layers between MoE layers do not load.
 - Dense layers between MoE layers (``moe_layers:``): transformers 4.57 and 5 build them from
@@ -202,6 +205,11 @@ def _vllm(f: OutputFacts) -> Verdict:
                        f"self_attn.o_proj.bias")
     if f.ties_decide:
         return Verdict("vLLM", RUNS, TIES)
+    if f.model_type == "glm4_moe":  # vllm/model_executor/models/glm4_moe.py
+        return Verdict("vLLM", EXACT, "its glm4_moe: sigmoid scoring with e_score_correction_bias, grouped top-k "
+                       "(n_group, topk_group), renormalize=norm_topk_prob, routed_scaling_factor, the first "
+                       "first_k_dense_replace layers dense, partial_rotary_factor from rope_parameters; not run here "
+                       "(GPU)")
     dense = " and mlp_only_layers / decoder_sparse_step (its qwen2_moe / qwen3_moe build a dense MLP there)"
     return Verdict("vLLM", EXACT, f"honours norm_topk_prob{dense if f.dense_layers else ''}; not run here (GPU)")
 
@@ -219,9 +227,9 @@ def _exllamav2(f: OutputFacts) -> Verdict:
         return Verdict("ExLlamaV2", NO_LOAD, "it has no Qwen3_5MoeForCausalLM (no linear-attention layers)")
     if f.model_type == "granitemoeshared":
         return Verdict("ExLlamaV2", NO_LOAD, "it has no Granite MoE architecture")
-    if f.model_type == "qwen2_moe":
-        return Verdict("ExLlamaV2", NO_LOAD, "it has no Qwen2MoeForCausalLM: it falls back to Llama and finds no "
-                       "dense mlp.gate_proj")
+    if f.model_type in ("qwen2_moe", "glm4_moe"):
+        return Verdict("ExLlamaV2", NO_LOAD, f"it has no {names.output_layout(f.model_type).class_name}: it falls "
+                       f"back to Llama and finds no dense mlp.gate_proj")
     if f.layout == "fused":
         return Verdict("ExLlamaV2", NO_LOAD, f"it reads per-expert tensors; fused is {f.fused_scope}")
     if f.dense_layers:

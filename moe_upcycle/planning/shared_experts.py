@@ -43,6 +43,7 @@ import torch
 
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
+from moe_upcycle.planning import glm4
 from moe_upcycle.planning.llamacpp import EMPTY_SHARED_EXPERT_SIZE
 from moe_upcycle.planning.steps import Step, mergekit_transforms, source_layer
 from moe_upcycle.recipe.params import PROMPT_MODES
@@ -82,7 +83,8 @@ def plan_steps(config: UpcycleConfig, sources: dict[str, Checkpoint], layout: na
             parts.append(Step(part_name, info.shape, dtype, "shared", (expert.source_model, key), layer,
                               transforms=mergekit_transforms(expert, proj)))
         if not config.shared_experts:
-            size = EMPTY_SHARED_EXPERT_SIZE
+            # GLM-4-MoE: n_shared_experts 0 builds a 0-wide shared MLP, so its tensors are written 0-wide
+            size = EMPTY_SHARED_EXPERT_SIZE if layout.shared_size_key else 0
             steps.append(Step(name, (hidden, size) if dim else (size, hidden), dtype, "zeros", layer=layer))
         elif len(parts) == 1:
             steps.append(parts[0])
@@ -90,6 +92,8 @@ def plan_steps(config: UpcycleConfig, sources: dict[str, Checkpoint], layout: na
             shape = list(parts[0].shape)
             shape[dim] = sum(p.shape[dim] for p in parts)
             steps.append(Step(name, tuple(shape), dtype, "shared", layer=layer, parts=tuple(parts), part_dim=dim))
+    if not layout.shared_expert_gate:  # GLM-4-MoE: the shared MLP is ungated
+        return steps
     kind = "shared_gate" if gate_init(config) == "prompts" else "half_gate"
     steps.append(Step(names.fill(layout.shared_expert_gate, layer=layer), (1, hidden), dtype, kind, layer=layer))
     return steps
@@ -99,6 +103,8 @@ def exactness_notes(config: UpcycleConfig, layout: names.OutputLayout) -> list[s
     """Plan notes saying what the shared expert does to the FFN output (see the module docstring)."""
     if not layout.shared_expert:
         return []
+    if not layout.shared_expert_gate:  # GLM-4-MoE: ungated shared MLP, sigmoid router
+        return glm4.exactness_notes(config, layout)
     shared = config.shared_experts
     if not shared:
         return [f"{layout.model_type}: no shared_experts, so the shared expert is one all-zero neuron and adds nothing"]

@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from moe_upcycle.checkpoint.names import output_layout
 from moe_upcycle.gates.router import default_gate_scale
+from moe_upcycle.planning.glm4 import SIGMOID_SHRINK
 from moe_upcycle.planning import shared_experts
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.dtypes import dtype_name
@@ -134,9 +136,11 @@ def _default_scale(config: UpcycleConfig, plan: Plan) -> str:
         return ""
     if source == "mergekit":
         return "default: unit rows, as mergekit-moe writes them"
+    sigmoid = output_layout(plan.architecture).router_scoring == "sigmoid"  # `glm4.sigmoid_rows`: a quarter
     if mode == "cheap_embed":
-        return f"default: 16/sqrt(hidden) = {default_gate_scale(plan.base_config.hidden_size):.4g}"
-    return "default: set per layer from the router inputs"
+        scale = default_gate_scale(plan.base_config.hidden_size) / (SIGMOID_SHRINK if sigmoid else 1)
+        return f"default: 16/sqrt(hidden){' / 4 (sigmoid router)' if sigmoid else ''} = {scale:.4g}"
+    return "default: set per layer from the router inputs" + (", / 4 for the sigmoid router" if sigmoid else "")
 
 
 def _unread(key: str, config: UpcycleConfig) -> str:

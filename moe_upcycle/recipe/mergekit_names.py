@@ -37,9 +37,10 @@ _MERGEKIT_OUTPUTS = {"mixtral": "mixtral", "deepseek moe": "deepseek", "qwen moe
                      "qwen3 moe": "qwen3_moe"}
 # spellings people write that are not prefixes of mergekit's names
 _EXTRA_SPELLINGS = {"qwen2": "qwen2_moe", "qwen2 moe": "qwen2_moe", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                    "qwen moe": "qwen2_moe", "deepseekmoe": "deepseek", "deepseek v1": "deepseek"}
+                    "qwen moe": "qwen2_moe", "deepseekmoe": "deepseek", "deepseek v1": "deepseek",
+                    "glm4moe": "glm4_moe", "glm4 moe": "glm4_moe", "glm 4 moe": "glm4_moe"}
 OUR_ARCHITECTURES = ("mixtral", "qwen", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "granitemoeshared",
-                     "deepseek")
+                     "deepseek", "glm4_moe")
 # how and where to run, not what to build: setting these (CLI options) keeps a config mergekit-shaped
 RUN_KEYS = frozenset({"device", "batch_size", "checksums", "tensor_policy", "max_shard_size", "output"})
 
