@@ -32,13 +32,15 @@ from moe_upcycle.distributed.ranked_build import shared_stage, write_rank_shards
 from moe_upcycle.distributed.world import joined_world
 from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWarning
 from moe_upcycle.gates.checks import parallel_experts
-from moe_upcycle.gates.router import check_prompts, compute_gates, shared_gate_rows
+from moe_upcycle.gates.router import check_prompts, checked_gates, shared_gate_rows
+from moe_upcycle.gates.self_check import SelfCheck
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
 from moe_upcycle.planning.report import sharing_report, sharing_summary
 from moe_upcycle.publish.card import write_model_card
+from moe_upcycle.publish.self_check_card import self_check_lines
 from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.publish.model_files import copy_tokenizer_files, missing_tokenizer_warning, write_config
@@ -69,6 +71,7 @@ class BuildResult:
     gate_warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # the plan's cautions; a mergekit config built with our router semantics
     sharing_line: str = ""  # `sharing` in one line, without paths (what `build` prints; -v prints `sharing`)
+    self_check: Optional[SelfCheck] = None  # how many of its own prompts each expert wins (prompt-routed hidden gates)
 
 
 def source_folders(sources: dict) -> list[Path]:
@@ -256,14 +259,16 @@ def upcycle(
             world.from_lead(check_output, target, force, source_folders(sources),
                             input_paths(recipe_source, config, ()), summary, sources[config.base_model])
             gating, writing, checking = gate_params(config), write_params(config), check_params(config)
-            gates, shared_gates = world.from_lead(make_gates, gating, plan, sources[config.base_model])
-            gate_warnings = parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
+            gates, shared_gates, self_check = world.from_lead(make_gates, gating, plan, sources[config.base_model],
+                                                              types=(SelfCheck,))
+            gate_warnings = (self_check.warnings() if self_check else []) + parallel_experts(gates, plan.expert_names, group_size=gating.group_size,
                                              from_prompts=gating.mode in PROMPT_MODES,
                                              center=gating.center if gating.source == "native" else None)
             with shared_stage(world, target, force) as stage:  # each rank writes its shards; the lead publishes
                 writer, hashes = write_rank_shards(world, stage, plan, sources, gates, shared_gates, writing, on_step)
                 checked, drift, unlocated = world.from_lead(finish, stage, writer, hashes, config, plan, sources,
-                                                            checking, verify, gating.device, target, types=FINISHED)
+                                                            checking, verify, gating.device, target, self_check,
+                                                            types=FINISHED)
         world.sync(last=True)  # the lead has put the output in place: every rank returns (or raises its failure)
     if checked:
         checked.folder = str(target)
@@ -272,7 +277,7 @@ def upcycle(
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
                        summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else []), *unlocated],
-                       sharing_summary(plan, sources, config.tensor_policy))
+                       sharing_summary(plan, sources, config.tensor_policy), self_check)
 
 
 FINISHED = (VerifyResult, LogitComparison, InitDrift)  # what `finish` returns, sent from the lead to every rank
@@ -290,24 +295,28 @@ def check_output(target: Path, force: bool, sources: list[Path], inputs: list[Pa
 
 
 def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[int, torch.Tensor],
-                                                                          dict[int, torch.Tensor]]:
-    """Router weights per layer and the shared-expert gates (empty without shared experts)."""
+                                                                          dict[int, torch.Tensor],
+                                                                          Optional[SelfCheck]]:
+    """Router weights per layer, the shared-expert gates (empty without shared experts) and the routing self-check
+    (None unless the gates come from the prompts' router inputs)."""
     with progress_stage("gates", total=len(plan.moe_layers), unit="layers") as st:
-        gates = compute_gates(gating, plan, base)
+        gates, checked = checked_gates(gating, plan, base)
         shared_gates = shared_gate_rows(gating, plan, base)
         st.advance(len(gates), note=f"{gating.mode}, {len(gates)} layers")
-    return gates, shared_gates
+    return gates, shared_gates, checked
 
 
 def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: UpcycleConfig, plan: Plan,
            sources: dict[str, Checkpoint], checking: CheckParams, verify: bool, device: str,
-           target: Path) -> tuple[Optional[VerifyResult], Optional[InitDrift], list[str]]:
+           target: Path, self_check: Optional[SelfCheck] = None) -> tuple[Optional[VerifyResult], Optional[InitDrift],
+                                                                         list[str]]:
     """Complete the staged folder once every shard is written: index, config.json, tokenizer, (verification),
     init drift, model card and manifest; then check no source changed during the build.
 
     Args:
         verify: run `verify.verify` on the folder, on `device` (the recipe's).
         target: the folder the output is published as (the manifest records paths relative to it).
+        self_check: the routing self-check, recorded in the card and the manifest.
 
     Returns:
         The verification result (or None), the init drift (or None) and the manifest's notes.
@@ -329,11 +338,13 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
     card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
     # verify ran on the staging folder: the card and manifest call it this folder, never by its path
     card_lines = [line.replace(str(stage), ".") for line in card_lines]
-    write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()})
+    write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()},
+                     self_check_lines(self_check))
     # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
     verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
     unlocated = write_recipe(stage, config, hashes, skip=() if writer.checksums else writer.files,
-                             verification=verification, target=target)
+                             verification=verification, target=target,
+                             extra={"self_check": self_check.to_dict()} if self_check else None)
     for source in sources.values():  # last: a source re-saved during the build is never published from
         source.check_unchanged()
     return checked, drift, unlocated

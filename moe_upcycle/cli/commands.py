@@ -59,6 +59,8 @@ def build(
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Build with N processes on this machine, "
                                           "each writing its share of the shards (as torchrun --nproc-per-node N "
                                           "runs it; for several nodes, run torchrun on each)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result (output, shards, bytes, gates, routing "
+                                                       "self-check) as one JSON object on stdout."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
@@ -92,8 +94,14 @@ def build(
         _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify,
                           output=target, force=force)
     if dry_run:
-        print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
-                           allow_unknown_keys=allow_unknown_keys, gate_source=gate_source))
+        planned = upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
+                          allow_unknown_keys=allow_unknown_keys, gate_source=gate_source)
+        if as_json:
+            from moe_upcycle.planning.plan_report import summary_dict
+
+            out.out(json_text(summary_dict(planned.summary)), highlight=False)
+        else:
+            print_plan(planned)
         return
     if verify:
         note("verify: the output will be loaded with transformers and compared with the base after writing")
@@ -106,8 +114,21 @@ def build(
         note(escape(line))
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if as_json:  # one object on stdout; notes stay on stderr
+        from moe_upcycle.cli.build_json import build_dict
+
+        if world.lead:
+            out.out(json_text(build_dict(result)), highlight=False)
+        if result.verify is not None and not result.verify.ok:
+            raise typer.Exit(1)
+        return
     out.print(f"[green]Built[/] {escape(str(result.output))}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
+    if result.self_check is not None:
+        how = "" if result.self_check.per_token else " (on each prompt's mean router input)"
+        out.print(f"routing self-check{how}, as route --labeled counts:", highlight=False)
+        for line in result.self_check.lines():
+            out.print(f"  {escape(line)}", highlight=False)
     if result.drift is not None:
         out.print(result.drift.summary(), highlight=False)
     if result.verify is not None:

@@ -83,6 +83,9 @@ class RouterInputs:
     counts: torch.Tensor
     token_norm: torch.Tensor
     points: Optional[list[torch.Tensor]] = None
+    kept: Optional[list[torch.Tensor]] = None  # with `keep`: per layer the kept texts' vectors (N, H), CPU
+    kept_text: Optional[torch.Tensor] = None  # (N,) the text of each kept vector, the same in every layer
+    kept_tokens: bool = True  # `kept` holds tokens (else one reduced vector per text)
 
     def means(self) -> torch.Tensor:
         """(L, G, H) mean over each group's texts."""
@@ -234,7 +237,8 @@ def run_batches(loaded: LoadedModel, encoded: list[Encoded], batch_size: int,
 
 def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: list[int], num_groups: int,
                           reduce: Reduce = "mean", batch_size: int = 8,
-                          padding_side: Optional[str] = None) -> RouterInputs:
+                          padding_side: Optional[str] = None, keep: Optional[torch.Tensor] = None,
+                          keep_tokens: bool = True) -> RouterInputs:
     """Sum, per layer and group, each text's router input reduced over its real tokens.
 
     Args:
@@ -247,6 +251,9 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
             (keep every real token's vector: only for bounded k-means samples).
         batch_size: texts per forward pass.
         padding_side: override the tokenizer's (``left``/``right``).
+        keep: (texts,) bool: also keep these texts' router inputs (``mean``/``last``), for the routing self-check
+            (`self_check`): every real token's vector (`keep_tokens`), else each text's reduced one.
+        keep_tokens: keep tokens rather than each text's reduced vector.
 
     Returns:
         The running sums (moved to CPU), text counts per group and mean token norms.
@@ -256,6 +263,8 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     acc: dict[torch.device, torch.Tensor] = {}  # device -> (L, G, H) fp32: the rows of the layers run there
     norm_acc: dict[torch.device, torch.Tensor] = {}  # device -> (L,) fp64
     points: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+    kept: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]  # with `keep`, on the device until the end
+    kept_text: list[torch.Tensor] = []
     n_tokens = sum(sum(e.real) for e in encoded)  # counted on the host, from the tokenizer's output
     derived: dict = {"batch": None}  # per-batch values derived once per device, reused by every layer
     pending: list[tuple[int, torch.Tensor, Batch]] = []  # (layer, router input, batch) of consecutive layers
@@ -310,6 +319,26 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
         if dev not in acc:
             acc[dev] = torch.zeros(n_layers, num_groups, x.shape[-1], dtype=torch.float32, device=dev)
         acc[dev][layers].index_add_(1, batch.values, per)
+        if keep is not None:
+            keep_layers(first, batch, xm, per)
+
+    def keep_layers(first: int, batch: Batch, xm: torch.Tensor, per: torch.Tensor) -> None:
+        # the rows of the batch that are kept texts, then their real tokens (or their reduced vectors)
+        rows = torch.tensor([i for i, t in enumerate(batch.rows) if keep[t]], dtype=torch.long)
+        if not len(rows):
+            return
+        texts = torch.tensor(batch.rows)[rows]
+        if keep_tokens:
+            real = batch.real.cpu()[rows]  # (b, T)
+            flat = real.flatten().nonzero().squeeze(1).to(xm.device)
+            picked = xm.index_select(1, rows.to(xm.device)).flatten(1, 2).index_select(1, flat)  # (L', N, H)
+            text_of = texts[:, None].expand(real.shape)[real]
+        else:
+            picked, text_of = per.index_select(1, rows.to(per.device)), texts
+        for i, vectors in enumerate(picked):
+            kept[first + i].append(vectors)
+        if first == 0:
+            kept_text.append(text_of)
 
     loaded.run(encoded, batch_size, on_output, padding_side, row_values=group_of if reduce != "tokens" else None)
     counts = torch.bincount(group_of, minlength=num_groups) if reduce != "tokens" else torch.zeros(num_groups)
@@ -317,7 +346,11 @@ def capture_router_inputs(loaded: LoadedModel, encoded: list[Encoded], groups: l
     norms = sum(t.cpu() for t in norm_acc.values()) if norm_acc else torch.zeros(n_layers, dtype=torch.float64)
     token_norm = (norms / max(n_tokens, 1)).float()
     pts = [torch.cat(p).cpu() if p else torch.zeros(0) for p in points] if reduce == "tokens" else None
-    return RouterInputs(sums, counts, token_norm, pts)
+    if keep is None:
+        return RouterInputs(sums, counts, token_norm, pts)
+    kept_cpu = [torch.cat(k).cpu() if k else torch.zeros(0, loaded.hidden_size) for k in kept]
+    text = torch.cat(kept_text) if kept_text else torch.zeros(0, dtype=torch.long)
+    return RouterInputs(sums, counts, token_norm, pts, kept_cpu, text, keep_tokens)
 
 
 # Router inputs held for one reduction on a GPU: enough to make its launches negligible, little beside the model.

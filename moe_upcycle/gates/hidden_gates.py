@@ -49,6 +49,7 @@ from moe_upcycle.gates.capture import LoadedModel, Reduce, RouterInputs, capture
 from moe_upcycle.checkpoint.source import Checkpoint, open_checkpoint
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
+from moe_upcycle.gates.self_check import SELF_CHECK_BYTES, KeptInputs, SelfCheck, check_routing
 from moe_upcycle.gates.stream import StreamedModel, open_streamed
 from moe_upcycle.terminal.progress import stage
 
@@ -118,16 +119,25 @@ Runner = Union[LoadedModel, StreamedModel]  # a base that hands out router input
 
 def prompt_router_inputs(loaded: Runner, experts: Sequence[ExpertPrompts], reduce: Reduce,
                          batch_size: int, padding_side: Optional[str] = None,
-                         encoded: Optional[list[Encoded]] = None) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
+                         encoded: Optional[list[Encoded]] = None,
+                         keep_positives: bool = False) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
     """Mean router input of each expert's positive and negative prompts: ((L, E, H), (L, E, H) or
     zeros where an expert has no negatives, the raw `RouterInputs`).
 
-    `encoded`: the prompts as `encode` tokenized them in `prompt_texts` order, when the caller did it already."""
+    `encoded`: the prompts as `encode` tokenized them in `prompt_texts` order, when the caller did it already.
+    `keep_positives`: also keep the positive prompts' router inputs, for the routing self-check (`self_check`):
+    every token's, or each prompt's mean when the tokens would hold more than `self_check.SELF_CHECK_BYTES`."""
     texts, groups, fields = prompt_texts(experts)
     n = len(experts)
     if encoded is None:
         encoded = encode(loaded.tokenizer, texts, loaded.max_length, fields=fields)
-    inputs = capture_router_inputs(loaded, encoded, groups, 2 * n, reduce, batch_size, padding_side)
+    keep, per_token = None, True
+    if keep_positives:
+        keep = torch.tensor([g < n for g in groups], dtype=torch.bool)
+        tokens = sum(sum(e.real) for e, k in zip(encoded, keep.tolist()) if k)
+        per_token = tokens * len(loaded.norms) * loaded.hidden_size * 4 <= SELF_CHECK_BYTES
+    inputs = capture_router_inputs(loaded, encoded, groups, 2 * n, reduce, batch_size, padding_side, keep=keep,
+                                   keep_tokens=per_token)
     means = inputs.means()
     return means[:, :n], means[:, n:], inputs
 
@@ -178,7 +188,16 @@ def kmeans_router_inputs(loaded: Runner, calibration_text: str, num_experts: int
 
 
 def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkpoint, Path, str]) -> dict[int, torch.Tensor]:
-    """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``.
+    """`checked_hidden_gates` without the routing self-check."""
+    return checked_hidden_gates(params, num_layers, base)[0]
+
+
+def checked_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkpoint, Path, str],
+                         check_layers: Optional[Sequence[int]] = None,
+                         names: Optional[Sequence[str]] = None) -> tuple[dict[int, torch.Tensor], Optional[SelfCheck]]:
+    """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``, and with
+    `check_layers` (the MoE layers) the routing self-check of the prompt modes (`self_check`): how many of its own
+    prompts each expert (`names`) wins through these rows.
 
     Streams the base model one layer at a time (see module docstring) on `params.device`; a
     ``model+lora`` base's adapter is merged into each tensor as it is read.
@@ -187,7 +206,7 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
         base: the opened base checkpoint, or its folder.
 
     Returns:
-        layer -> (num_experts, hidden) fp32 rows.
+        layer -> (num_experts, hidden) fp32 rows; the self-check (None for ``kmeans`` or without `check_layers`).
 
     Raises:
         UpcycleError: the model cannot be built or read, the device is missing, or the
@@ -202,15 +221,29 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
         streamed = open_streamed(base, params.device, params.dtype, tokenizer, quantize=params.quantize)
     if len(streamed.norms) != num_layers:
         raise SourceError(f"base_model: transformers built {len(streamed.norms)} layers but config.json says {num_layers}")
+    checking = check_layers is not None and params.mode != "kmeans"
     if params.mode == "kmeans":
         direction, own, token_norm = kmeans_router_inputs(streamed, str(params.calibration_text), len(params.experts),
                                                           params.seed, params.batch_size)
     else:
         experts = params.experts
         reduce: Reduce = "last" if params.mode == "hidden_last" else "mean"
-        own, negative, inputs = prompt_router_inputs(streamed, experts, reduce, params.batch_size, encoded=encoded)
+        own, negative, inputs = prompt_router_inputs(streamed, experts, reduce, params.batch_size, encoded=encoded,
+                                                     keep_positives=checking)
         has_negative = torch.tensor([bool(e.negative) for e in experts])
         direction = own - negative * has_negative[None, :, None]
         token_norm = inputs.token_norm
     rows = gate_rows(direction, own, token_norm, center=params.center, scale=params.scale)
-    return {layer: rows[layer].contiguous() for layer in range(num_layers)}
+    gates = {layer: rows[layer].contiguous() for layer in range(num_layers)}
+    if not checking or inputs.kept is None or inputs.kept_text is None:
+        return gates, None
+    # the same rows without any negative prompts (unit rows: a per-layer scale changes no top-1)
+    plain = None
+    if bool(has_negative.any()):
+        unit = gate_rows(own, own, token_norm, center=params.center, scale=1.0)
+        plain = {layer: unit[layer] for layer in range(num_layers)}
+    _, groups, _ = prompt_texts(experts)
+    kept = KeptInputs(inputs.kept, inputs.kept_text, inputs.kept_tokens)
+    return gates, check_routing(kept, gates, list(check_layers), [g if g < len(experts) else -1 for g in groups],
+                                list(names) if names is not None else [e.name for e in experts], plain,
+                                has_negative.tolist())

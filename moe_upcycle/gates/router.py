@@ -21,7 +21,7 @@ and live in `hidden_gates`. With ``gate_source: mergekit`` every mode is compute
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -32,6 +32,9 @@ from moe_upcycle.planning import inits
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
 from moe_upcycle.inputs.text import check_token_ids
+
+if TYPE_CHECKING:
+    from moe_upcycle.gates.self_check import SelfCheck
 
 __all__ = ["PROMPT_MODES", "compute_gates", "shared_gate_rows", "cheap_embed_rows", "default_gate_scale",
            "normalise_rows", "check_prompts"]
@@ -62,8 +65,23 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
     Raises:
         ConfigError: prompts missing for a prompt-based mode, or a mode not available.
     """
-    gates = _every_layer(params, plan, base, device)
-    return {layer: gates[layer] for layer in plan.moe_layers}
+    return checked_gates(params, plan, base, device)[0]
+
+
+def checked_gates(params: GateParams, plan: Plan, base: Checkpoint,
+                  device: Optional[torch.device] = None) -> tuple[dict[int, torch.Tensor], Optional["SelfCheck"]]:
+    """`compute_gates`, and for the hidden-state prompt modes (native) the routing self-check: how many of its own
+    prompts each expert wins through the rows just made (`self_check`); None for the other modes."""
+    if params.mode in HIDDEN_MODES and params.mode != "kmeans" and params.source != "mergekit" and base.path:
+        from moe_upcycle.gates.hidden_gates import checked_hidden_gates
+
+        check_prompts(params)
+        one_row_each = len(plan.expert_names) == len(params.experts)  # not split experts' tied rows
+        gates, checked = checked_hidden_gates(params, plan.num_layers, base,
+                                              plan.moe_layers if one_row_each else None, plan.expert_names)
+    else:
+        gates, checked = _every_layer(params, plan, base, device), None
+    return {layer: gates[layer] for layer in plan.moe_layers}, checked
 
 
 def _every_layer(params: GateParams, plan: Plan, base: Checkpoint,
