@@ -48,9 +48,10 @@ def build(
                                                          "the model card. Exit 1 if verification fails."),
     no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
     checksums: Optional[bool] = typer.Option(None, "--checksums/--no-checksums",
-                                             help="Record the sha256 of every shard (default on; costs more CPU than writing)."),
-    device: Optional[str] = typer.Option(None, help=DEVICE_HELP + " Used by hidden-state gates (default: the "
-                                                                  "recipe's device:, which defaults to auto)."),
+                                             show_default="on",
+                                             help="Record the sha256 of every shard (costs more CPU than writing)."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP + " Used by hidden-state gates.",
+                                         show_default="the recipe's device:, auto"),
     batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
     mergekit: bool = typer.Option(False, "--mergekit", help="Compute routers exactly as mergekit-moe 0.1.5 does "
                                                             "(same as gate_source: mergekit)."),
@@ -171,13 +172,13 @@ def plan(
 @cli_errors
 def verify_cmd(
     folder: Path = typer.Argument(..., readable=False, metavar="OUT", help="The built MoE folder."),
-    base: Optional[str] = typer.Option(None, "--base", help="Dense model to compare with (default: the recipe's "
-                                                             "base_model)."),
-    text: Optional[Path] = typer.Option(None, "--text", readable=False, help="Text file for perplexity (default: a short text "
-                                                              "shipped with moe-upcycle)."),
+    base: Optional[str] = typer.Option(None, "--base", help="Dense model to compare with.",
+                                       show_default="the recipe's base_model"),
+    text: Optional[Path] = typer.Option(None, "--text", readable=False, help="Text file for perplexity.",
+                                        show_default="a short text shipped with moe-upcycle"),
     prompts: Optional[Path] = typer.Option(None, "--prompts", readable=False, help="Prompts file, one per line, or records as "
-                                                                    "route --prompts reads them (default: shipped "
-                                                                    "prompts plus each expert's first prompt)."),
+                                                                    "route --prompts reads them.",
+                                           show_default="shipped prompts plus each expert's first prompt"),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", min=0, help="Fail when mean KL(dense||moe) is above this."),
     min_agreement: Optional[float] = typer.Option(None, "--min-agreement", min=0, max=1,
                                                   help="Fail when top-1 agreement (0..1) is below this."),
