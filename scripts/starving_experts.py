@@ -20,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--capture", help="a .pt file: the capture is saved there, or read from it when it exists")
     args = parser.parse_args()
 
     from moe_upcycle.build import prepare
@@ -29,13 +30,21 @@ def main() -> None:
     from moe_upcycle.gates.stream import open_streamed
     from moe_upcycle.recipe.resolve import gate_params
 
+    from pathlib import Path
+
     config, sources, plan = prepare(args.recipe)
     params = gate_params(config)
     base = sources[config.base_model]
-    streamed = open_streamed(base, "cpu", "float32", load_tokenizer(base.path))
-    own, negative, inputs = prompt_router_inputs(streamed, params.experts, "mean", args.batch_size,
-                                                 keep_positives=True)
-    kept = KeptInputs(inputs.kept, inputs.kept_text, inputs.kept_tokens)
+    if args.capture and Path(args.capture).is_file():
+        own, negative, token_norm, kept = torch.load(args.capture, weights_only=False)
+    else:
+        streamed = open_streamed(base, "cpu", "float32", load_tokenizer(base.path))
+        own, negative, inputs = prompt_router_inputs(streamed, params.experts, "mean", args.batch_size,
+                                                     keep_positives=True)
+        token_norm = inputs.token_norm
+        kept = KeptInputs(inputs.kept, inputs.kept_text, inputs.kept_tokens)
+        if args.capture:
+            torch.save((own, negative, token_norm, kept), args.capture)
     n = len(params.experts)
     _, groups, _ = prompt_texts(params.experts)
     text_expert = [g if g < n else -1 for g in groups]
@@ -43,7 +52,7 @@ def main() -> None:
     layers = list(plan.moe_layers)
 
     def wins(direction: torch.Tensor, center: bool) -> list[int]:
-        rows = gate_rows(direction, own, inputs.token_norm, center=center, scale=1.0)
+        rows = gate_rows(direction, own, token_norm, center=center, scale=1.0)
         return route_own_prompts(kept, {layer: rows[layer] for layer in layers}, layers, text_expert,
                                  n).diagonal().tolist()
 
@@ -51,11 +60,21 @@ def main() -> None:
     sizes = [len(e.positive) for e in params.experts]
     print(f"{'variant':<40}" + "".join(f"{name:>10}" for name in names))
     print(f"{'own prompts':<40}" + "".join(f"{s:>10}" for s in sizes))
+    mask = has_negative[None, :, None].float()
     for weight in (1.0, 0.5, 0.25, 0.0):
-        direction = own - weight * negative * has_negative[None, :, None]
+        direction = own - weight * negative * mask
         for center in (True, False):
-            label = f"negatives x{weight:g}, gate_center {str(center).lower()}"
+            label = f"negatives x{weight:g}, centred after"
+            label = label if center else f"negatives x{weight:g}, no gate_center"
             print(f"{label:<40}" + "".join(f"{w:>10}" for w in wins(direction, center)))
+    shared = own.mean(dim=1, keepdim=True)
+    own_c, neg_c = own - shared, negative - shared
+    print(f"{'mean taken from both, then subtracted':<40}" + "".join(
+        f"{w:>10}" for w in wins(own_c - neg_c * mask, False)))
+    along = torch.nn.functional.normalize(own_c, dim=-1)
+    orthogonal = neg_c - (neg_c * along).sum(-1, keepdim=True) * along  # the negative mean's part off the own mean
+    print(f"{'negative off the own mean, centred':<40}" + "".join(
+        f"{w:>10}" for w in wins(own_c - orthogonal * mask, False)))
     # how far the math row's negative term moves it: cosine of the mean router inputs of the sets
     unit = torch.nn.functional.normalize(own, dim=-1)
     cos = torch.einsum("leh,lfh->lef", unit, unit).mean(0)

@@ -153,3 +153,49 @@ def _tensors(folder: Path):
         with safe_open(str(shard), "pt") as f:
             for key in f.keys():
                 yield f.get_tensor(key)
+
+
+def mean_router_inputs(base: Path, prompts: list[str]) -> torch.Tensor:
+    """(L, H) mean over the prompts of each prompt's mean router input over its real tokens (hooks, one prompt at a
+    time)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(base))
+    seen: dict[int, torch.Tensor] = {}
+    handles = [layer.post_attention_layernorm.register_forward_hook(
+        lambda m, a, out, i=i: seen.__setitem__(i, out[0])) for i, layer in enumerate(model.model.layers)]
+    per_prompt = []
+    try:
+        for prompt in prompts:
+            enc = tok(prompt, return_tensors="pt", return_special_tokens_mask=True)
+            real = enc.pop("special_tokens_mask")[0] == 0
+            with torch.inference_mode():
+                model(**enc)
+            per_prompt.append(torch.stack([seen[i][real].mean(0) for i in range(len(seen))]))
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(per_prompt).mean(0)
+
+
+def test_gate_center_takes_the_shared_mean_from_both_means(stories, tmp_path):
+    """gate_center with negative prompts (the shipped frankenMoE recipe's shape: math takes code's prompts as
+    negatives): the mean of the experts' positive means is taken from an expert's positive *and* negative mean before
+    the subtraction. Centring after the subtraction took it from an expert whose negatives had removed it already:
+    its row pointed away from what every prompt shares, and on SmolLM2-135M the math expert won 0 of its 30 prompts
+    (scripts/starving_experts.py: 30 of 30 now)."""
+    config = recipe(stories, negatives=False)
+    config["gate_center"] = True
+    config["experts"][2]["negative_prompts"] = CODE
+    result = upcycle(config, tmp_path / "moe")
+    own = torch.stack([mean_router_inputs(stories, p) for p in (CODE, STORY, TALES_POS)], dim=1)  # (L, E, H)
+    shared = own.mean(dim=1)  # (L, H)
+    negative = mean_router_inputs(stories, CODE)
+    want = own - shared[:, None]
+    want[:, 2] = own[:, 2] - negative  # (own - shared) - (negative - shared)
+    rows = router_rows(result.output)
+    for layer, written in rows.items():
+        cosine = torch.nn.functional.cosine_similarity(written, want[layer], dim=-1)
+        assert bool((cosine > 1 - 1e-5).all()), (layer, cosine)
+    assert result.self_check.confusion == independent_wins(stories, rows, [CODE, STORY, TALES_POS])

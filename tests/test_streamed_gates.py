@@ -69,8 +69,13 @@ def whole_model_gates(params: GateParams, path, adapter=None, loaded=None) -> to
     else:
         reduce = "last" if params.mode == "hidden_last" else "mean"
         own, negative, inputs = hg.prompt_router_inputs(loaded, params.experts, reduce, params.batch_size)
-        has_negative = torch.tensor([bool(e.negative) for e in params.experts])
-        direction, token_norm = own - negative * has_negative[None, :, None], inputs.token_norm
+        has_negative = torch.tensor([bool(e.negative) for e in params.experts])[None, :, None]
+        token_norm = inputs.token_norm
+        if params.center:  # gate_center: the mean of the positive means taken from both means, then subtracted
+            shared = own.mean(dim=1, keepdim=True)
+            direction = (own - shared) - (negative - shared) * has_negative
+            return hg.gate_rows(direction, own, token_norm, center=False, scale=params.scale)
+        direction = own - negative * has_negative
     return hg.gate_rows(direction, own, token_norm, center=params.center, scale=params.scale)
 
 

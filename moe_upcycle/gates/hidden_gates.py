@@ -102,6 +102,30 @@ def gate_rows(direction: torch.Tensor, own_means: torch.Tensor, token_norm: torc
     return unit * scales[:, None, None]
 
 
+def prompt_directions(own: torch.Tensor, negative: torch.Tensor, has_negative: torch.Tensor,
+                      center: bool) -> torch.Tensor:
+    """Where each expert's row points: its prompts' mean router input minus its negative prompts' mean.
+
+    With `center` (``gate_center``), what all the experts' prompts share — the mean of their positive means,
+    ``mu`` — is removed from both means first: ``(own - mu) - (negative - mu)`` for an expert with negative prompts,
+    ``own - mu`` for the others. (Centring the directions after the subtraction, as before, took ``mu`` from an
+    expert whose negative prompts had already removed it: its row pointed away from what every prompt shares, and
+    its own prompts went to the others — the shipped frankenMoE recipe's math expert won 0 of its 30.)
+
+    Args:
+        own: (L, E, H) positive means; negative: (L, E, H) negative means (zeros where none);
+        has_negative: (E,) bool.
+
+    Returns:
+        (L, E, H) directions.
+    """
+    mask = has_negative.to(own.dtype)[None, :, None]
+    if not center:
+        return own - negative * mask
+    shared = own.mean(dim=1, keepdim=True)  # (L, 1, H)
+    return (own - shared) - (negative - shared) * mask
+
+
 def prompt_texts(experts: Sequence[ExpertPrompts]) -> tuple[list[str], list[int], list[str]]:
     """Every prompt in capture order, its group (expert e's positives: e; its negatives: E + e) and its
     recipe field (``experts[e].positive_prompts``)."""
@@ -135,7 +159,8 @@ def prompt_router_inputs(loaded: Runner, experts: Sequence[ExpertPrompts], reduc
     if keep_positives:
         keep = torch.tensor([g < n for g in groups], dtype=torch.bool)
         tokens = sum(sum(e.real) for e, k in zip(encoded, keep.tolist()) if k)
-        per_token = tokens * len(loaded.norms) * loaded.hidden_size * 4 <= SELF_CHECK_BYTES
+        dtype = loaded.skeleton.dtype if isinstance(loaded, StreamedModel) else loaded.model.dtype  # kept as computed
+        per_token = tokens * len(loaded.norms) * loaded.hidden_size * dtype.itemsize <= SELF_CHECK_BYTES
     inputs = capture_router_inputs(loaded, encoded, groups, 2 * n, reduce, batch_size, padding_side, keep=keep,
                                    keep_tokens=per_token)
     means = inputs.means()
@@ -231,16 +256,18 @@ def checked_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
         own, negative, inputs = prompt_router_inputs(streamed, experts, reduce, params.batch_size, encoded=encoded,
                                                      keep_positives=checking)
         has_negative = torch.tensor([bool(e.negative) for e in experts])
-        direction = own - negative * has_negative[None, :, None]
+        direction = prompt_directions(own, negative, has_negative, params.center)
         token_norm = inputs.token_norm
-    rows = gate_rows(direction, own, token_norm, center=params.center, scale=params.scale)
+    # prompt directions come centred already (`prompt_directions`); k-means centroids are centred here
+    rows = gate_rows(direction, own, token_norm, center=params.center and params.mode == "kmeans", scale=params.scale)
     gates = {layer: rows[layer].contiguous() for layer in range(num_layers)}
     if not checking or inputs.kept is None or inputs.kept_text is None:
         return gates, None
     # the same rows without any negative prompts (unit rows: a per-layer scale changes no top-1)
     plain = None
     if bool(has_negative.any()):
-        unit = gate_rows(own, own, token_norm, center=params.center, scale=1.0)
+        unit = gate_rows(prompt_directions(own, negative, torch.zeros_like(has_negative), params.center), own,
+                         token_norm, scale=1.0)
         plain = {layer: unit[layer] for layer in range(num_layers)}
     _, groups, _ = prompt_texts(experts)
     kept = KeptInputs(inputs.kept, inputs.kept_text, inputs.kept_tokens)
