@@ -199,3 +199,24 @@ def test_gate_center_takes_the_shared_mean_from_both_means(stories, tmp_path):
         cosine = torch.nn.functional.cosine_similarity(written, want[layer], dim=-1)
         assert bool((cosine > 1 - 1e-5).all()), (layer, cosine)
     assert result.self_check.confusion == independent_wins(stories, rows, [CODE, STORY, TALES_POS])
+
+
+def test_over_the_memory_bound_each_prompts_mean_is_counted(stories, tmp_path, monkeypatch):
+    """Token router inputs beyond `SELF_CHECK_BYTES`: each prompt's mean router input picks one expert per layer, the
+    prompt going to the expert most layers pick; the warning says it was counted so."""
+    import moe_upcycle.gates.hidden_gates as hg
+
+    monkeypatch.setattr(hg, "SELF_CHECK_BYTES", 0)
+    result = upcycle(recipe(stories), tmp_path / "moe")
+    rows = router_rows(result.output)
+    want = [[0] * 3 for _ in range(3)]
+    for e, prompts in enumerate([CODE, STORY, TALES_POS]):
+        for prompt in prompts:
+            means = mean_router_inputs(stories, [prompt])  # (L, H)
+            votes = [0, 0, 0]
+            for layer, w in rows.items():
+                votes[int((w @ means[layer]).argmax())] += 1
+            want[e][votes.index(max(votes))] += 1
+    assert not result.self_check.per_token and result.self_check.confusion == want
+    assert any("(counted on each prompt's mean router input)" in w for w in result.gate_warnings) == bool(
+        result.self_check.starved())
