@@ -35,6 +35,7 @@ from moe_upcycle.errors import ConfigError, OutputError, UpcycleError, UpcycleWa
 from moe_upcycle.gates.checks import parallel_experts
 from moe_upcycle.gates.grow_rows import grown_gates
 from moe_upcycle.gates.router import check_prompts, compute_gate_rows
+from moe_upcycle.gates.self_check import SelfCheck
 from moe_upcycle.checkpoint.disk_space import check_free_space
 from moe_upcycle.planning.guards import check_source_dtypes, check_tied_head
 from moe_upcycle.planning.grow import BASE_ROUTERS, left_out
@@ -42,6 +43,7 @@ from moe_upcycle.planning.plan import Plan, Step, make_plan
 from moe_upcycle.planning.plan_report import PlanSummary, summarize
 from moe_upcycle.planning.report import sharing_report, sharing_summary
 from moe_upcycle.publish.card import write_model_card
+from moe_upcycle.publish.self_check_card import self_check_lines
 from moe_upcycle.publish.manifest import write_recipe
 from moe_upcycle.planning.model_config import moe_config
 from moe_upcycle.publish.model_files import copy_tokenizer_files, missing_tokenizer_warning, write_config
@@ -73,6 +75,7 @@ class BuildResult:
     gate_warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # the plan's cautions; a mergekit config built with our router semantics
     sharing_line: str = ""  # `sharing` in one line, without paths (what `build` prints; -v prints `sharing`)
+    self_check: Optional[SelfCheck] = None  # how many of its own prompts each expert wins (prompt-routed hidden gates)
 
 
 def source_folders(sources: dict) -> list[Path]:
@@ -263,14 +266,17 @@ def upcycle(
                             input_paths(recipe_source, config, ()), summary, sources[config.base_model])
             recipe = resolved(config)
             gating, writing, checking = recipe.gates, recipe.writing, recipe.checking
-            gates, shared_gates = world.from_lead(make_gates, gating, plan, sources[config.base_model])
-            gate_warnings = [] if plan.grow is not None else parallel_experts(  # copies' rows: parallel by design
+            gates, shared_gates, self_check = world.from_lead(make_gates, gating, plan, sources[config.base_model],
+                                                              types=(SelfCheck,))
+            gate_warnings = (self_check.warnings() if self_check else []) + ([] if plan.grow is not None else
+                             parallel_experts(  # a grown MoE's copies' rows are parallel by design
                 gates, plan.expert_names, group_size=gating.group_size, from_prompts=gating.mode in PROMPT_MODES,
-                center=gating.center if gating.source == "native" else None)
+                center=gating.center if gating.source == "native" else None))
             with shared_stage(world, target, force) as stage:  # each rank writes its shards; the lead publishes
                 writer, hashes = write_rank_shards(world, stage, plan, sources, gates, shared_gates, writing, on_step)
                 checked, drift, unlocated = world.from_lead(finish, stage, writer, hashes, config, plan, sources,
-                                                            checking, verify, gating.device, target, types=FINISHED)
+                                                            checking, verify, gating.device, target, self_check,
+                                                            types=FINISHED)
         world.sync(last=True)  # the lead has put the output in place: every rank returns (or raises its failure)
     if checked:
         checked.folder = str(target)
@@ -279,7 +285,7 @@ def upcycle(
     note = semantics_note(config)
     return BuildResult(config, plan, target, sharing, writer.files, hashes, time.perf_counter() - start,
                        summary, checked, drift, gate_warnings, [*plan.cautions, *([note] if note else []), *unlocated],
-                       sharing_summary(plan, sources, config.tensor_policy))
+                       sharing_summary(plan, sources, config.tensor_policy), self_check)
 
 
 FINISHED = (VerifyResult, LogitComparison, InitDrift)  # what `finish` returns, sent from the lead to every rank
@@ -297,27 +303,31 @@ def check_output(target: Path, force: bool, sources: list[Path], inputs: list[Pa
 
 
 def make_gates(gating: GateParams, plan: Plan, base: Checkpoint) -> tuple[dict[int, torch.Tensor],
-                                                                          dict[int, torch.Tensor]]:
-    """Router weights per layer and the shared-expert gates (empty without shared experts)."""
+                                                                          dict[int, torch.Tensor],
+                                                                          Optional[SelfCheck]]:
+    """Router weights per layer, the shared-expert gates (empty without shared experts) and the routing self-check
+    (None unless the gates come from the prompts' router inputs)."""
     with progress_stage("gates", total=len(plan.moe_layers), unit="layers") as st:
         if plan.grow is not None and plan.grow.router == BASE_ROUTERS:  # a grown MoE: the base's rows (`grow_rows`);
-            routers, shared = grown_gates(gating, plan, base), {}    # its shared experts' gates are copied tensors
+            routers, shared, checked = grown_gates(gating, plan, base), {}, None  # its shared gates: copied tensors
         else:  # routers and shared-expert gates, one stream of the base
             rows = compute_gate_rows(gating, plan, base)
-            routers, shared = rows.routers, rows.shared
+            routers, shared, checked = rows.routers, rows.shared, rows.self_check
         st.advance(len(routers), note=f"{gating.mode}, {len(routers)} layers")
-    return routers, shared
+    return routers, shared, checked
 
 
 def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: UpcycleConfig, plan: Plan,
            sources: dict[str, Checkpoint], checking: CheckParams, verify: bool, device: str,
-           target: Path) -> tuple[Optional[VerifyResult], Optional[InitDrift], list[str]]:
+           target: Path, self_check: Optional[SelfCheck] = None) -> tuple[Optional[VerifyResult], Optional[InitDrift],
+                                                                         list[str]]:
     """Complete the staged folder once every shard is written: index, config.json, tokenizer, (verification),
     init drift, model card and manifest; then check no source changed during the build.
 
     Args:
         verify: run `verify.verify` on the folder, on `device` (the recipe's).
         target: the folder the output is published as (the manifest records paths relative to it).
+        self_check: the routing self-check, recorded in the card and the manifest.
 
     Returns:
         The verification result (or None), the init drift (or None) and the manifest's notes.
@@ -339,12 +349,14 @@ def finish(stage: Path, writer: ShardedWriter, hashes: dict[str, str], config: U
     card_lines = (checked.lines() if checked else []) + (["", drift.summary()] if drift else [])
     # verify ran on the staging folder: the card and manifest call it this folder, never by its path
     card_lines = [line.replace(str(stage), ".") for line in card_lines]
-    write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()})
+    write_model_card(stage, config, plan, card_lines or None, {ref: s.path for ref, s in sources.items()},
+                     self_check_lines(self_check))
     # the recipe must not depend on the (temporary) folder name: same config and seed, same bytes
     verification = {k: v for k, v in checked.to_dict().items() if k != "folder"} if checked else None
     unlocated = write_recipe(stage, config, hashes, skip=() if writer.checksums else writer.files,
                              verification=verification, target=target,
-                             unset=left_out(config) if plan.grow is not None else ())
+                             unset=left_out(config) if plan.grow is not None else (),
+                             extra={"self_check": self_check.to_dict()} if self_check else None)
     for source in sources.values():  # last: a source re-saved during the build is never published from
         source.check_unchanged()
     return checked, drift, unlocated

@@ -9,7 +9,8 @@ docs/gates.md is spelled out below, in float64:
   tokens of the tokenizer), or for ``hidden_last`` the router input at its last real token;
 - an expert's mean: the mean of its positive prompts' vectors; direction = that minus the mean of its negative
   prompts' vectors (when it has any);
-- ``gate_center``: the mean direction over experts is subtracted;
+- ``gate_center``: mu, the mean over experts of their positive means, is taken from both an expert's positive and
+  negative means: ``(own - mu) - (negative - mu)`` with negatives, ``own - mu`` without;
 - each row is the unit direction times a scale: ``gate_scale`` when given, else per layer the length that makes the
   median expert's own row beat the best other row on its own prompts' mean by 4 nats, capped so that a token of the
   layer's mean router-input norm (over every real token of every prompt) gets at most 16 nats between two rows.
@@ -78,12 +79,11 @@ def gate_rows(model, tokenizer, experts: Sequence[tuple[Sequence[str], Sequence[
               center: bool = False, scale: Optional[float] = None) -> torch.Tensor:
     """(L, E, H) float64 rows for ``hidden`` (``hidden_last`` with `last`) from (positive, negative) prompts."""
     own = torch.stack([prompt_vectors(model, tokenizer, pos, last).mean(dim=1) for pos, _ in experts], dim=1)
-    direction = own.clone()
+    shared = own.mean(dim=1, keepdim=True) if center else torch.zeros_like(own[:, :1])  # (L, 1, H)
+    direction = own - shared
     for e, (_, neg) in enumerate(experts):
-        if neg:
-            direction[:, e] -= prompt_vectors(model, tokenizer, neg, last).mean(dim=1)
-    if center:
-        direction = direction - direction.mean(dim=1, keepdim=True)
+        if neg:  # with gate_center, mu is taken from the negative mean too: (own - mu) - (neg - mu)
+            direction[:, e] -= prompt_vectors(model, tokenizer, neg, last).mean(dim=1) - shared[:, 0]
     unit = direction / direction.norm(dim=-1, keepdim=True)
     every = [t for pos, neg in experts for t in (*pos, *neg)]
     norm = token_norms(model, tokenizer, every)

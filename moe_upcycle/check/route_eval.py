@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from moe_upcycle.recipe.params import ExpertPrompts
+from moe_upcycle.gates.self_check import majority_expert
 from moe_upcycle.prompts.embed import Embedder, load_embedder
 from moe_upcycle.errors import ConfigError
 from moe_upcycle.inputs.records import is_json_list, json_document, json_line, table_rows
@@ -39,7 +40,8 @@ class RoutingScore:
         layer_accuracy: per layer, mean over prompts of the share of tokens routed top-1 to the label.
         overall: mean of `layer_accuracy`.
         confusion: (E, E) int; row = label, column = expert with the largest share summed over
-            layers (ties go to the lower index). Row i sums to the number of prompts labelled i.
+            layers (ties go to the lower index: `self_check.majority_expert`, which the build's routing
+            self-check counts with too). Row i sums to the number of prompts labelled i.
         layer_confusion: (L, E, E) int; the same per layer.
         layers: the model layer of each of the L rows (only MoE layers route, ``moe_layers:``); None: 0 to L-1.
     """
@@ -106,7 +108,7 @@ def routing_accuracy(routing: torch.Tensor, labels: Sequence[Union[str, int]],
     for layer in range(n_layers):
         layer_conf[layer].index_put_((idx, pred[:, layer]), torch.ones(p, dtype=torch.long), accumulate=True)
     conf = torch.zeros(e, e, dtype=torch.long)
-    conf.index_put_((idx, routing.sum(1).argmax(-1)), torch.ones(p, dtype=torch.long), accumulate=True)
+    conf.index_put_((idx, majority_expert(routing)), torch.ones(p, dtype=torch.long), accumulate=True)
     overall = sum(layer_acc) / n_layers if n_layers else 0.0
     return RoutingScore(names, layer_acc, overall, conf, layer_conf, None if layers is None else list(layers))
 

@@ -48,9 +48,10 @@ def build(
                                                          "the model card. Exit 1 if verification fails."),
     no_lint: bool = typer.Option(False, "--no-lint", help="Skip the semantic check of the experts' prompts."),
     checksums: Optional[bool] = typer.Option(None, "--checksums/--no-checksums",
-                                             help="Record the sha256 of every shard (default on; costs more CPU than writing)."),
-    device: Optional[str] = typer.Option(None, help=DEVICE_HELP + " Used by hidden-state gates (default: the "
-                                                                  "recipe's device:, which defaults to auto)."),
+                                             show_default="on",
+                                             help="Record the sha256 of every shard (costs more CPU than writing)."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP + " Used by hidden-state gates.",
+                                         show_default="the recipe's device:, auto"),
     batch_size: Optional[int] = typer.Option(None, help="Prompts per forward pass for hidden-state gates."),
     mergekit: bool = typer.Option(False, "--mergekit", help="Compute routers exactly as mergekit-moe 0.1.5 does "
                                                             "(same as gate_source: mergekit)."),
@@ -59,6 +60,8 @@ def build(
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Build with N processes on this machine, "
                                           "each writing its share of the shards (as torchrun --nproc-per-node N "
                                           "runs it; for several nodes, run torchrun on each)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result (output, shards, bytes, gates, routing "
+                                                       "self-check) as one JSON object on stdout."),
 ) -> None:
     """Build an MoE checkpoint from CONFIG."""
     from moe_upcycle.build import upcycle
@@ -92,8 +95,14 @@ def build(
         _warn_prompt_lint(config, allow_unknown_keys, options, device_needed=not dry_run and verify,
                           output=target, force=force)
     if dry_run:
-        print_plan(upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
-                           allow_unknown_keys=allow_unknown_keys, gate_source=gate_source))
+        planned = upcycle(config, target, dry_run=True, tensor_policy=policy, max_shard_size=max_shard_size,
+                          allow_unknown_keys=allow_unknown_keys, gate_source=gate_source)
+        if as_json:
+            from moe_upcycle.planning.plan_report import summary_dict
+
+            out.out(json_text(summary_dict(planned.summary)), highlight=False)
+        else:
+            print_plan(planned)
         return
     if verify:
         note("verify: the output will be loaded with transformers and compared with the base after writing")
@@ -106,8 +115,21 @@ def build(
         note(escape(line))
     for line in result.gate_warnings:
         console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if as_json:  # one object on stdout; notes stay on stderr
+        from moe_upcycle.cli.build_json import build_dict
+
+        if world.lead:
+            out.out(json_text(build_dict(result)), highlight=False)
+        if result.verify is not None and not result.verify.ok:
+            raise typer.Exit(1)
+        return
     out.print(f"[green]Built[/] {escape(str(result.output))}: {len(result.shards)} shard(s), "
               f"{result.plan.total_bytes / 1e6:.1f} MB in {result.seconds:.1f}s", highlight=False)
+    if result.self_check is not None:
+        how = "" if result.self_check.per_token else " (on each prompt's mean router input)"
+        out.print(f"routing self-check{how}, as route --labeled counts:", highlight=False)
+        for line in result.self_check.lines():
+            out.print(f"  {escape(line)}", highlight=False)
     if result.drift is not None:
         out.print(result.drift.summary(), highlight=False)
     if result.verify is not None:
@@ -150,13 +172,13 @@ def plan(
 @cli_errors
 def verify_cmd(
     folder: Path = typer.Argument(..., readable=False, metavar="OUT", help="The built MoE folder."),
-    base: Optional[str] = typer.Option(None, "--base", help="Dense model to compare with (default: the recipe's "
-                                                             "base_model)."),
-    text: Optional[Path] = typer.Option(None, "--text", readable=False, help="Text file for perplexity (default: a short text "
-                                                              "shipped with moe-upcycle)."),
+    base: Optional[str] = typer.Option(None, "--base", help="Dense model to compare with.",
+                                       show_default="the recipe's base_model"),
+    text: Optional[Path] = typer.Option(None, "--text", readable=False, help="Text file for perplexity.",
+                                        show_default="a short text shipped with moe-upcycle"),
     prompts: Optional[Path] = typer.Option(None, "--prompts", readable=False, help="Prompts file, one per line, or records as "
-                                                                    "route --prompts reads them (default: shipped "
-                                                                    "prompts plus each expert's first prompt)."),
+                                                                    "route --prompts reads them.",
+                                           show_default="shipped prompts plus each expert's first prompt"),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", min=0, help="Fail when mean KL(dense||moe) is above this."),
     min_agreement: Optional[float] = typer.Option(None, "--min-agreement", min=0, max=1,
                                                   help="Fail when top-1 agreement (0..1) is below this."),

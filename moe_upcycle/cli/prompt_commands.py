@@ -25,7 +25,8 @@ app.add_typer(prompts_app, name="prompts")
 # gate modes whose routers need no prompts, and what they use instead
 PROMPTLESS_GATE_MODES = {"kmeans": "k-means of the calibration text", "random": "random rows",
                          "uniform_random": "random rows", "uniform": "zeros"}
-EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cache (default: packaged all-MiniLM-L6-v2)."
+EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cache."
+EMBEDDER_DEFAULT = "the packaged all-MiniLM-L6-v2"
 
 
 @app.command()
@@ -33,12 +34,14 @@ EMBEDDER_HELP = "sentence-transformers model: folder or Hub id in the local cach
 def lint(
     config: Path = typer.Argument(..., readable=False, metavar="CONFIG",
                                   help="The YAML recipe whose expert prompts are checked."),
-    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP, show_default=EMBEDDER_DEFAULT),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when a pair of experts is above the threshold."),
     threshold: Optional[float] = typer.Option(None, "--threshold", min=-1.0, max=1.0,
-                                              help="Centroid cosine above which a pair of experts is flagged (default 0.70)."),
+                                              help="Centroid cosine above which a pair of experts is flagged.",
+                                              show_default="0.70"),
     duplicate_threshold: Optional[float] = typer.Option(None, "--duplicate-threshold", min=-1.0, max=1.0,
-                                                        help="Prompt cosine from which two prompts are near-duplicates (default 0.90)."),
+                                                        help="Prompt cosine from which two prompts are near-duplicates.",
+                                                        show_default="0.90"),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Prompts per embedding forward pass."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
     allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
@@ -103,12 +106,15 @@ def grow(
                                                                    "content), paragraphs, lines, jsonl, json, csv "
                                                                    "or tsv."),
     per_expert: int = typer.Option(10, "--per-expert", min=1, help="Most prompts added to each expert."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", readable=False, help="Where to write the new YAML (default CONFIG.grown.yaml)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", readable=False, help="Where to write the new YAML.",
+                                          show_default="CONFIG.grown.yaml"),
     in_place: bool = typer.Option(False, "--in-place", help="Replace CONFIG itself."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output file (never CONFIG without --in-place)."),
-    margin: Optional[float] = typer.Option(None, "--margin", help="Least lead over the next most similar expert (default 0.05)."),
-    min_similarity: Optional[float] = typer.Option(None, "--min-similarity", help="Least similarity to the expert's prompts (default 0.20)."),
-    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP),
+    margin: Optional[float] = typer.Option(None, "--margin", help="Least lead over the next most similar expert.",
+                                          show_default="0.05"),
+    min_similarity: Optional[float] = typer.Option(None, "--min-similarity", help="Least similarity to the expert's prompts.",
+                                                  show_default="0.20"),
+    embedder: Optional[str] = typer.Option(None, "--embedder", help=EMBEDDER_HELP, show_default=EMBEDDER_DEFAULT),
     allow_unknown_keys: bool = typer.Option(False, "--allow-unknown-keys", help="Ignore unknown config keys with a "
                                             "warning, as mergekit-moe does (misspelt keys stay errors)."),
 ) -> None:

@@ -46,6 +46,9 @@ class RouterInputs:
     counts: torch.Tensor
     token_norm: torch.Tensor
     points: Optional[list[torch.Tensor]] = None
+    kept: Optional[list[torch.Tensor]] = None  # with `keep`: per layer of `layers` the kept texts' vectors (N, H), CPU
+    kept_text: Optional[torch.Tensor] = None  # (N,) the text of each kept vector, the same in every layer
+    kept_tokens: bool = True  # `kept` holds tokens (else one reduced vector per text)
 
     def means(self) -> torch.Tensor:
         """(L', G, H) mean over each group's texts."""
@@ -86,7 +89,8 @@ class _PerBatch:
 
 def capture_router_inputs(streamed: StreamedModel, encoded: list[Encoded], groups: list[int], num_groups: int,
                           reduce: Reduce = "mean", batch_size: int = 8, padding_side: Optional[str] = None,
-                          layers: Optional[Sequence[int]] = None) -> RouterInputs:
+                          layers: Optional[Sequence[int]] = None, keep: Optional[torch.Tensor] = None,
+                          keep_tokens: bool = True) -> RouterInputs:
     """Sum, per layer and group, each text's router input reduced over its real tokens.
 
     Args:
@@ -100,6 +104,9 @@ def capture_router_inputs(streamed: StreamedModel, encoded: list[Encoded], group
         padding_side: override the tokenizer's (``left``/``right``).
         layers: the layers to reduce (default every layer); the others' router inputs are never summed, and no
             layer after the last of them runs.
+        keep: (texts,) bool: also keep these texts' router inputs (``mean``/``last``), for the routing self-check
+            (`self_check`): every real token's vector (`keep_tokens`), else each text's reduced one.
+        keep_tokens: keep tokens rather than each text's reduced vector.
 
     Returns:
         The running sums (moved to CPU) of `layers`, text counts per group and mean token norms.
@@ -112,6 +119,8 @@ def capture_router_inputs(streamed: StreamedModel, encoded: list[Encoded], group
     points: list[list[torch.Tensor]] = [[] for _ in wanted]
     n_tokens = sum(sum(e.real) for e in encoded)  # counted on the host, from the tokenizer's output
     per_batch = _PerBatch()
+    kept: list[list[torch.Tensor]] = [[] for _ in wanted]  # with `keep`, on the device until the end
+    kept_text: list[torch.Tensor] = []
 
     def on_output(layer: int, x: torch.Tensor, batch: Batch) -> None:
         # x: (B, T, H) in the model dtype; pad rows may hold garbage, so select, never multiply.
@@ -133,6 +142,25 @@ def capture_router_inputs(streamed: StreamedModel, encoded: list[Encoded], group
         if dev not in acc:
             acc[dev] = torch.zeros(len(wanted), num_groups, x.shape[-1], dtype=torch.float32, device=dev)
         acc[dev][i].index_add_(0, batch.values, per)
+        if keep is not None:
+            keep_layer(i, batch, xm, per)
+
+    def keep_layer(i: int, batch: Batch, xm: torch.Tensor, per: torch.Tensor) -> None:
+        # the rows of the batch that are kept texts, then their real tokens (or their reduced vectors)
+        rows = torch.tensor([r for r, t in enumerate(batch.rows) if keep[t]], dtype=torch.long)
+        if not len(rows):
+            return
+        texts = torch.tensor(batch.rows)[rows]
+        if keep_tokens:
+            real = batch.real.cpu()[rows]  # (b, T)
+            flat = real.flatten().nonzero().squeeze(1).to(xm.device)
+            picked = xm.index_select(0, rows.to(xm.device)).flatten(0, 1).index_select(0, flat)  # (N, H)
+            text_of = texts[:, None].expand(real.shape)[real]
+        else:
+            picked, text_of = per.index_select(0, rows.to(per.device)), texts
+        kept[i].append(picked)
+        if i == 0:
+            kept_text.append(text_of)
 
     if wanted:
         streamed.run(encoded, batch_size, on_output, padding_side,
@@ -142,4 +170,8 @@ def capture_router_inputs(streamed: StreamedModel, encoded: list[Encoded], group
     norms = sum(t.cpu() for t in norm_acc.values()) if norm_acc else torch.zeros(len(wanted), dtype=torch.float64)
     token_norm = (norms / max(n_tokens, 1)).float()
     pts = [torch.cat(p).cpu() if p else torch.zeros(0) for p in points] if reduce == "tokens" else None
-    return RouterInputs(wanted, sums, counts, token_norm, pts)
+    if keep is None:
+        return RouterInputs(wanted, sums, counts, token_norm, pts)
+    kept_cpu = [torch.cat(k).cpu() if k else torch.zeros(0, streamed.hidden_size) for k in kept]
+    text = torch.cat(kept_text) if kept_text else torch.zeros(0, dtype=torch.long)
+    return RouterInputs(wanted, sums, counts, token_norm, pts, kept_cpu, text, keep_tokens)

@@ -50,6 +50,7 @@ from moe_upcycle.gates.capture import Reduce, RouterInputs, capture_router_input
 from moe_upcycle.checkpoint.source import Checkpoint, open_checkpoint
 from moe_upcycle.errors import ConfigError, SourceError
 from moe_upcycle.gates.kmeans import RESTARTS, spherical_kmeans
+from moe_upcycle.gates.self_check import SELF_CHECK_BYTES, KeptInputs, SelfCheck, check_routing
 from moe_upcycle.gates.stream import StreamedModel, open_streamed
 from moe_upcycle.terminal.progress import stage
 
@@ -102,6 +103,30 @@ def gate_rows(direction: torch.Tensor, own_means: torch.Tensor, token_norm: torc
     return unit * scales[:, None, None]
 
 
+def prompt_directions(own: torch.Tensor, negative: torch.Tensor, has_negative: torch.Tensor,
+                      center: bool) -> torch.Tensor:
+    """Where each expert's row points: its prompts' mean router input minus its negative prompts' mean.
+
+    With `center` (``gate_center``), what all the experts' prompts share — the mean of their positive means,
+    ``mu`` — is removed from both means first: ``(own - mu) - (negative - mu)`` for an expert with negative prompts,
+    ``own - mu`` for the others. (Centring the directions after the subtraction, as before, took ``mu`` from an
+    expert whose negative prompts had already removed it: its row pointed away from what every prompt shares, and
+    its own prompts went to the others — the shipped frankenMoE recipe's math expert won 0 of its 30.)
+
+    Args:
+        own: (L, E, H) positive means; negative: (L, E, H) negative means (zeros where none);
+        has_negative: (E,) bool.
+
+    Returns:
+        (L, E, H) directions.
+    """
+    mask = has_negative.to(own.dtype)[None, :, None]
+    if not center:
+        return own - negative * mask
+    shared = own.mean(dim=1, keepdim=True)  # (L, 1, H)
+    return (own - shared) - (negative - shared) * mask
+
+
 def prompt_texts(experts: Sequence[ExpertPrompts]) -> tuple[list[str], list[int], list[str]]:
     """Every prompt in capture order, its group (expert e's positives: e; its negatives: E + e) and its
     recipe field (``experts[e].positive_prompts``)."""
@@ -117,16 +142,26 @@ def prompt_texts(experts: Sequence[ExpertPrompts]) -> tuple[list[str], list[int]
 def prompt_router_inputs(streamed: StreamedModel, experts: Sequence[ExpertPrompts], reduce: Reduce,
                          batch_size: int, padding_side: Optional[str] = None,
                          encoded: Optional[list[Encoded]] = None,
-                         layers: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
+                         layers: Optional[Sequence[int]] = None,
+                         keep_positives: bool = False) -> tuple[torch.Tensor, torch.Tensor, RouterInputs]:
     """Mean router input of each expert's positive and negative prompts: ((L', E, H), (L', E, H) or
     zeros where an expert has no negatives, the raw `RouterInputs`), for `layers` (default all).
 
-    `encoded`: the prompts as `encode` tokenized them in `prompt_texts` order, when the caller did it already."""
+    `encoded`: the prompts as `encode` tokenized them in `prompt_texts` order, when the caller did it already.
+    `keep_positives`: also keep the positive prompts' router inputs, for the routing self-check (`self_check`):
+    every token's, or each prompt's mean when the tokens would hold more than `self_check.SELF_CHECK_BYTES`."""
     texts, groups, fields = prompt_texts(experts)
     n = len(experts)
     if encoded is None:
         encoded = encode(streamed.tokenizer, texts, streamed.max_length, fields=fields)
-    inputs = capture_router_inputs(streamed, encoded, groups, 2 * n, reduce, batch_size, padding_side, layers)
+    keep, per_token = None, True
+    if keep_positives:
+        keep = torch.tensor([g < n for g in groups], dtype=torch.bool)
+        tokens = sum(sum(e.real) for e, k in zip(encoded, keep.tolist()) if k)
+        n_layers = len(streamed.norms) if layers is None else len(set(layers))
+        per_token = tokens * n_layers * streamed.hidden_size * streamed.skeleton.dtype.itemsize <= SELF_CHECK_BYTES
+    inputs = capture_router_inputs(streamed, encoded, groups, 2 * n, reduce, batch_size, padding_side, layers,
+                                   keep=keep, keep_tokens=per_token)
     means = inputs.means()
     return means[:, :n], means[:, n:], inputs
 
@@ -180,7 +215,16 @@ def kmeans_router_inputs(streamed: StreamedModel, calibration_text: str, num_exp
 
 def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkpoint, Path, str],
                          layers: Optional[Sequence[int]] = None) -> dict[int, torch.Tensor]:
-    """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``.
+    """`checked_hidden_gates` without the routing self-check."""
+    return checked_hidden_gates(params, num_layers, base, layers)[0]
+
+
+def checked_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkpoint, Path, str],
+                         layers: Optional[Sequence[int]] = None, names: Optional[Sequence[str]] = None
+                         ) -> tuple[dict[int, torch.Tensor], Optional[SelfCheck]]:
+    """Router weights for gate modes ``hidden``, ``hidden_avg``, ``hidden_last`` and ``kmeans``, and with `names`
+    (the experts' names, one row each) the routing self-check of the prompt modes (`self_check`): how many of its
+    own prompts each expert wins through these rows, in `layers`.
 
     Streams the base model one layer at a time (see module docstring) on `params.device`, once; a
     ``model+lora`` base's adapter is merged into each tensor as it is read.
@@ -191,7 +235,8 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
         layers: the layers to make rows for (the MoE layers); default every layer.
 
     Returns:
-        layer -> (num_experts, hidden) fp32 rows, for `layers` only.
+        layer -> (num_experts, hidden) fp32 rows, for `layers` only; the self-check (None for ``kmeans`` or
+        without `names`).
 
     Raises:
         UpcycleError: the model cannot be built or read, the device is missing, or the
@@ -208,7 +253,8 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
         raise SourceError(f"base_model: transformers built {len(streamed.norms)} layers but config.json says {num_layers}")
     wanted = sorted(set(range(num_layers) if layers is None else layers))
     if not wanted:
-        return {}
+        return {}, None
+    checking = names is not None and params.mode != "kmeans"
     if params.mode == "kmeans":
         direction, own, token_norm = kmeans_router_inputs(streamed, str(params.calibration_text), len(params.experts),
                                                           params.seed, params.batch_size, wanted)
@@ -216,9 +262,22 @@ def compute_hidden_gates(params: GateParams, num_layers: int, base: Union[Checkp
         experts = params.experts
         reduce: Reduce = "last" if params.mode == "hidden_last" else "mean"
         own, negative, inputs = prompt_router_inputs(streamed, experts, reduce, params.batch_size, encoded=encoded,
-                                                     layers=wanted)
+                                                     layers=wanted, keep_positives=checking)
         has_negative = torch.tensor([bool(e.negative) for e in experts])
-        direction = own - negative * has_negative[None, :, None]
+        direction = prompt_directions(own, negative, has_negative, params.center)
         token_norm = inputs.token_norm
-    rows = gate_rows(direction, own, token_norm, center=params.center, scale=params.scale)  # (L', E, H)
-    return {layer: rows[i].contiguous() for i, layer in enumerate(wanted)}
+    # prompt directions come centred already (`prompt_directions`); k-means centroids are centred here
+    rows = gate_rows(direction, own, token_norm, center=params.center and params.mode == "kmeans",
+                     scale=params.scale)  # (L', E, H)
+    gates = {layer: rows[i].contiguous() for i, layer in enumerate(wanted)}
+    if not checking or inputs.kept is None or inputs.kept_text is None:
+        return gates, None
+    plain = None  # the same rows without any negative prompts (unit rows: a per-layer scale changes no top-1)
+    if bool(has_negative.any()):
+        unit = gate_rows(prompt_directions(own, negative, torch.zeros_like(has_negative), params.center), own,
+                         token_norm, scale=1.0)
+        plain = {layer: unit[i] for i, layer in enumerate(wanted)}
+    _, groups, _ = prompt_texts(experts)
+    kept = KeptInputs(dict(zip(wanted, inputs.kept)), inputs.kept_text, inputs.kept_tokens)
+    return gates, check_routing(kept, gates, wanted, [g if g < len(experts) else -1 for g in groups], list(names),
+                                plain, has_negative.tolist())

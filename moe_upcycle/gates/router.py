@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,9 @@ from moe_upcycle.planning import glm4, inits
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.params import HIDDEN_MODES, PROMPT_MODES, ExpertPrompts, GateParams
 from moe_upcycle.inputs.text import check_token_ids
+
+if TYPE_CHECKING:
+    from moe_upcycle.gates.self_check import SelfCheck
 
 __all__ = ["PROMPT_MODES", "GateRows", "compute_gate_rows", "compute_gates", "cheap_embed_rows",
            "default_gate_scale", "normalise_rows", "check_prompts"]
@@ -52,11 +55,13 @@ def default_gate_scale(hidden_size: int) -> float:
 
 @dataclass(frozen=True)
 class GateRows:
-    """What the gates give a build: the routers, MoE layer -> (num_experts, hidden) fp32, and the shared-expert gates,
-    MoE layer -> (1, hidden) fp32 (empty unless the plan has ``shared_gate`` steps). Dense layers have no entry."""
+    """What the gates give a build: the routers, MoE layer -> (num_experts, hidden) fp32, the shared-expert gates,
+    MoE layer -> (1, hidden) fp32 (empty unless the plan has ``shared_gate`` steps; dense layers have no entry), and
+    the routing self-check (`self_check`; None unless native hidden-state prompt rows were made)."""
 
     routers: dict[int, torch.Tensor]
     shared: dict[int, torch.Tensor]
+    self_check: Optional["SelfCheck"] = None
 
 
 def compute_gate_rows(params: GateParams, plan: Plan, base: Checkpoint,
@@ -84,8 +89,8 @@ def compute_gate_rows(params: GateParams, plan: Plan, base: Checkpoint,
         if shared or not wants_shared:
             return GateRows(routers, shared)
         return GateRows(routers, _shared_embedding_gates(params, plan, base))
-    routers = _native_routers(params, plan, base, device)
-    return GateRows(routers, _shared_embedding_gates(params, plan, base) if wants_shared else {})
+    routers, checked = _native_routers(params, plan, base, device)
+    return GateRows(routers, _shared_embedding_gates(params, plan, base) if wants_shared else {}, checked)
 
 
 def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
@@ -101,20 +106,21 @@ def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
         from moe_upcycle.gates.mergekit_gates import compute_mergekit_gates
 
         return compute_mergekit_gates(params, plan, base)[0]
-    return _native_routers(params, plan, base, device)
+    return _native_routers(params, plan, base, device)[0]
 
 
-def _native_routers(params: GateParams, plan: Plan, base: Checkpoint,
-                    device: Optional[torch.device]) -> dict[int, torch.Tensor]:
-    """`_routers`, with a sigmoid router's (GLM-4-MoE's) shorter default rows (`glm4.sigmoid_rows`)."""
-    gates = _routers(params, plan, base, device)
+def _native_routers(params: GateParams, plan: Plan, base: Checkpoint, device: Optional[torch.device]
+                    ) -> tuple[dict[int, torch.Tensor], Optional["SelfCheck"]]:
+    """`_routers`, with a sigmoid router's (GLM-4-MoE's) shorter default rows (`glm4.sigmoid_rows`; the self-check's
+    top-1 counts do not depend on a row's length)."""
+    gates, checked = _routers(params, plan, base, device)
     return glm4.sigmoid_rows(names.output_layout(plan.architecture), gates, params.mode, bool(params.scale),
-                             PROMPT_MODES + HIDDEN_MODES)
+                             PROMPT_MODES + HIDDEN_MODES), checked
 
 
-def _routers(params: GateParams, plan: Plan, base: Checkpoint,
-             device: Optional[torch.device]) -> dict[int, torch.Tensor]:
-    """Native routers (``gate_source: native``) of the MoE layers."""
+def _routers(params: GateParams, plan: Plan, base: Checkpoint, device: Optional[torch.device]
+             ) -> tuple[dict[int, torch.Tensor], Optional["SelfCheck"]]:
+    """Native routers (``gate_source: native``) of the MoE layers, and the hidden-state prompt modes' self-check."""
     experts = params.experts
     num_experts, hidden = len(experts), plan.base_config.hidden_size
     mode = params.mode
@@ -126,13 +132,15 @@ def _routers(params: GateParams, plan: Plan, base: Checkpoint,
         if params.center:  # remove what every expert's prompts share, as `hidden_gates.gate_rows` does
             rows = rows - rows.mean(dim=0, keepdim=True)
         shared = normalise_rows(rows, params.scale or default_gate_scale(hidden))
-        return {layer: shared.clone() for layer in moe_layers}
+        return {layer: shared.clone() for layer in moe_layers}, None
     if mode in HIDDEN_MODES:
-        from moe_upcycle.gates.hidden_gates import compute_hidden_gates
+        from moe_upcycle.gates.hidden_gates import checked_hidden_gates
 
         if base.path is None:
             raise ConfigError(f"gate_mode: {mode} runs the base model, which needs a checkpoint folder")
-        return compute_hidden_gates(params, plan.num_layers, base, moe_layers)
+        one_row_each = len(plan.expert_names) == len(experts)  # not split experts' tied rows
+        return checked_hidden_gates(params, plan.num_layers, base, moe_layers,
+                                    plan.expert_names if one_row_each else None)
     gates: dict[int, torch.Tensor] = {}
     for layer in range(plan.num_layers):  # every layer drawn in turn, the MoE layers' kept
         if mode == "random":
@@ -144,7 +152,7 @@ def _routers(params: GateParams, plan: Plan, base: Checkpoint,
             g = torch.zeros(num_experts, hidden, device=gen.device)
         if layer in plan.moe_layers:
             gates[layer] = inits.tie_router_rows(g, group_size, reduce="first")
-    return gates
+    return gates, None
 
 
 def check_prompts(params: GateParams) -> None:

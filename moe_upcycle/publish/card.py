@@ -142,7 +142,8 @@ def choose_license(sources: Sequence[tuple[str, Path]]) -> tuple[Optional[dict],
 
 
 def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
-               sources: Optional[Mapping[str, Optional[Path]]] = None) -> str:
+               sources: Optional[Mapping[str, Optional[Path]]] = None,
+               self_check_lines: Optional[list[str]] = None) -> str:
     """The model card text.
 
     Args:
@@ -151,6 +152,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
         verify_lines: markdown from `verify.VerifyResult.lines`, when verification ran.
         sources: reference -> folder of every model the recipe names, the base first, read for hub ids
             (``_name_or_path``) and licenses; default: the references alone.
+        self_check_lines: markdown from `self_check_card.self_check_lines`, when the build made the self-check.
     """
     named = Sources(config, sources or {})
     bases = named.base_models()  # hub ids only: the hub rejects local paths in base_model
@@ -188,6 +190,7 @@ def model_card(config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[st
     notes = "\n".join(f"- {named.without_paths(n, sources or {})}" for n in build_notes(config, plan))
     notes = f"\n## Notes from the build\n\n{notes}\n" if notes else ""
     verify = "\n".join(named.without_paths(line, sources or {}) for line in verify_lines) if verify_lines else "Not run. Run `moe-upcycle verify <this folder>` to check it."
+    routing = ("\n## Routing self-check\n\n" + "\n".join(self_check_lines) + "\n") if self_check_lines else ""
     stored = "stored twice: llama.cpp requires output.weight" if plan.tied_head_written else "stored once"
     tied = f"\nThe input and output embeddings are tied ({stored}).\n" if plan.tied_embeddings else ""
     note = f"\n> **License:** {license_note}\n" if license_note else ""
@@ -214,7 +217,7 @@ Built with moe-upcycle {__version__}: {len(plan.expert_names)} experts,
 ## How the experts were made
 
 {how}
-{notes}
+{notes}{routing}
 ## Recipe
 
 Every key, with the value this build used (`# default`: not set in the recipe). Local models and files are
@@ -270,5 +273,7 @@ def _changes(expert) -> str:
 
 
 def write_model_card(folder: Path, config: UpcycleConfig, plan: Plan, verify_lines: Optional[list[str]] = None,
-                     sources: Optional[Mapping[str, Optional[Path]]] = None) -> None:
-    (folder / "README.md").write_text(model_card(config, plan, verify_lines, sources), encoding="utf-8")
+                     sources: Optional[Mapping[str, Optional[Path]]] = None,
+                     self_check_lines: Optional[list[str]] = None) -> None:
+    (folder / "README.md").write_text(model_card(config, plan, verify_lines, sources, self_check_lines),
+                                      encoding="utf-8")
