@@ -259,6 +259,12 @@ def cases() -> list[Case]:
         Case("qwen3_5->qwen3_5_moe bf16 shared split (bf16 gguf)", "qwen3_5", {"architecture": "qwen3_5_moe",
              "shared_expert_gate": "constant", "dtype": "bfloat16"}, routed_scale=0.5, shared=1, outtype="bf16"),
     ]
+    # Granite (multipliers, logits_scaling) -> Granite-MoE-Shared (JetMoE's input_linear; llama.cpp's granitemoe)
+    out += [
+        Case("granite->granitemoeshared k=2", "granite", {"architecture": "granitemoeshared"}),
+        Case("granite tied->granitemoeshared k=4 of 4", "granite_tied", {"architecture": "granitemoeshared",
+             "experts_per_token": 4}),
+    ]
     return out
 
 
@@ -270,6 +276,9 @@ QWEN3_5 = dict(num_hidden_layers=4, head_dim=64, linear_key_head_dim=16, linear_
                layer_types=["linear_attention", "full_attention"] * 2,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                 "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+
+
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
 
 
 def dense_models(folder: Path) -> dict[str, Path]:
@@ -307,6 +316,10 @@ def dense_models(folder: Path) -> dict[str, Path]:
                                     **QWEN3_5),
         "qwen3_5_tied": make_dense_model(folder / "qwen3_5_tied", family="qwen3_5_text", seed=34,
                                          tie_word_embeddings=True, random_norms_and_biases=True, **QWEN3_5),
+        "granite": make_dense_model(folder / "granite", family="granite", seed=35, random_norms_and_biases=True,
+                                    **GRANITE),
+        "granite_tied": make_dense_model(folder / "granite_tied", family="granite", seed=36, tie_word_embeddings=True,
+                                         random_norms_and_biases=True, **GRANITE),
     }
     # published (transformers 4.x) spellings of rope scaling, written over the saved config.json
     short = dict(max_position_embeddings=16)
