@@ -544,8 +544,9 @@ def fill_model(model: torch.nn.Module, plan: Plan, tensors, placement: Optional[
                            f"this is a bug: the plan and {type(model).__name__} disagree")
 
 
-_GRANITE_NAMES = ((".input_linear.weight", ".experts.gate_up_proj"), (".output_linear.weight", ".experts.down_proj"),
-                  (".router.layer.weight", ".router.weight"))
+_RENAMED = ((".input_linear.weight", ".experts.gate_up_proj"), (".output_linear.weight", ".experts.down_proj"),
+                  (".router.layer.weight", ".router.weight"),
+                  (".mlp.moe_statics.e_score_correction_bias", ".mlp.gate.moe_statics.e_score_correction_bias"))
 
 
 def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
@@ -555,7 +556,7 @@ def _place(name: str, params: dict[str, Any]) -> tuple[str, Optional[tuple]]:
     renamed = name.replace(".block_sparse_moe.", ".mlp.")
     if renamed in params:
         return renamed, None
-    for old, new in _GRANITE_NAMES:  # Granite-MoE's checkpoint names as transformers 5 loads them
+    for old, new in _RENAMED:  # Granite-MoE and ERNIE-4.5-MoE checkpoint names as transformers 5 loads them
         if name.endswith(old) and name[:-len(old)] + new in params:
             return name[:-len(old)] + new, None
     m = _FUSED_EXPERT.match(renamed)

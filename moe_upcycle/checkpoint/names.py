@@ -154,6 +154,8 @@ INPUT_FAMILIES: dict[str, InputFamily] = {
     "qwen3_5_text": InputFamily("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_moe_text"),
     # Granite: Llama's layers with embedding / residual / attention multipliers and logits_scaling
     "granite": InputFamily("granite", "GraniteForCausalLM", "granitemoeshared", only_outputs=("granitemoeshared",)),
+    # ERNIE 4.5: Llama's names, GLM-style interleaved rope (only ERNIE-4.5-MoE rotates the same way)
+    "ernie4_5": InputFamily("ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5_moe", only_outputs=("ernie4_5_moe",)),
 }
 
 OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
@@ -246,6 +248,19 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         input_families=("granite",),
         fused_only=True,
         native_fused=True,
+    ),
+    # Ernie4_5_MoeForCausalLM: softmax, top-k of (probabilities + a zero correction bias), divided by their sum
+    # (`planning.router_statics`); per-expert names (transformers 5 converts them like Qwen2-MoE's); no shared experts
+    "ernie4_5_moe": OutputLayout(
+        model_type="ernie4_5_moe",
+        class_name="Ernie4_5_MoeForCausalLM",
+        label="ERNIE-4.5-MoE",
+        router="model.layers.{layer}.mlp.gate.weight",
+        expert={p: "model.layers.{layer}.mlp.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER,
+        experts_key="moe_num_experts",
+        config={"use_bias": False},
+        input_families=("ernie4_5",),
     ),
 }
 

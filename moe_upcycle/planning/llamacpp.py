@@ -92,6 +92,8 @@ LLAMACPP: dict[str, LlamaCppArch] = {
     # src/models/granite.cpp (LLM_ARCH_GRANITE_MOE): softmax, top-k, norm_w = true; the converter's GraniteMoeModel
     # splits input_linear and writes the multipliers as attention / embedding / residual / logit scales
     "granitemoeshared": LlamaCppArch("granitemoe", renormalises_top_k=True),
+    # src/models/ernie4-5-moe.cpp: softmax, top-k with the exp_probs_b correction bias (zeros here), norm_w = true
+    "ernie4_5_moe": LlamaCppArch("ernie4_5-moe", renormalises_top_k=True, loads_o_proj_bias=False),
 }
 GATING = "softmax over all experts, then top-k"
 

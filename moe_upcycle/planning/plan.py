@@ -17,7 +17,8 @@ from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import STR_DTYPES, Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import arch, compat, fused, hybrid, inits, llamacpp, shared_experts, source_checks, sparsity
+from moe_upcycle.planning import (arch, compat, fused, hybrid, inits, llamacpp, router_statics, shared_experts,
+                                  source_checks, sparsity)
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import unused_prompts_note
 from moe_upcycle.recipe.resolve import expert_inits, moe_layers
@@ -164,6 +165,7 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
                 steps.append(Step(names.fill(layout.expert[proj], layer=layer, expert=e), shape, dtype,
                                   "expert", (expert.source_model, key), layer, e, tuple(transforms)))
         steps += shared_experts.plan_steps(config, sources, layout, layer, dtype, problems)
+        steps += router_statics.steps(layout, layer, len(experts))
     copy("model.norm.weight")
     if not tied:
         copy(names.LM_HEAD)

@@ -39,6 +39,7 @@ _MERGEKIT_OUTPUTS = {"mixtral": "mixtral", "deepseek moe": "deepseek", "qwen moe
 _EXTRA_SPELLINGS = {"qwen2": "qwen2_moe", "qwen2 moe": "qwen2_moe", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
                     "qwen moe": "qwen2_moe", "deepseekmoe": "deepseek", "deepseek v1": "deepseek"}
 OUR_ARCHITECTURES = ("mixtral", "qwen", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "granitemoeshared",
+                     "ernie4_5_moe",
                      "deepseek")
 # how and where to run, not what to build: setting these (CLI options) keeps a config mergekit-shaped
 RUN_KEYS = frozenset({"device", "batch_size", "checksums", "tensor_policy", "max_shard_size", "output"})
