@@ -1,11 +1,13 @@
 """The one table of tensor names: dense input families and MoE output layouts.
 
 Inputs are the gate/up/down SwiGLU families with Llama's layer names (Llama, Mistral, Qwen2 with
-q/k/v biases, Qwen3 with q/k norms). Outputs are Mixtral, Qwen2-MoE (attention biases, one
-shared expert with a sigmoid gate) and Qwen3-MoE (q/k norms); each says which dense tensors it
-can hold, its per-expert and transformers-5 fused names, the names of a layer left dense
-(``moe_layers:``; Qwen MoE only) and its config.json keys, so `arch`, `plan`, `fused` and
-`model_files` need no per-architecture code paths.
+q/k/v biases, Qwen3 with q/k norms, Qwen3.5 with Gated DeltaNet layers, Granite with its multipliers,
+ERNIE 4.5). Outputs are Mixtral, Qwen2-MoE (attention biases, one shared expert with a sigmoid gate),
+Qwen3-MoE (q/k norms), Qwen3.5-MoE (hybrid layers by ``layer_types``), Granite-MoE-Shared and
+ERNIE-4.5-MoE; each says which dense tensors it can hold (per layer kind for hybrid models), its
+per-expert and fused names, the names of a layer left dense (``moe_layers:``; Qwen MoE only), its
+config.json keys and which bases it takes, so `arch`, `plan`, `fused` and `model_files` need no
+per-architecture code paths.
 
 Names are templates with ``{layer}`` and ``{expert}`` holes, filled by `fill`. `split_layer`
 turns a concrete key such as ``model.layers.3.self_attn.q_proj.weight`` back into
