@@ -328,8 +328,8 @@ def dense_models(folder: Path) -> dict[str, Path]:
         "granite_tied": make_dense_model(folder / "granite_tied", family="granite", seed=36, tie_word_embeddings=True,
                                          random_norms_and_biases=True, **GRANITE),
         "ernie4_5": make_dense_model(folder / "ernie4_5", family="ernie4_5", seed=37, random_norms_and_biases=True),
-        "ernie4_5_tied": make_dense_model(folder / "ernie4_5_tied", family="ernie4_5", seed=38, tie_word_embeddings=True,
-                                          random_norms_and_biases=True),
+        "ernie4_5_tied": make_dense_model(folder / "ernie4_5_tied", family="ernie4_5", seed=38,
+                                          tie_word_embeddings=True, random_norms_and_biases=True),
     }
     # published (transformers 4.x) spellings of rope scaling, written over the saved config.json
     short = dict(max_position_embeddings=16)

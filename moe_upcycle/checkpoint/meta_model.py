@@ -1,7 +1,7 @@
 """Describe a dense model's tensors from its config.json alone: names, shapes, dtypes, no files.
 
-`describe_dense(config)` derives every tensor of a Llama/Mistral (or Qwen3.5, by layer kind) checkpoint from the config's
-dimensions, using the key templates of `names`; `meta_sources(refs)` opens every model a recipe
+`describe_dense(config)` derives every tensor of a Llama/Mistral (or Qwen3.5, by layer kind) checkpoint
+from the config's dimensions, using the key templates of `names`; `meta_sources(refs)` opens every model a recipe
 names this way (only ``config.json`` has to be on disk), so ``moe-upcycle plan --from-config``
 plans a Mixtral-8x7B before a byte of its weights is downloaded, in milliseconds. It does not
 read or invent weights: reading a tensor of a meta checkpoint gives a ``meta`` tensor.
@@ -49,8 +49,8 @@ BIAS_SHAPES: dict[str, tuple[str, Callable[[Dims], tuple[int, ...]]]] = {
 def _qwen3_5_layer(cfg: DenseConfig, kind: str, dims: Dims) -> dict[str, tuple[int, ...]]:
     """One Qwen3.5 layer's token-mixer tensors: a Gated DeltaNet (``linear_attention``) or gated full attention."""
     if kind == "full_attention":  # q_proj holds each head's query and its output gate
-        return {"self_attn.q_proj.weight": (2 * dims["Q"], dims["H"]), "self_attn.k_proj.weight": (dims["KV"], dims["H"]),
-                "self_attn.v_proj.weight": (dims["KV"], dims["H"]), "self_attn.o_proj.weight": (dims["H"], dims["Q"]),
+        return {"self_attn.q_proj.weight": (2 * dims["Q"], dims["H"]),
+                "self_attn.k_proj.weight": (dims["KV"], dims["H"]), "self_attn.v_proj.weight": (dims["KV"], dims["H"]), "self_attn.o_proj.weight": (dims["H"], dims["Q"]),
                 "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)}
     nk, nv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                        "linear_value_head_dim"))

@@ -208,7 +208,8 @@ def make_plan(config: UpcycleConfig, sources: dict[str, Checkpoint]) -> Plan:
     inexact = ((split_inexact,) if split_inexact else ()) + tuple(renorm_inexact)
     plan = Plan(arch_name, tuple(steps), tuple(e.name or "" for e in experts), config.experts_per_token, dtype,
                 bcfg, tied, tuple(notes), expert_intermediate_size=dense_i // g if g > 1 else None,
-                layout="fused" if fuse and not layout.native_fused else config.layout, cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
+                layout="fused" if fuse and not layout.native_fused else config.layout,
+                cautions=tuple(cautions), tied_scores=config.gate_mode == "uniform",
                 not_copied=tuple(extra), inexact=inexact, dense_layers=tuple(sorted(dense_layers)),
                 norm_topk_prob=config.norm_topk_prob is not False)
     if plan.ties_decide:
