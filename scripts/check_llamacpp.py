@@ -70,6 +70,10 @@ for cls in vars(base).values():
             except NotImplementedError:
                 return "gpt-2"
         cls.get_vocab_base_pre = patched
+# ERNIE's converter reads a SentencePiece tokenizer.model; the tiny models' byte-level BPE is read as GPT-2's
+# (we feed token ids, so only the vocabulary's size matters)
+import conversion.ernie as ernie
+ernie.Ernie4_5Model.set_vocab = lambda self: self._set_vocab_gpt2()
 {extra}
 sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}, *{flags!r}]
 import runpy
@@ -288,6 +292,15 @@ def cases() -> list[Case]:
         Case("llama->glm4_moe no shared (0-wide shared MLP)", "llama", {"architecture": "glm4_moe"},
              glm_vocab=True, expect="fails", why="n_shared_experts 0: the 0-wide shared-MLP tensors"),
     ]
+    # Granite (multipliers, logits_scaling) -> Granite-MoE-Shared (JetMoE's input_linear; llama.cpp's granitemoe)
+    out += [
+        Case("granite->granitemoeshared k=2", "granite", {"architecture": "granitemoeshared"}),
+        Case("granite tied->granitemoeshared k=4 of 4", "granite_tied", {"architecture": "granitemoeshared",
+             "experts_per_token": 4}),
+        # ERNIE 4.5 -> ERNIE-4.5-MoE (zero e_score_correction_bias; llama.cpp's ernie4_5-moe)
+        Case("ernie4_5->ernie4_5_moe k=2", "ernie4_5", {"architecture": "ernie4_5_moe"}),
+        Case("ernie4_5 tied->ernie4_5_moe k=2", "ernie4_5_tied", {"architecture": "ernie4_5_moe"}),
+    ]
     return out
 
 
@@ -299,6 +312,9 @@ QWEN3_5 = dict(num_hidden_layers=4, head_dim=64, linear_key_head_dim=16, linear_
                layer_types=["linear_attention", "full_attention"] * 2,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                 "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+
+
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
 
 
 def dense_models(folder: Path) -> dict[str, Path]:
@@ -336,6 +352,13 @@ def dense_models(folder: Path) -> dict[str, Path]:
                                     **QWEN3_5),
         "qwen3_5_tied": make_dense_model(folder / "qwen3_5_tied", family="qwen3_5_text", seed=34,
                                          tie_word_embeddings=True, random_norms_and_biases=True, **QWEN3_5),
+        "granite": make_dense_model(folder / "granite", family="granite", seed=35, random_norms_and_biases=True,
+                                    **GRANITE),
+        "granite_tied": make_dense_model(folder / "granite_tied", family="granite", seed=36, tie_word_embeddings=True,
+                                         random_norms_and_biases=True, **GRANITE),
+        "ernie4_5": make_dense_model(folder / "ernie4_5", family="ernie4_5", seed=37, random_norms_and_biases=True),
+        "ernie4_5_tied": make_dense_model(folder / "ernie4_5_tied", family="ernie4_5", seed=38,
+                                          tie_word_embeddings=True, random_norms_and_biases=True),
     }
     # published (transformers 4.x) spellings of rope scaling, written over the saved config.json
     short = dict(max_position_embeddings=16)

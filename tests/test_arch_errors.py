@@ -127,8 +127,8 @@ def test_unsupported_architecture_lists_supported():
     assert got == ["architecture: deepseek: mergekit-moe writes DeepSeek-MoE (v1) checkpoints, which transformers can "
                    "only load with trust_remote_code and code from deepseek-ai/deepseek-moe-16b-base; moe-upcycle "
                    "writes only architectures transformers ships (mixtral, qwen2_moe, qwen3_moe, qwen3_5_moe_text, "
-                   "granitemoeshared, glm4_moe) → use architecture: mixtral (or leave architecture: out), which "
-                   "transformers loads natively"]
+                   "granitemoeshared, ernie4_5_moe, glm4_moe) → use architecture: mixtral (or leave architecture: "
+                   "out), which transformers loads natively"]
 
 
 # ---- unsupported families
@@ -137,7 +137,7 @@ def test_unsupported_base_family_names_model_and_field():
     got = problems({"base_model": "gpt", "num_experts": 2, "gate_mode": "random"}, meta("gpt", "gpt2"))
     assert got == ["base_model (gpt): model_type 'gpt2' is not supported as input; supported: LlamaForCausalLM (llama), "
                    "MistralForCausalLM (mistral), Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), "
-                   "Qwen3_5ForCausalLM (qwen3_5_text)"]
+                   "Qwen3_5ForCausalLM (qwen3_5_text), GraniteForCausalLM (granite), Ernie4_5ForCausalLM (ernie4_5)"]
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe"])

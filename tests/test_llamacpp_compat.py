@@ -156,7 +156,8 @@ def test_verdicts_per_architecture(tiny_llama, tiny_qwen3, tiny_qwen3_tied_bias)
     assert not any(n.startswith("llama.cpp") for n in upcycle(_cfg(tiny_llama, "mixtral"), dry_run=True).plan.notes)
     assert {a: (x.name, x.renormalises_top_k) for a, x in LLAMACPP.items()} == {
         "mixtral": ("llama", True), "qwen2_moe": ("qwen2moe", False), "qwen3_moe": ("qwen3moe", True),
-        "glm4_moe": ("glm4moe", True)}
+        "qwen3_5_moe_text": ("qwen35moe", True), "granitemoeshared": ("granitemoe", True),
+        "ernie4_5_moe": ("ernie4_5-moe", True), "glm4_moe": ("glm4moe", True)}
 
 
 def test_tied_qwen2moe_writes_lm_head_for_llamacpp_and_stays_tied(tiny_qwen2_tied, tmp_path):

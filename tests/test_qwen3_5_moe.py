@@ -249,3 +249,31 @@ def test_upcycle_model_in_memory(dense):
     assert type(moe) is Qwen3_5MoeForCausalLM and moe.config.layer_types == LAYER_TYPES
     with torch.inference_mode():
         assert_close_rel(moe(IDS).logits, model(IDS).logits)
+
+
+def test_meta_description_matches_the_saved_model(dense):
+    """``--from-config`` describes a Qwen3.5 as transformers saves it: every name and shape, per layer kind."""
+    from moe_upcycle.checkpoint.meta_model import describe_dense
+
+    described = {k: s for k, (s, _) in describe_dense(json.loads((dense / "config.json").read_text())).items()}
+    assert described == {k: tuple(v.shape) for k, v in _tensors(dense).items()}
+
+
+def test_a_qwen3_5_9b_shaped_plan_on_meta_tensors(tmp_path):
+    cfg = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 4096,
+           "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+           "head_dim": 256, "vocab_size": 248320, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+           "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8, "dtype": "bfloat16",
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    result = upcycle({"base_model": str(tmp_path), "num_experts": 8, "experts_per_token": 2, "gate_mode": "random",
+                      "architecture": "qwen3_5_moe"}, dry_run=True, from_config=True)
+    h, i, v = 4096, 12288, 248320
+    linear = 2 * 16 * 128 * h + 32 * 128 * h + 2 * 32 * h + (2 * 16 * 128 + 32 * 128) * 4 + 2 * 32 + 128 \
+        + 32 * 128 * h + h * 32 * 128  # in_proj_qkv, in_proj_z, in_proj_a/b, conv1d, A_log + dt_bias, norm, out_proj
+    full = 2 * 16 * 256 * h + 2 * 4 * 256 * h + h * 16 * 256 + 2 * 256  # q (with its gate), k, v, o, q/k norms
+    moe = 8 * 3 * i * h + 8 * h + 3 * 1 * h + h  # experts, router, the one-neuron shared expert, its gate
+    total = 2 * v * h + h + 32 * (2 * h + moe) + 24 * linear + 8 * full
+    assert result.summary.total_params == total
+    assert result.summary.active_params == total - 32 * 6 * 3 * i * h  # 2 of 8 experts run

@@ -465,7 +465,8 @@ def _check_layer_kinds(model: torch.nn.Module, plan: Optional[Plan], result: Ver
         i = wrong[0] if wrong else min(len(built), len(want))
         result.problems.append(f"transformers built layer {i} as {built[i] if i < len(built) else 'nothing'}, but the "
                                f"dense base's layer_types says {want[i] if i < len(want) else 'nothing'} "
-                               f"({len(wrong)} layer(s) differ); config.json's layer_types is not the base's — rebuild")
+                               f"({len(wrong)} layer(s) differ); config.json's layer_types is not the base's — "
+                               f"rebuild")
 
 
 def _check_config(folder: Path, plan: Optional[Plan], result: VerifyResult) -> list[str]:

@@ -1,8 +1,8 @@
 """Describe a dense model's tensors from its config.json alone: names, shapes, dtypes, no files (an MoE's too:
 `describe_moe`, for a grown MoE's plan).
 
-`describe_dense(config)` derives every tensor of a Llama/Mistral checkpoint from the config's
-dimensions, using the key templates of `names`; `meta_sources(refs)` opens every model a recipe
+`describe_dense(config)` derives every tensor of a Llama/Mistral (or Qwen3.5, by layer kind) checkpoint
+from the config's dimensions, using the key templates of `names`; `meta_sources(refs)` opens every model a recipe
 names this way (only ``config.json`` has to be on disk), so ``moe-upcycle plan --from-config``
 plans a Mixtral-8x7B before a byte of its weights is downloaded, in milliseconds. It does not
 read or invent weights: reading a tensor of a meta checkpoint gives a ``meta`` tensor.
@@ -48,6 +48,22 @@ BIAS_SHAPES: dict[str, tuple[str, Callable[[Dims], tuple[int, ...]]]] = {
 }
 
 
+def _qwen3_5_layer(cfg: DenseConfig, kind: str, dims: Dims) -> dict[str, tuple[int, ...]]:
+    """One Qwen3.5 layer's token-mixer tensors: a Gated DeltaNet (``linear_attention``) or gated full attention."""
+    if kind == "full_attention":  # q_proj holds each head's query and its output gate
+        return {"self_attn.q_proj.weight": (2 * dims["Q"], dims["H"]),
+                "self_attn.k_proj.weight": (dims["KV"], dims["H"]), "self_attn.v_proj.weight": (dims["KV"], dims["H"]), "self_attn.o_proj.weight": (dims["H"], dims["Q"]),
+                "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)}
+    nk, nv, dk, dv = (cfg[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                       "linear_value_head_dim"))
+    conv = 2 * nk * dk + nv * dv  # q, k and v channels
+    return {"linear_attn.A_log": (nv,), "linear_attn.conv1d.weight": (conv, 1, cfg["linear_conv_kernel_dim"]),
+            "linear_attn.dt_bias": (nv,), "linear_attn.in_proj_a.weight": (nv, dims["H"]),
+            "linear_attn.in_proj_b.weight": (nv, dims["H"]), "linear_attn.in_proj_qkv.weight": (conv, dims["H"]),
+            "linear_attn.in_proj_z.weight": (nv * dv, dims["H"]), "linear_attn.norm.weight": (dv,),
+            "linear_attn.out_proj.weight": (dims["H"], nv * dv)}
+
+
 def describe_dense(config: Mapping, where: str = "config.json") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor a dense checkpoint with this config holds, in Hugging Face order.
 
@@ -80,7 +96,12 @@ def describe_dense(config: Mapping, where: str = "config.json") -> dict[str, tup
     shapes: dict[str, tuple[int, ...]] = {names.EMBED: (vocab, hidden)}
     for layer in range(cfg.num_hidden_layers):
         for suffix, shape in LAYER_SHAPES.items():
+            if cfg.model_type == "qwen3_5_text" and suffix.startswith("self_attn."):
+                continue  # by layer kind, below
             shapes[f"model.layers.{layer}.{suffix}"] = shape(dims)
+        if cfg.model_type == "qwen3_5_text":
+            kind = cfg["layer_types"][layer] if isinstance(cfg.get("layer_types"), list) else "full_attention"
+            shapes.update({f"model.layers.{layer}.{k}": v for k, v in _qwen3_5_layer(cfg, kind, dims).items()})
         for suffix, (flag, shape) in BIAS_SHAPES.items():
             if getattr(cfg, flag):
                 shapes[f"model.layers.{layer}.{suffix}"] = shape(dims)

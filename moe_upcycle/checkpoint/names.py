@@ -1,11 +1,13 @@
 """The one table of tensor names: dense input families and MoE output layouts.
 
 Inputs are the gate/up/down SwiGLU families with Llama's layer names (Llama, Mistral, Qwen2 with
-q/k/v biases, Qwen3 with q/k norms). Outputs are Mixtral, Qwen2-MoE (attention biases, one
-shared expert with a sigmoid gate) and Qwen3-MoE (q/k norms); each says which dense tensors it
-can hold, its per-expert and transformers-5 fused names, the names of a layer left dense
-(``moe_layers:``; Qwen MoE only) and its config.json keys, so `arch`, `plan`, `fused` and
-`model_files` need no per-architecture code paths.
+q/k/v biases, Qwen3 with q/k norms, Qwen3.5 with Gated DeltaNet layers, Granite with its multipliers,
+ERNIE 4.5). Outputs are Mixtral, Qwen2-MoE (attention biases, one shared expert with a sigmoid gate),
+Qwen3-MoE (q/k norms), Qwen3.5-MoE (hybrid layers by ``layer_types``), Granite-MoE-Shared and
+ERNIE-4.5-MoE; each says which dense tensors it can hold (per layer kind for hybrid models), its
+per-expert and fused names, the names of a layer left dense (``moe_layers:``; Qwen MoE only), its
+config.json keys and which bases it takes, so `arch`, `plan`, `fused` and `model_files` need no
+per-architecture code paths.
 
 Names are templates with ``{layer}`` and ``{expert}`` holes, filled by `fill`. `split_layer`
 turns a concrete key such as ``model.layers.3.self_attn.q_proj.weight`` back into
@@ -117,6 +119,7 @@ class OutputLayout:
     # and the config.json field for the shared expert's size (None: n_shared_experts x moe_intermediate_size)
     optional_tensors: tuple[str, ...] = ()
     router_bias: Optional[str] = None
+    router_bias_shape: str = "(E,)"  # ERNIE-4.5-MoE's moe_statics bias is (1, E)
     leading_dense_only: bool = False
     shared_size_key: Optional[str] = "shared_expert_intermediate_size"
     # tried without `architecture:` and suggested in errors; False: only when named (or when nothing else fits)
@@ -166,6 +169,8 @@ INPUT_FAMILIES: dict[str, InputFamily] = {
     "qwen3_5_text": InputFamily("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_moe_text"),
     # Granite: Llama's layers with embedding / residual / attention multipliers and logits_scaling
     "granite": InputFamily("granite", "GraniteForCausalLM", "granitemoeshared", only_outputs=("granitemoeshared",)),
+    # ERNIE 4.5: Llama's names, GLM-style interleaved rope (only ERNIE-4.5-MoE rotates the same way)
+    "ernie4_5": InputFamily("ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5_moe", only_outputs=("ernie4_5_moe",)),
 }
 
 OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
@@ -281,6 +286,21 @@ OUTPUT_LAYOUTS: dict[str, OutputLayout] = {
         config={"norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                 "partial_rotary_factor": 1.0, "num_nextn_predict_layers": 0},
         dense_mlp={p: DENSE_MLP.replace("{proj}", p) for p in PROJS},  # Glm4MoeMLP below first_k_dense_replace
+    ),
+    # Ernie4_5_MoeForCausalLM: softmax, top-k of (probabilities + a zero correction bias), divided by their sum
+    # (`planning.router_statics`); per-expert names (transformers 5 converts them like Qwen2-MoE's); no shared experts
+    "ernie4_5_moe": OutputLayout(
+        model_type="ernie4_5_moe",
+        class_name="Ernie4_5_MoeForCausalLM",
+        label="ERNIE-4.5-MoE",
+        router="model.layers.{layer}.mlp.gate.weight",
+        expert={p: "model.layers.{layer}.mlp.experts.{expert}." + p + ".weight" for p in PROJS},
+        layer_tensors=LLAMA_LAYER,
+        experts_key="moe_num_experts",
+        router_bias="model.layers.{layer}.mlp.moe_statics.e_score_correction_bias",
+        router_bias_shape="(1, E)",
+        config={"use_bias": False},
+        input_families=("ernie4_5",),
     ),
 }
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from moe_upcycle.checkpoint import names
 from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import glm4, hybrid, windows
+from moe_upcycle.planning import glm4, hybrid, router_statics, windows
 from moe_upcycle.planning.steps import Plan
 from moe_upcycle.recipe.resolved import resolved
 from moe_upcycle.recipe.schema import UpcycleConfig
@@ -284,6 +284,7 @@ def config_fields(plan: "Plan") -> dict:
         fields[layout.bias_config_key] = any(s.name.endswith(names.QKV_BIAS) for s in plan.steps)
     fields.update({k: base[k] for k in layout.inherit if k in base})
     fields.update(hybrid.config_fields(layout, base))
+    fields.update(router_statics.config_fields(layout, plan))
     per_layer = windows.dense_windows(base)
     if not any(per_layer):  # a sliding_window the dense model does not apply is not copied
         fields.update(windows.no_window_fields(layout, base.num_hidden_layers))

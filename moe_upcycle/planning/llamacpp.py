@@ -112,6 +112,8 @@ LLAMACPP: dict[str, LlamaCppArch] = {
                              gating="sigmoid scores (+ e_score_correction_bias for the choice), top-k, weights from "
                                     "the sigmoid scores times routed_scaling_factor",
                              vocab_tokens=("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>")),
+    # src/models/ernie4-5-moe.cpp: softmax, top-k with the exp_probs_b correction bias (zeros here), norm_w = true
+    "ernie4_5_moe": LlamaCppArch("ernie4_5-moe", renormalises_top_k=True, loads_o_proj_bias=False),
 }
 GATING = "softmax over all experts, then top-k"
 

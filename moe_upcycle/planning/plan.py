@@ -18,8 +18,8 @@ from moe_upcycle.checkpoint.source import Checkpoint
 from moe_upcycle.checkpoint.headers import TensorInfo
 from moe_upcycle.dtypes import dtype_name
 from moe_upcycle.errors import PlanError
-from moe_upcycle.planning import (arch, compat, fused, glm4, grow, hybrid, inits, llamacpp, shared_experts, source_checks,
-                                  sparsity)
+from moe_upcycle.planning import (arch, compat, fused, glm4, grow, hybrid, inits, llamacpp, shared_experts,
+                                  source_checks, sparsity)
 from moe_upcycle.planning.steps import Plan, Step, source_layer
 from moe_upcycle.recipe.params import MoeLayers, unused_prompts_note
 from moe_upcycle.recipe.resolved import resolved
@@ -234,8 +234,9 @@ def _plan_mlp(draft: _Draft, layer: int) -> None:
     experts, layout = draft.experts, draft.layout
     draft.steps.append(Step(names.fill(layout.router, layer=layer), (len(experts), draft.base.fields.hidden_size),
                             draft.dtype, "router", layer=layer))
-    if layout.router_bias:  # GLM-4-MoE's e_score_correction_bias: zeros, fp32 as transformers keeps it
-        draft.steps.append(Step(names.fill(layout.router_bias, layer=layer), (len(experts),), torch.float32, "zeros",
+    if layout.router_bias:  # GLM-4-MoE's / ERNIE-4.5-MoE's e_score_correction_bias: zeros, fp32 as transformers keeps it
+        shape = (len(experts),) if layout.router_bias_shape == "(E,)" else (1, len(experts))
+        draft.steps.append(Step(names.fill(layout.router_bias, layer=layer), shape, torch.float32, "zeros",
                                 layer=layer))
     for proj in names.PROJS:
         for e, expert in enumerate(experts):

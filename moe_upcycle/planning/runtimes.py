@@ -45,6 +45,8 @@ rules per runtime are plain functions in `RULES`; what they encode:
 - Granite-MoE-Shared (``granitemoeshared``): its fused ``input_linear`` / ``output_linear`` are the format
   transformers 4.57, vLLM (``models/granitemoeshared.py``) and llama.cpp's converter (``GraniteMoeModel``) read;
   ExLlamaV2 has no Granite MoE.
+- ERNIE-4.5-MoE (``ernie4_5_moe``): per-expert tensors and a zero ``e_score_correction_bias``; transformers 4.57,
+  vLLM (``models/ernie45_moe.py``) and llama.cpp (``ernie4_5-moe``) read them; no ExLlamaV2.
 - rope scaling (every runtime but transformers 5): the rules of `rope` (dynamic NTK, yarn's
   attention_factor, longrope's factor), read from the config.json as `rope.rope_fields` spells it.
 
@@ -180,6 +182,9 @@ def _transformers4(f: OutputFacts) -> Verdict:
 
 
 def _vllm(f: OutputFacts) -> Verdict:
+    if f.model_type == "ernie4_5_moe":  # models/ernie45_moe.py
+        return Verdict("vLLM", EXACT, "its ernie45_moe reads per-expert tensors and e_score_correction_bias, and "
+                       "renormalises the top-k weights as transformers does; not run here (GPU)")
     if f.model_type == "granitemoeshared":  # models/granitemoeshared.py: input_linear split into w1/w3
         return Verdict("vLLM", EXACT, "its granitemoeshared reads input_linear / output_linear and the multipliers; "
                        "softmax of the top-k logits, as transformers; not run here (GPU)")
@@ -225,8 +230,8 @@ def _llama_cpp(f: OutputFacts) -> Verdict:
 def _exllamav2(f: OutputFacts) -> Verdict:
     if f.model_type == "qwen3_5_moe_text":
         return Verdict("ExLlamaV2", NO_LOAD, "it has no Qwen3_5MoeForCausalLM (no linear-attention layers)")
-    if f.model_type == "granitemoeshared":
-        return Verdict("ExLlamaV2", NO_LOAD, "it has no Granite MoE architecture")
+    if f.model_type in ("granitemoeshared", "ernie4_5_moe"):
+        return Verdict("ExLlamaV2", NO_LOAD, f"it has no {f.model_type} architecture")
     if f.model_type in ("qwen2_moe", "glm4_moe"):
         return Verdict("ExLlamaV2", NO_LOAD, f"it has no {names.output_layout(f.model_type).class_name}: it falls "
                        f"back to Llama and finds no dense mlp.gate_proj")

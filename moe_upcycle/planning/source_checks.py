@@ -45,7 +45,8 @@ def _expected_shapes(config: DenseConfig) -> dict[str, tuple[tuple[int, ...], st
     # Qwen3.5's gated attention: q_proj holds each head's query and its output gate
     q_rows, q_fields = (2, f"2 x {attn}") if config.model_type in GATED_QUERY else (1, attn)
     shapes.update({
-        "model.layers.{layer}.self_attn.q_proj.weight": ((q_rows * heads * head_dim, hidden), f"{q_fields}, hidden_size"),
+        "model.layers.{layer}.self_attn.q_proj.weight": ((q_rows * heads * head_dim, hidden),
+                                                         f"{q_fields}, hidden_size"),
         "model.layers.{layer}.self_attn.k_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
         "model.layers.{layer}.self_attn.v_proj.weight": ((kv * head_dim, hidden), f"{kv_dim}, hidden_size"),
         "model.layers.{layer}.self_attn.o_proj.weight": ((hidden, heads * head_dim), f"hidden_size, {attn}"),

@@ -40,7 +40,7 @@ _EXTRA_SPELLINGS = {"qwen2": "qwen2_moe", "qwen2 moe": "qwen2_moe", "qwen2moe": 
                     "qwen moe": "qwen2_moe", "deepseekmoe": "deepseek", "deepseek v1": "deepseek",
                     "glm4moe": "glm4_moe", "glm4 moe": "glm4_moe", "glm 4 moe": "glm4_moe"}
 OUR_ARCHITECTURES = ("mixtral", "qwen", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "granitemoeshared",
-                     "deepseek", "glm4_moe")
+                     "ernie4_5_moe", "deepseek", "glm4_moe")
 # how and where to run, not what to build: setting these (CLI options) keeps a config mergekit-shaped
 RUN_KEYS = frozenset({"device", "batch_size", "checksums", "tensor_policy", "max_shard_size", "output"})
 

@@ -47,7 +47,7 @@ Quantize = Literal["4bit", "8bit"]
 # mergekit-moe's names ("qwen", "deepseek") are accepted so its configs parse; `arch` says what it supports.
 # Spellings (any case, "Qwen MoE", "qwen3", ...) are mapped onto these by `mergekit_names.architecture_name`.
 Architecture = Literal["mixtral", "qwen", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "granitemoeshared",
-                       "deepseek", "glm4_moe"]
+                       "ernie4_5_moe", "deepseek", "glm4_moe"]
 # "native": our router inputs (hidden_gates); "mergekit": mergekit-moe 0.1.5's computation (mergekit_gates)
 GateSource = Literal["native", "mergekit"]
 Layout = Literal["per_expert", "fused"]
