@@ -127,7 +127,7 @@ def test_unsupported_architecture_lists_supported():
     assert got == ["architecture: deepseek: mergekit-moe writes DeepSeek-MoE (v1) checkpoints, which transformers can "
                    "only load with trust_remote_code and code from deepseek-ai/deepseek-moe-16b-base; moe-upcycle "
                    "writes only architectures transformers ships (mixtral, qwen2_moe, qwen3_moe, qwen3_5_moe_text, "
-                   "granitemoeshared, ernie4_5_moe, glm4_moe) → use architecture: mixtral (or leave architecture: "
+                   "granitemoeshared, glm4_moe, ernie4_5_moe) → use architecture: mixtral (or leave architecture: "
                    "out), which transformers loads natively"]
 
 
