@@ -290,7 +290,7 @@ MUTATIONS: list[Mutation] = [
              "mergekit's hidden rows of each MoE layer computed on the next MoE layer's inputs"),
     Mutation("gates-kmeans-seed-ignored", "moe_upcycle/gates/kmeans.py",
              "gen = torch.Generator().manual_seed(seed)", "gen = torch.Generator().manual_seed(0)",
-             ("tests/test_kmeans.py",),
+             ("tests/test_kmeans.py", "tests/test_mutation_survivors.py::test_the_kmeans_seed_chooses_the_clustering"),
              "spherical k-means ignores its seed"),
     # -- recipe: which layers, whole numbers
     Mutation("recipe-every-start", "moe_upcycle/recipe/layer_choice.py",

@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from moe_upcycle.build import prepare
 from moe_upcycle.distributed.agreement import build_facts, check_agreement
@@ -60,3 +61,19 @@ def test_plans_that_write_other_bytes_are_other_facts(stories, tmp_path):
     for new in changed:
         steps = (*plan.steps[:k], new, *plan.steps[k + 1:])
         assert plan_fact(dataclasses.replace(plan, steps=steps)) != first
+
+
+def test_the_kmeans_seed_chooses_the_clustering():
+    """mutation gates-kmeans-seed-ignored: on points with no cluster structure (60 gaussian points in 6 dims, 5
+    clusters) each seed's k-means++ starts end in another local optimum, so 8 seeds give more than one partition
+    (compared as sets of point sets, so a relabelling does not count); one seed always gives the same."""
+    from moe_upcycle.gates.kmeans import spherical_kmeans
+
+    points = torch.randn(60, 6, generator=torch.Generator().manual_seed(3))
+
+    def partition(seed: int) -> frozenset:
+        labels = spherical_kmeans(points, 5, seed=seed).assignment.tolist()
+        return frozenset(frozenset(i for i, c in enumerate(labels) if c == cluster) for cluster in set(labels))
+
+    assert partition(4) == partition(4)
+    assert len({partition(seed) for seed in range(8)}) > 1
