@@ -262,7 +262,8 @@ MUTATIONS: list[Mutation] = [
              "every parameter gathered twice by the export"),
     Mutation("fill-tied-gathered-twice", "moe_upcycle/distributed/local_fill.py",
              "firsts = list(dict.fromkeys(self.first_name(key) for key in keys))", "firsts = list(dict.fromkeys(keys))",
-             ("tests/test_fsdp.py::test_no_storage_is_gathered_twice_on_a_tied_qwen2",),
+             ("tests/test_fsdp.py::test_no_storage_is_gathered_twice_on_a_tied_qwen2",
+              "tests/test_mutation_survivors.py::test_a_tied_group_is_gathered_once_under_its_first_name"),
              "the fill gathers a tied head and its embedding each under its own name"),
     # -- gates
     Mutation("gates-center-inverted", "moe_upcycle/gates/router.py",

@@ -77,3 +77,28 @@ def test_the_kmeans_seed_chooses_the_clustering():
 
     assert partition(4) == partition(4)
     assert len({partition(seed) for seed in range(8)}) > 1
+
+
+def test_a_tied_group_is_gathered_once_under_its_first_name(monkeypatch):
+    """mutation fill-tied-gathered-twice: `ModelSource.gathered` asked for both names of one storage (a tied head
+    and its embedding, in either order) gathers it once, under the first name, and serves both names from it. The
+    fills of today's plans never ask for both names in one group (a tied head's step is skipped, a plain copy is
+    not gathered), so this holds the contract where a plan would."""
+    from moe_upcycle.distributed import local_fill
+
+    calls = []
+
+    def counted(value: torch.Tensor) -> torch.Tensor:
+        calls.append(value)
+        return value.detach()
+
+    monkeypatch.setattr(local_fill, "full_tensor", counted)
+    embed = torch.randn(5, 3)
+    source = local_fill.ModelSource(ref="dense", path=None, config={}, tensors={},
+                                    shared_groups=[["model.embed_tokens.weight", "lm_head.weight"]],
+                                    state={"model.embed_tokens.weight": embed, "lm_head.weight": embed,
+                                           "model.norm.weight": torch.ones(3)})
+    with source.gathered(["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]):
+        assert len(calls) == 2  # the tied storage once, the norm once
+        assert source.read("lm_head.weight") is source.read("model.embed_tokens.weight")
+    assert len(calls) == 2
