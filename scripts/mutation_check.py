@@ -6,10 +6,11 @@ then runs the tests that should catch it there. A mutation is *caught* when thos
 is a hole in the suite (or an equivalent mutation, which the table's `why` then says). A snippet that is no
 longer in the file is reported *stale*: the table needs updating, not the product.
 
-Not part of the suite (it runs the chosen tests once per mutation: 15–40 minutes on 2 cores).
+Not part of the suite (it runs the chosen tests once per mutation: 25–50 minutes on 2 cores for all of them).
 
     python scripts/mutation_check.py                 # every mutation, summary at the end
     python scripts/mutation_check.py --only gates     # mutations whose id contains "gates"
+    python scripts/mutation_check.py --only agree,grow  # ... "agree" or "grow"
     python scripts/mutation_check.py --check          # only check that every snippet is still there
     python scripts/mutation_check.py --json out.json  # the results as JSON too
 
@@ -35,12 +36,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="", help="run the mutations whose id contains this text")
+    parser.add_argument("--only", default="", help="run the mutations whose id contains this text "
+                        "(several, comma-separated: any of them)")
     parser.add_argument("--check", action="store_true", help="only check that every snippet is still in its file")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--timeout", type=int, default=900, help="seconds for one mutation's tests")
     args = parser.parse_args()
-    chosen = [m for m in MUTATIONS if args.only in m.id]
+    chosen = [m for m in MUTATIONS if any(part in m.id for part in args.only.split(","))]
     stale = [m for m in chosen if (REPO / m.file).read_text().count(m.old) != 1]
     for m in stale:
         print(f"STALE {m.id}: the snippet is not in {m.file} exactly once", flush=True)
@@ -76,7 +78,7 @@ def main() -> int:
     return 0 if caught == ran and not stale else 1
 
 
-def run_one(m: "Mutation", scratch: Path, timeout: int) -> dict:
+def run_one(m: Mutation, scratch: Path, timeout: int) -> dict:
     """Apply `m` in the scratch copy, run its tests there, restore the file."""
     path = scratch / m.file
     original = path.read_text()
@@ -85,7 +87,7 @@ def run_one(m: "Mutation", scratch: Path, timeout: int) -> dict:
     start = time.monotonic()
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
-                              cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
+                              check=False, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
         rc = done.returncode
         tail = done.stdout[-600:]
     except subprocess.TimeoutExpired:
@@ -212,6 +214,139 @@ MUTATIONS: list[Mutation] = [
              "conf.index_put_((idx, routing.sum(1).argmax(-1))", "conf.index_put_((idx, routing[:, 0].argmax(-1))",
              ("tests/test_route_eval.py", "tests/test_route.py"),
              "the overall confusion matrix counts layer 0 only, not the majority over layers"),
+    # -- ranks agree before they write (distributed.agreement)
+    Mutation("agree-seed-left-out", "moe_upcycle/distributed/agreement.py",
+             '("recipe", "seed", f"seed {config.seed}")]', ']',
+             ("tests/test_rank_agreement.py::test_the_first_difference_is_named_with_every_disagreeing_rank",),
+             "the seed is not among the facts ranks compare (two seeds build one mixed model)"),
+    Mutation("agree-plan-tensors-left-out", "moe_upcycle/distributed/agreement.py",
+             "(sha256 {_digest([steps, shard_names])[:12]})", "(sha256 {_digest([shard_names])[:12]})",
+             ("tests/test_rank_agreement.py::test_the_first_difference_is_named_with_every_disagreeing_rank",
+              "tests/test_mutation_survivors.py::test_plans_that_write_other_bytes_are_other_facts"),
+             "the plan's digest covers the shard layout only, not its tensors (shape, dtype, source, transforms)"),
+    Mutation("agree-third-rank-unchecked", "moe_upcycle/distributed/agreement.py",
+             'if len({r["digest"] for r in ranks}) == 1:', 'if len({r["digest"] for r in ranks[:2]}) == 1:',
+             ("tests/test_mutation_survivors.py::test_a_third_rank_that_differs_is_refused",),
+             "ranks after rank 1 are never compared"),
+    # -- one rank's failure is everyone's (distributed.rank_failures, failure_record)
+    Mutation("failures-only-rank0-said", "moe_upcycle/distributed/rank_failures.py",
+             "failed = next((s for s in said if s), None)", "failed = next((s for s in said[:1] if s), None)",
+             ("tests/test_rank_agreement.py::test_all_or_none_raises_a_ranks_failure_on_every_rank_without_pickles",),
+             "a failure on rank 1 is not raised on rank 0"),
+    Mutation("failures-gone-rank-unnamed", "moe_upcycle/distributed/failure_record.py",
+             'exc = RankError(f"{self.where} left the job without a word', 'exc = RankError(f"a rank left the job without a word',
+             ("tests/test_rank_agreement.py::test_a_rank_is_gone_when_its_process_ended_or_its_heartbeat_stood_still",),
+             "a dead rank is not named"),
+    # -- the name <-> parameter table (checkpoint.param_table)
+    Mutation("table-ties-by-name", "moe_upcycle/checkpoint/param_table.py",
+             "grouped.setdefault(id(param), []).append(name)\n        params[id(param)] = param",
+             "grouped.setdefault(name, []).append(name)\n        params[name] = param",
+             ("tests/test_param_table.py",),
+             "parameters grouped by name, not by object: a tied head becomes a second entry"),
+    Mutation("table-gate-up-swapped", "moe_upcycle/checkpoint/param_table.py",
+             "index = (e, slice(i * rows, (i + 1) * rows))",
+             "index = (e, slice((len(projs) - 1 - i) * rows, (len(projs) - i) * rows))",
+             ("tests/test_param_table.py",),
+             "a fused gate_up_proj's gate and up halves swapped"),
+    # -- the distributed export (distributed.dcp_export)
+    Mutation("export-float32", "moe_upcycle/distributed/dcp_export.py",
+             "[TensorSpec(t.key, t.shape, e.dtype) for e, t in table.to_hf()]",
+             "[TensorSpec(t.key, t.shape, torch.float32) for e, t in table.to_hf()]",
+             ("tests/test_fsdp.py::test_save_hf_folder_in_one_process_writes_the_build_and_replaces_only_its_own",
+              "tests/test_fsdp.py::test_save_hf_folder_writes_the_builds_dtypes_and_bytes"),
+             "the export's headers say float32 whatever the parameters' dtype"),
+    Mutation("export-gathered-twice", "moe_upcycle/distributed/dcp_export.py",
+             "whole = full_tensor(params[entry.name])  # every rank",
+             "whole = full_tensor(params[entry.name]) if full_tensor(params[entry.name]) is not None else None  # every rank",
+             ("tests/test_fsdp.py::test_no_storage_is_gathered_twice_on_a_tied_qwen2",),
+             "every parameter gathered twice by the export"),
+    Mutation("fill-tied-gathered-twice", "moe_upcycle/distributed/local_fill.py",
+             "firsts = list(dict.fromkeys(self.first_name(key) for key in keys))", "firsts = list(dict.fromkeys(keys))",
+             ("tests/test_fsdp.py::test_no_storage_is_gathered_twice_on_a_tied_qwen2",
+              "tests/test_mutation_survivors.py::test_a_tied_group_is_gathered_once_under_its_first_name"),
+             "the fill gathers a tied head and its embedding each under its own name"),
+    # -- gates
+    Mutation("gates-center-inverted", "moe_upcycle/gates/router.py",
+             "        if params.center:  # remove what", "        if not params.center:  # remove what",
+             ("tests/test_gates_basic.py",),
+             "cheap_embed's gate_center applied when off and skipped when on"),
+    Mutation("gates-negative-added", "moe_upcycle/gates/router.py",
+             "rows.append(row - negative if negative is not None else row)",
+             "rows.append(row + negative if negative is not None else row)",
+             ("tests/test_gates_basic.py",),
+             "cheap_embed's negative prompts added, not subtracted"),
+    Mutation("gates-masked-mean-count", "moe_upcycle/gates/capture.py",
+             '/ per_batch.get(batch, "count", token_counts)  # (B, H) fp32',
+             '/ (per_batch.get(batch, "count", token_counts) + 3)  # (B, H) fp32',
+             ("tests/test_hidden_gates.py", "tests/test_streamed_gates.py"),
+             "a prompt's masked mean of router inputs divided by its token count + 3"),
+    Mutation("gates-mergekit-last-is-first", "moe_upcycle/gates/mergekit_gates.py",
+             "h.sum(dim=1) / h.shape[1] if average else h[:, -1, :]", "h.sum(dim=1) / h.shape[1] if average else h[:, 0, :]",
+             ("tests/test_mergekit_parity.py",),
+             "mergekit's hidden rows read the first position (a pad under left padding), not the last"),
+    Mutation("gates-mergekit-wrong-layer", "moe_upcycle/gates/mergekit_gates.py",
+             "{layer: routers[i].contiguous() for i, layer in enumerate(moe_layers)}",
+             "{layer: routers[(i + 1) % len(moe_layers)].contiguous() for i, layer in enumerate(moe_layers)}",
+             ("tests/test_mergekit_parity.py",),
+             "mergekit's hidden rows of each MoE layer computed on the next MoE layer's inputs"),
+    Mutation("gates-hidden-center-axis", "moe_upcycle/gates/hidden_gates.py",
+             "direction = direction - direction.mean(dim=1, keepdim=True)",
+             "direction = direction - direction.mean(dim=2, keepdim=True)",
+             ("tests/test_hidden_gates.py", "tests/test_streamed_gates.py"),
+             "hidden gates' gate_center subtracts each row's mean over H, not the mean over experts"),
+    Mutation("gates-kmeans-seed-ignored", "moe_upcycle/gates/kmeans.py",
+             "gen = torch.Generator().manual_seed(seed)", "gen = torch.Generator().manual_seed(0)",
+             ("tests/test_kmeans.py", "tests/test_mutation_survivors.py::test_the_kmeans_seed_chooses_the_clustering"),
+             "spherical k-means ignores its seed"),
+    # -- recipe: which layers, whole numbers
+    Mutation("recipe-every-start", "moe_upcycle/recipe/layer_choice.py",
+             "return self.every - 1 if self.start is None else self.start",
+             "return self.every if self.start is None else self.start",
+             ("tests/test_resolved_once.py", "tests/test_moe_layers.py"),
+             "moe_layers: {every: k} starts at layer k, not k - 1"),
+    Mutation("recipe-layer-2.5-taken", "moe_upcycle/recipe/layer_choice.py",
+             "or (isinstance(x, float) and x.is_integer()) or", "or isinstance(x, float) or",
+             ("tests/test_whole_numbers.py",),
+             "moe_layers: [1, 2.5] read as [1, 2]"),
+    Mutation("resolved-inits-reversed", "moe_upcycle/recipe/resolved.py",
+             "inits=tuple(resolve.expert_inits(config))", "inits=tuple(reversed(resolve.expert_inits(config)))",
+             ("tests/test_inits.py::test_per_expert_override",),
+             "the resolved per-expert inits in reverse slot order"),
+    Mutation("resolved-cache-identity-unchecked", "moe_upcycle/recipe/resolved.py",
+             "if kept is not None and kept[0] is config:", "if kept is not None:",
+             ("tests/test_resolved_once.py",),
+             "a resolution is returned for any config that has the same id()",
+             why="the cache holds the config object beside its resolution, so while the entry exists no other "
+                 "object can have that id(); the identity check never fails, it guards against a future change "
+                 "that keeps only ids"),
+    # -- the plan
+    Mutation("plan-dense-layer-as-moe", "moe_upcycle/planning/plan.py",
+             "    if layer in draft.dense_layers:\n        _plan_dense_mlp", "    if False:\n        _plan_dense_mlp",
+             ("tests/test_moe_layers.py",),
+             "a layer left out of moe_layers is written as an MoE layer"),
+    Mutation("plan-missing-tensor-silent", "moe_upcycle/planning/plan.py",
+             '            self.problems.append(f"{label}: tensor {key!r} is missing', '            (f"{label}: tensor {key!r} is missing',
+             ("tests/test_bad_inputs.py", "tests/test_trust_sources.py"),
+             "a tensor missing from a source is not reported"),
+    # -- growing an MoE (planning.grow, gates.grow_rows)
+    Mutation("grow-rows-interleaved", "moe_upcycle/gates/grow_rows.py",
+             ".float().repeat(info.copies, 1)", ".float().repeat_interleave(info.copies, 0)",
+             ("tests/test_grow_moe.py::test_grown_x2_is_the_base_function",),
+             "grown router row j is base row j // m, not j mod E"),
+    Mutation("grow-top-k-default", "moe_upcycle/planning/grow.py",
+             "else copies * base.experts_per_token", "else base.experts_per_token",
+             ("tests/test_grow_moe.py::test_grown_x2_is_the_base_function",),
+             "a grown MoE's experts_per_token defaults to the base's k, not m × k"),
+    # -- memory estimate, manifest
+    Mutation("memory-lora-one-layer", "moe_upcycle/planning/memory.py",
+             "held = max(read, default=0) if gpu else max(pairs, default=0)", "held = max(read, default=0)",
+             ("tests/test_plan_memory.py", "tests/test_lora.py"),
+             "on the CPU one layer's merged LoRA tensors counted, not two consecutive layers'"),
+    Mutation("manifest-sha-wrong-bytes", "moe_upcycle/publish/manifest.py",
+             "hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()",
+             "hashes[name] = hashlib.sha256(path.read_bytes()[:-1]).hexdigest()",
+             ("tests/test_publish.py", "tests/test_verify.py"),
+             "a file's sha256 in moe_upcycle.json computed without its last byte"),
 ]
 
 
