@@ -210,9 +210,10 @@ MUTATIONS: list[Mutation] = [
              ("tests/test_build.py", "tests/test_architectures.py"),
              "config.json's top-k one less than the recipe's"),
     # -- route: accuracy counting
-    Mutation("route-overall-first-layer", "moe_upcycle/check/route_eval.py",
-             "conf.index_put_((idx, routing.sum(1).argmax(-1))", "conf.index_put_((idx, routing[:, 0].argmax(-1))",
-             ("tests/test_route_eval.py", "tests/test_route.py"),
+    Mutation("route-overall-first-layer", "moe_upcycle/gates/self_check.py",
+             "return counts.sum(dim=1).argmax(dim=-1)", "return counts[:, 0].argmax(dim=-1)",
+             ("tests/test_route_eval.py", "tests/test_self_check.py"),
+             "route --labeled and the self-check count layer 0 only, not the majority over layers"),
              "the overall confusion matrix counts layer 0 only, not the majority over layers"),
     # -- ranks agree before they write (distributed.agreement)
     Mutation("agree-seed-left-out", "moe_upcycle/distributed/agreement.py",
