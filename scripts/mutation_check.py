@@ -214,7 +214,6 @@ MUTATIONS: list[Mutation] = [
              "return counts.sum(dim=1).argmax(dim=-1)", "return counts[:, 0].argmax(dim=-1)",
              ("tests/test_route_eval.py", "tests/test_self_check.py"),
              "route --labeled and the self-check count layer 0 only, not the majority over layers"),
-             "the overall confusion matrix counts layer 0 only, not the majority over layers"),
     # -- ranks agree before they write (distributed.agreement)
     Mutation("agree-seed-left-out", "moe_upcycle/distributed/agreement.py",
              '("recipe", "seed", f"seed {config.seed}")]', ']',
