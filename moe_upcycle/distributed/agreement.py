@@ -129,7 +129,8 @@ def _source_summary(source: Checkpoint) -> str:
     if adapter is not None:
         adapter_file = Path(adapter.path) / adapter.file
         sizes[str(adapter_file)] = os.stat(adapter_file).st_size if adapter_file.exists() else -1
-    config = json.dumps(dict(source.config), sort_keys=True, default=str)
+    # the JSON as read, whole (not through the typed view: it is compared, not used)
+    config = json.dumps(getattr(source.config, "raw", source.config), sort_keys=True, default=str)
     files = f"{len(sizes)} file{'s' if len(sizes) != 1 else ''}"
     return (f"{len(headers)} tensors in {files} of {sum(sizes.values())} bytes "
             f"(headers and config sha256 {_digest([headers, config, sizes])[:12]})")
