@@ -181,7 +181,7 @@ MUTATIONS: list[Mutation] = [
              "router rows 7x their scale"),
     Mutation("gates-default-scale", "moe_upcycle/gates/router.py",
              "return 16.0 / math.sqrt(hidden_size)", "return 8.0 / math.sqrt(hidden_size)",
-             ("tests/test_gates_basic.py", "tests/test_hidden_gates.py", "tests/test_streamed_gates.py"),
+             ("tests/test_mutation_survivors.py::test_cheap_embed_rows_have_the_documented_length", "tests/test_gates_basic.py", "tests/test_hidden_gates.py", "tests/test_streamed_gates.py"),
              "the measured default router scale halved"),
     # -- recipe checks
     Mutation("recipe-topk-bound", "moe_upcycle/recipe/schema.py",

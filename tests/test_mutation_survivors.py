@@ -102,3 +102,31 @@ def test_a_tied_group_is_gathered_once_under_its_first_name(monkeypatch):
         assert len(calls) == 2  # the tied storage once, the norm once
         assert source.read("lm_head.weight") is source.read("model.embed_tokens.weight")
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("gate_scale", [None, 3.0])
+def test_cheap_embed_rows_have_the_documented_length(tiny_llama, tmp_path, gate_scale):
+    """mutation gates-default-scale: docs/gates.md gives a prompt row the length 16 / sqrt(hidden_size) when
+    gate_scale is not set (a cosine gap of 0.25 is then a logit gap of about 4), else gate_scale. Read from the
+    written router, every row of every layer."""
+    from safetensors import safe_open
+
+    from moe_upcycle import upcycle
+
+    experts = [{"source_model": str(tiny_llama), "positive_prompts": [p]}
+               for p in ("def add(a, b): return a + b", "Once upon a time there was a dragon.")]
+    recipe = {"base_model": str(tiny_llama), "experts": experts, "gate_mode": "cheap_embed", "experts_per_token": 1,
+              **({"gate_scale": gate_scale} if gate_scale else {})}
+    out = upcycle(recipe, tmp_path / "moe").output
+    hidden = json.loads((tiny_llama / "config.json").read_text())["hidden_size"]
+    want = gate_scale or 16.0 / hidden ** 0.5
+    index = out / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    routers = []
+    for name in files:
+        with safe_open(str(out / name), "pt") as f:
+            routers += [f.get_tensor(k) for k in f.keys() if k.endswith("block_sparse_moe.gate.weight")]
+    assert len(routers) == 2
+    for rows in routers:
+        torch.testing.assert_close(rows.float().norm(dim=1), torch.full((2,), want), rtol=1e-6, atol=0)
