@@ -7,24 +7,22 @@ tensors stacked by hand, the classes GraniteMoeSharedForCausalLM builds.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 
 from moe_upcycle import upcycle
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from moe_upcycle.errors import PlanError
+from tf4_logits import TF4_PYTHON, NO_TF4, folder_logits, folder_tensors, tf4_load
 from tolerances import assert_close_rel
 
 # Granite-3-like multipliers, far from 1 so that a dropped one moves the logits by a lot
 MULTIPLIERS = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                    logits_scaling=8.0)
 IDS = torch.tensor([[1, 17, 42, 250, 9, 77, 123, 5, 61, 200, 33, 8]])
-TF4_PYTHON = Path(__file__).resolve().parents[1] / ".venv-tf4" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +37,11 @@ def built(dense, tmp_path_factory) -> Path:
                    tmp_path_factory.mktemp("granite") / "moe").output
 
 
-def _logits(folder: Path, dtype=torch.float32) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    with torch.inference_mode():
-        return model(IDS).logits.float()
+_tensors = folder_tensors
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+def _logits(folder: Path, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return folder_logits(folder, IDS, dtype)
 
 
 def test_config_keeps_the_multipliers(built):
@@ -132,18 +123,8 @@ def test_runtime_table(dense, tmp_path):
         "ExLlamaV2": "will not load"}
 
 
-@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
 def test_transformers4_loads_it_exactly(built, dense):
-    code = ("import sys, json, torch, transformers\n"
-            "m, info = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32, "
-            "output_loading_info=True)\n"
-            "with torch.inference_mode():\n"
-            "    out = m(torch.tensor(json.loads(sys.argv[2]))).logits[0].tolist()\n"
-            "print(json.dumps({'class': type(m).__name__, 'problems': {k: list(v) for k, v in info.items() if v}, "
-            "'logits': out}))")
-    run = subprocess.run([str(TF4_PYTHON), "-c", code, str(built), json.dumps(IDS.tolist())], capture_output=True,
-                         text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = tf4_load(built, IDS.tolist())
     assert out["class"] == "GraniteMoeSharedForCausalLM" and not out["problems"]
     assert_close_rel(torch.tensor(out["logits"]), _logits(dense)[0])

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 
 from moe_upcycle import upcycle
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from moe_upcycle.errors import PlanError
+from tf4_logits import TF4_PYTHON, NO_TF4, folder_logits, folder_tensors
 from tolerances import assert_close_rel
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -39,18 +39,11 @@ def dense(tmp_path_factory) -> Path:
                             random_norms_and_biases=True, **DIMS)
 
 
-def _logits(folder: Path, dtype=torch.float32) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    with torch.inference_mode():
-        return model(IDS).logits.float()
+_tensors = folder_tensors
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+def _logits(folder: Path, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return folder_logits(folder, IDS, dtype)
 
 
 def _build(dense: Path, out: Path, verify: bool = False, **recipe):
@@ -200,10 +193,9 @@ def test_runtime_table(dense, tmp_path):
                                         "convert with --no-mtp")
 
 
-TF4_PYTHON = Path(__file__).resolve().parents[1] / ".venv-tf4" / "bin" / "python"
 
 
-@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason="needs .venv-tf4 (transformers 4.57), which .ci/run creates")
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
 def test_transformers4_has_no_qwen3_5_moe_class(built):
     """The runtime table's "will not load" for 4.57, measured: its AutoConfig does not know the model_type."""
     import subprocess

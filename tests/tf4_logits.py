@@ -46,3 +46,43 @@ def tf5_logits(folder: Path, ids: list[int]) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0]
+
+
+LOAD_SCRIPT = """
+import sys, json, torch, transformers
+m, info = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32,
+                                                            output_loading_info=True)
+with torch.inference_mode():
+    out = m(torch.tensor(json.loads(sys.argv[2]))).logits[0].tolist()
+print(json.dumps({"class": type(m).__name__, "problems": {k: list(v) for k, v in info.items() if v}, "logits": out}))
+"""
+
+
+def tf4_load(folder: Path, ids: list[list[int]]) -> dict:
+    """A 4.57 process loads `folder` in fp32 and runs the (1, T) `ids`: its class, the loading problems
+    (missing / unexpected / mismatched keys) and the logits of the first row."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([str(TF4_PYTHON), "-c", LOAD_SCRIPT, str(folder), json.dumps(ids)], capture_output=True,
+                         text=True, timeout=300, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def folder_logits(folder: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The folder's logits for the (B, T) `ids` in this process's transformers, loaded in `dtype`, as fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    with torch.inference_mode():
+        return model(ids).logits.float()
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file in `folder`, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
