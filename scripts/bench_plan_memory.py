@@ -7,7 +7,7 @@ For each case (a dense model, a recipe) it runs, each as its own process:
 2. ``python -m moe_upcycle -q build CONFIG OUT --no-lint``: the real build (the prompt lint's
    embedder, ``lint_bytes`` of the prediction, is left out of the comparison, except in the case
    marked "with lint", built without ``--no-lint``);
-3. the gate computation alone (`gates.router.compute_gates` after the same imports as the CLI).
+3. the gate computation alone (`gates.router.compute_gate_rows` after the same imports as the CLI).
 
 Each child is sampled every 5 ms from ``/proc/<pid>/status``: RssAnon (private memory), RssFile and
 VmHWM, the kernel's high-water mark of RSS (``wait4``'s ru_maxrss is not used: Linux carries it
@@ -60,10 +60,10 @@ import moe_upcycle.cli.commands  # the CLI's imports, so the runtime is the buil
 from moe_upcycle.terminal.allocator import return_large_frees
 return_large_frees()  # as the CLI does
 from moe_upcycle.build import prepare
-from moe_upcycle.gates.router import compute_gates
+from moe_upcycle.gates.router import compute_gate_rows
 from moe_upcycle.recipe.resolve import gate_params
 config, sources, plan = prepare(sys.argv[1])
-compute_gates(gate_params(config), plan, sources[config.base_model])
+compute_gate_rows(gate_params(config), plan, sources[config.base_model]).routers
 """
 
 

@@ -8,7 +8,7 @@ What it does:
    layer (values: a seeded random block tiled, so writing takes seconds).
 2. Measures, each as its own process sampled every 5 ms from ``/proc/<pid>/status`` (RssAnon, RssFile):
    - ``runtime``: the CLI's imports, the recipe planned (``build.prepare``), no gates — the baseline;
-   - ``gates fp32``: the same, then `gates.router.compute_gates` with ``gate_mode: hidden`` on the CPU (fp32, the
+   - ``gates fp32``: the same, then `gates.router.compute_gate_rows` with ``gate_mode: hidden`` on the CPU (fp32, the
      default: each bf16 layer is cast to fp32, 3.4 GB);
    - ``gates bf16``: the same with ``gate_dtype: bfloat16`` (a layer stored in the compute dtype runs on the mapped
      file: no private copy of it).
@@ -58,12 +58,12 @@ import moe_upcycle.cli.commands  # the CLI's imports, so the runtime is the buil
 from moe_upcycle.terminal.allocator import return_large_frees
 return_large_frees()  # as the CLI does
 from moe_upcycle.build import prepare
-from moe_upcycle.gates.router import compute_gates
+from moe_upcycle.gates.router import compute_gate_rows
 from moe_upcycle.recipe.resolve import gate_params
 config, sources, plan = prepare(sys.argv[1])
 if sys.argv[2] == "gates":
     start = time.perf_counter()
-    gates = compute_gates(gate_params(config), plan, sources[config.base_model])
+    gates = compute_gate_rows(gate_params(config), plan, sources[config.base_model]).routers
     print(json.dumps({"seconds": time.perf_counter() - start, "layers": len(gates),
                       "finite": all(bool(g.isfinite().all()) for g in gates.values())}))
 """

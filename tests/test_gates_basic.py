@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from moe_upcycle.build import prepare
-from moe_upcycle.gates.router import compute_gates
+from moe_upcycle.gates.router import compute_gate_rows
 from moe_upcycle.recipe.resolve import gate_params
 
 
 def _gates(base, **cfg):
     config, sources, plan = prepare({"base_model": str(base), **cfg})
-    return compute_gates(gate_params(config), plan, sources[config.base_model])
+    return compute_gate_rows(gate_params(config), plan, sources[config.base_model]).routers
 
 
 def test_random_gates_std_and_seed(tiny_llama):

@@ -23,7 +23,7 @@ from moe_upcycle import upcycle
 from moe_upcycle.build import prepare
 from moe_upcycle.checkpoint.tiny import make_dense_model
 from moe_upcycle.errors import ConfigError, PlanError
-from moe_upcycle.gates.router import compute_gates
+from moe_upcycle.gates.router import compute_gate_rows
 from moe_upcycle.planning.arch import sparse_layer_fields
 from moe_upcycle.planning.runtimes import EXACT, NO_LOAD, compatibility
 from moe_upcycle.recipe.resolve import gate_params
@@ -205,7 +205,7 @@ def test_every_gate_mode_gives_routers_for_the_moe_layers_only_and_the_same_rows
     rows = {}
     for name, layers in (("interleaved", {"moe_layers": [1, 3]}), ("every layer", {})):
         config, sources, plan = prepare({**common, **layers})
-        rows[name] = compute_gates(gate_params(config), plan, sources[config.base_model])
+        rows[name] = compute_gate_rows(gate_params(config), plan, sources[config.base_model]).routers
     assert sorted(rows["interleaved"]) == [1, 3] and sorted(rows["every layer"]) == [0, 1, 2, 3]
     for layer in (1, 3):
         assert torch.equal(rows["interleaved"][layer], rows["every layer"][layer])

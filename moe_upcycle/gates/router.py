@@ -38,7 +38,7 @@ from moe_upcycle.inputs.text import check_token_ids
 if TYPE_CHECKING:
     from moe_upcycle.gates.self_check import SelfCheck
 
-__all__ = ["PROMPT_MODES", "GateRows", "compute_gate_rows", "compute_gates", "cheap_embed_rows",
+__all__ = ["PROMPT_MODES", "GateRows", "compute_gate_rows", "cheap_embed_rows",
            "default_gate_scale", "normalise_rows", "check_prompts"]
 
 
@@ -91,22 +91,6 @@ def compute_gate_rows(params: GateParams, plan: Plan, base: Checkpoint,
         return GateRows(routers, _shared_embedding_gates(params, plan, base))
     routers, checked = _native_routers(params, plan, base, device)
     return GateRows(routers, _shared_embedding_gates(params, plan, base) if wants_shared else {}, checked)
-
-
-def compute_gates(params: GateParams, plan: Plan, base: Checkpoint,
-                  device: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
-    """The routers of `compute_gate_rows` alone: MoE layer -> (num_experts, hidden) fp32 (no shared-expert gate is
-    computed).
-
-    Raises:
-        ConfigError: prompts missing for a prompt-based mode, or a mode not available.
-    """
-    check_prompts(params)
-    if params.source == "mergekit":
-        from moe_upcycle.gates.mergekit_gates import compute_mergekit_gates
-
-        return compute_mergekit_gates(params, plan, base)[0]
-    return _native_routers(params, plan, base, device)[0]
 
 
 def _native_routers(params: GateParams, plan: Plan, base: Checkpoint, device: Optional[torch.device]
