@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -19,6 +18,7 @@ from moe_upcycle.build import upcycle
 from moe_upcycle.checkpoint.tiny import make_dense_model, make_finetune
 from moe_upcycle.cli import app
 from moe_upcycle.errors import PlanError
+from tf4_logits import TF4_PYTHON, NO_TF4, folder_tensors
 
 IDS = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(0))  # tokens of the tiny vocab
 MIX = dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2)
@@ -51,12 +51,7 @@ def logits(folder: Path) -> torch.Tensor:
         return model.eval()(IDS).logits
 
 
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+tensors = folder_tensors  # every tensor of a folder, by name
 
 
 def assert_same_function(base: Path, grown: Path) -> None:
@@ -286,7 +281,7 @@ def test_dense_layers_kept_and_plan_from_config_alone(tmp_path, write_yaml):
     assert_same_function(base, out.output)
 
 
-@pytest.mark.skipif(not __import__("tf4_logits").TF4_PYTHON.is_file(), reason=__import__("tf4_logits").NO_TF4)
+@pytest.mark.skipif(not TF4_PYTHON.is_file(), reason=NO_TF4)
 def test_grown_models_run_the_bases_function_in_transformers_4(tmp_path, write_yaml, hub_mixtral, hub_qwen3):
     """transformers 4.57 reads Qwen3-MoE's num_experts, which transformers 5 saves as num_local_experts only: the
     grown config.json spells both, and 4.57 computes the (transformers 5) base's logits."""
